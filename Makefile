@@ -1,0 +1,70 @@
+# train_fp8: LLaMA-2 pretraining in FP8 with plain CUDA C++.
+#   make                    build train_fp8 and test_fp8 (PRECISION=FP8, Hopper)
+#   make PRECISION=BF16     the BF16 baseline build (same program, BF16 GEMMs, FP32 moments)
+#   make GPU_ARCH=sm_89     another GPU (FP8 GEMMs need sm_89 or newer)
+#   make test               build and run the numerics test
+#   make bench              GEMM and cast-kernel throughput tables (needs a GPU)
+#   make data               prepare the default corpus (King James Bible, bytes) under data/
+#   make train              build, prepare data, train the default preset
+#   make clean
+PRECISION ?= FP8
+GPU_ARCH  ?= sm_90a
+NVCC      ?= nvcc
+
+ifeq ($(filter $(PRECISION),FP8 BF16),)
+$(error PRECISION must be FP8 or BF16, not '$(PRECISION)')
+endif
+
+# ---- find the CUDA toolkit, cuBLASLt and NCCL; say clearly what is missing
+NVCC_PATH := $(shell command -v $(NVCC) 2>/dev/null)
+ifeq ($(NVCC_PATH),)
+$(error nvcc not found on PATH. Install the CUDA toolkit (12.x or 13.x, https://developer.nvidia.com/cuda-downloads) and add its bin/ to PATH, or run make NVCC=/path/to/nvcc)
+endif
+CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(realpath $(NVCC_PATH))))
+first_file = $(firstword $(wildcard $(1)))
+CUBLASLT_LIB := $(call first_file,$(CUDA_HOME)/lib64/libcublasLt.so $(CUDA_HOME)/lib/libcublasLt.so $(CUDA_HOME)/targets/x86_64-linux/lib/libcublasLt.so /usr/lib/x86_64-linux-gnu/libcublasLt.so)
+ifeq ($(CUBLASLT_LIB),)
+$(error libcublasLt.so not found under $(CUDA_HOME). It ships with the CUDA toolkit (package libcublas-dev / cuda-libraries-dev); set CUDA_HOME to the toolkit's folder)
+endif
+NCCL_HOME ?=
+NCCL_H   := $(call first_file,$(if $(NCCL_HOME),$(NCCL_HOME)/include/nccl.h) /usr/include/nccl.h /usr/local/include/nccl.h $(CUDA_HOME)/include/nccl.h)
+NCCL_LIB := $(call first_file,$(if $(NCCL_HOME),$(NCCL_HOME)/lib/libnccl.so) /usr/lib/x86_64-linux-gnu/libnccl.so $(CUDA_HOME)/lib/libnccl.so $(CUDA_HOME)/lib64/libnccl.so /usr/local/lib/libnccl.so)
+ifeq ($(NCCL_H)$(NCCL_LIB),)
+$(error NCCL not found (nccl.h and libnccl.so). Install libnccl-dev (apt-get install libnccl2 libnccl-dev) or set NCCL_HOME to a folder with include/nccl.h and lib/libnccl.so)
+endif
+ifeq ($(NCCL_H),)
+$(error nccl.h not found (libnccl.so is at $(NCCL_LIB)). Install libnccl-dev or set NCCL_HOME)
+endif
+ifeq ($(NCCL_LIB),)
+$(error libnccl.so not found (nccl.h is at $(NCCL_H)). Install libnccl-dev or set NCCL_HOME)
+endif
+
+ARCH_NUM := $(patsubst sm_%,%,$(GPU_ARCH))
+NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
+	-gencode arch=compute_$(ARCH_NUM),code=$(GPU_ARCH) \
+	-Xcompiler -Wall,-Wextra,-Wno-unused-parameter -Werror all-warnings \
+	-DPRECISION_$(PRECISION) -I$(dir $(NCCL_H))
+LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
+
+HEADERS := fp8_kernels.cuh llama2.cuh adamw_fp8.cuh dataloader.h
+# A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
+STAMP := .build-settings
+$(shell echo "$(PRECISION) $(GPU_ARCH)" | cmp -s - $(STAMP) || echo "$(PRECISION) $(GPU_ARCH)" > $(STAMP))
+
+all: train_fp8 test_fp8
+
+train_fp8: train_fp8.cu $(HEADERS) $(STAMP) Makefile
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
+
+test_fp8: test_fp8.cu $(HEADERS) $(STAMP) Makefile
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
+
+test: test_fp8
+	./test_fp8
+
+bench: test_fp8
+	./test_fp8 --bench
+
+.PHONY: all test bench clean
+clean:
+	rm -f train_fp8 test_fp8 $(STAMP)
