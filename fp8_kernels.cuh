@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
+#include <cfloat>
 #include <map>
 #include <tuple>
 #include <string>
@@ -120,7 +121,7 @@ inline float fp8_decode_ref(uint8_t code, Fp8Format f) {
 // step is a power of two, so x / step is exact in float and rintf (ties-to-even) does the rounding.
 inline uint8_t fp8_encode_ref(float x, Fp8Format f) {
     Fp8Bits b = fp8_bits(f);
-    if (std::isnan(x)) return b.nan_code | (std::signbit(x) ? 0x80 : 0);
+    if (std::isnan(x)) return b.nan_code;   // canonical NaN 0x7F, whatever the sign (as the hardware cvt)
     uint8_t sign = std::signbit(x) ? 0x80 : 0;
     float a = fabsf(x);
     if (a >= fp8_max(f)) return sign | b.max_code;                       // saturate (inf too)
@@ -187,6 +188,7 @@ struct Fp8Meta {
     float amax;               // amax of the last tensor seen (written by fp8_amax / the casts)
     unsigned int nonfinite;   // how many times a non-finite amax kept the old scale
     unsigned int uses;        // scale updates so far (delayed scaling counts these)
+    unsigned int amax_pending;   // bits of the amax being gathered by a kernel (atomicMax on |x| bits)
     float history[FP8_MAX_HISTORY];   // ring buffer of amaxes (delayed scaling)
 };
 struct Fp8Recipe {
@@ -218,6 +220,257 @@ __host__ __device__ inline void fp8_meta_update(Fp8Meta* m, float amax, Fp8Forma
     for (int i = 0; i < n; i++) hist_max = fmaxf(hist_max, m->history[i]);
     m->scale = fp8_scale_from_amax(hist_max, fp8_max(f), r.margin, m->scale);
     m->inv_scale = 1.0f / m->scale;
+}
+
+// ----------------------------------------------------------------------------------------------
+// 5. FP8 kernels: amax, quantize, cast+transpose, dequantize.
+// Each thread moves 16 elements: one 16-byte FP8 store, and 16 * sizeof(T) bytes of input in 16-byte
+// loads. Tails (n not a multiple of 16, tiles at the edges) take a scalar path.
+// The amax is gathered with atomicMax on the bits of |x|: for non-negative floats the unsigned order of
+// the bits is the numeric order, and NaN (0x7fc00000 and up) sorts above inf, so a NaN anywhere makes
+// the amax NaN. Integer max is exact and order-free: the result is deterministic.
+
+constexpr int CAST_THREADS = 256;
+constexpr int CAST_VEC = 16;    // elements per thread per step
+
+__device__ inline unsigned int abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// Warp then block max of unsigned bits, one atomicMax per block.
+__device__ inline void block_atomic_max(unsigned int* target, unsigned int v) {
+    __shared__ unsigned int warp_max[32];
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x / 32) ? warp_max[lane] : 0u;
+        for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0 && v != 0u) atomicMax(target, v);
+    }
+}
+
+// Load 16 consecutive elements as floats: 16-byte loads (2 for bf16, 4 for float).
+template <class T>
+__device__ inline void load16_as_float(float* out, const T* p) {
+    constexpr int per = Packed128<T>::size;
+#pragma unroll
+    for (int j = 0; j < CAST_VEC / per; j++) {
+        Packed128<T> v = load128(p + j * per);
+#pragma unroll
+        for (int k = 0; k < per; k++) out[j * per + k] = to_float(v.v[k]);
+    }
+}
+
+template <class T>
+__global__ void amax_kernel(unsigned int* amax_bits, const T* x, size_t n) {
+    unsigned int m = 0;
+    size_t n16 = n / CAST_VEC;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        float v[CAST_VEC];
+        load16_as_float(v, x + i * CAST_VEC);
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) m = max(m, abs_bits(v[k]));
+    }
+    size_t tail = n16 * CAST_VEC + blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (tail < n) m = max(m, abs_bits(to_float(x[tail])));
+    block_atomic_max(amax_bits, m);
+}
+
+// The scale update between the amax and the cast (current scaling) or after the cast (delayed).
+__global__ void fp8_update_scale_kernel(Fp8Meta* meta, Fp8Format f, Fp8Recipe r) {
+    fp8_meta_update(meta, __uint_as_float(meta->amax_pending), f, r);
+}
+
+// out = fp8(x * scale); with amax_bits, also gathers amax(x) (delayed scaling).
+template <Fp8Format F, class T>
+__global__ void quantize_kernel(fp8* out, const T* x, size_t n, const Fp8Meta* meta, unsigned int* amax_bits) {
+    const float scale = meta->scale;
+    unsigned int m = 0;
+    size_t n16 = n / CAST_VEC;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        float v[CAST_VEC];
+        load16_as_float(v, x + i * CAST_VEC);
+        Packed128<uint16_t> packed;
+#pragma unroll
+        for (int k = 0; k < CAST_VEC / 2; k++) {
+            packed.v[k] = fp8x2_encode<F>(v[2 * k] * scale, v[2 * k + 1] * scale);
+            m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
+        }
+        store128(reinterpret_cast<uint16_t*>(out + i * CAST_VEC), packed);
+    }
+    size_t tail = n16 * CAST_VEC + blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (tail < n) {
+        float v = to_float(x[tail]);
+        out[tail] = fp8_encode<F>(v * scale);
+        m = max(m, abs_bits(v));
+    }
+    if (amax_bits) block_atomic_max(amax_bits, m);
+}
+
+// Cast + transpose of a row-major [rows, cols] tensor: out = fp8(x * scale) [rows, cols] and
+// out_t = its transpose [cols, rows], through a 64 x 64 tile in shared memory. A thread converts 16
+// consecutive elements of a row (one 16-byte store to out), then gathers 16 consecutive rows of one
+// column from the tile (one 16-byte store to out_t).
+constexpr int CT_TILE = 64;
+template <Fp8Format F, class T>
+__global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(fp8* out, fp8* out_t, const T* x, int rows, int cols,
+                                                                      const Fp8Meta* meta, unsigned int* amax_bits) {
+    // Row pitch 68 bytes (17 words): the column gathers of one warp (4 row groups, 16 rows apart) then
+    // fall in 2 banks' worth of words instead of 1 (a pitch of 64 or 80 puts all 4 in one bank).
+    __shared__ uint32_t tile_words[CT_TILE * (CT_TILE + 4) / 4];
+    fp8 (*tile)[CT_TILE + 4] = reinterpret_cast<fp8 (*)[CT_TILE + 4]>(tile_words);
+    const float scale = meta->scale;
+    const int r0 = blockIdx.y * CT_TILE, c0 = blockIdx.x * CT_TILE;
+    const bool vec_rows = (cols % CAST_VEC) == 0, vec_cols = (rows % CAST_VEC) == 0;
+    unsigned int m = 0;
+    {   // phase 1: rows
+        int r = threadIdx.x / (CT_TILE / CAST_VEC), c = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
+        int gr = r0 + r, gc = c0 + c;
+        alignas(16) fp8 q[CAST_VEC];
+        if (gr < rows && vec_rows && gc + CAST_VEC <= cols) {
+            float v[CAST_VEC];
+            load16_as_float(v, x + (size_t)gr * cols + gc);
+#pragma unroll
+            for (int k = 0; k < CAST_VEC / 2; k++) {
+                uint16_t pair = fp8x2_encode<F>(v[2 * k] * scale, v[2 * k + 1] * scale);
+                q[2 * k] = pair & 0xff;
+                q[2 * k + 1] = pair >> 8;
+                m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
+            }
+            *reinterpret_cast<uint4*>(out + (size_t)gr * cols + gc) = *reinterpret_cast<uint4*>(q);
+        } else {
+            for (int k = 0; k < CAST_VEC; k++) {
+                q[k] = 0;
+                if (gr < rows && gc + k < cols) {
+                    float v = to_float(x[(size_t)gr * cols + gc + k]);
+                    q[k] = fp8_encode<F>(v * scale);
+                    out[(size_t)gr * cols + gc + k] = q[k];
+                    m = max(m, abs_bits(v));
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < CAST_VEC / 4; k++)
+            reinterpret_cast<uint32_t*>(&tile[r][c])[k] = reinterpret_cast<const uint32_t*>(q)[k];
+    }
+    __syncthreads();
+    {   // phase 2: columns
+        int c = threadIdx.x / (CT_TILE / CAST_VEC), r = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
+        int gc = c0 + c, gr = r0 + r;
+        alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) q[k] = tile[r + k][c];
+        if (gc < cols) {
+            if (vec_cols && gr + CAST_VEC <= rows) {
+                *reinterpret_cast<uint4*>(out_t + (size_t)gc * rows + gr) = *reinterpret_cast<uint4*>(q);
+            } else {
+                for (int k = 0; k < CAST_VEC && gr + k < rows; k++) out_t[(size_t)gc * rows + gr + k] = q[k];
+            }
+        }
+    }
+    if (amax_bits) block_atomic_max(amax_bits, m);
+}
+
+// out = decode(code) * inv_scale
+template <Fp8Format F, class T>
+__global__ void dequantize_kernel(T* out, const fp8* x, size_t n, const Fp8Meta* meta) {
+    const float inv_scale = meta->inv_scale;
+    size_t n16 = n / CAST_VEC;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        Packed128<fp8> codes = load128(x + i * CAST_VEC);
+        constexpr int per = Packed128<T>::size;
+#pragma unroll
+        for (int j = 0; j < CAST_VEC / per; j++) {
+            Packed128<T> v;
+#pragma unroll
+            for (int k = 0; k < per; k++) v.v[k] = (T)(fp8_decode<F>(codes.v[j * per + k]) * inv_scale);
+            store128(out + i * CAST_VEC + j * per, v);
+        }
+    }
+    size_t tail = n16 * CAST_VEC + blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (tail < n) out[tail] = (T)(fp8_decode<F>(x[tail]) * inv_scale);
+}
+
+// ---- launchers
+// Grid for the element-wise kernels: enough blocks to fill the GPU several times; the loops stride.
+inline int cast_grid(size_t n) {
+    int dev, sms;
+    cudaCheck(cudaGetDevice(&dev));
+    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    long max_blocks = sms * 8L;
+    long needed = ceil_div((long)(n / CAST_VEC) + 1, CAST_THREADS);
+    return (int)std::max(1L, std::min(max_blocks, needed));
+}
+inline void check_cast_pointers(const char* what, const void* a, const void* b, const void* c = nullptr) {
+    if (!is_aligned16(a) || !is_aligned16(b) || (c && !is_aligned16(c)))
+        fail("%s: tensors must be 16-byte aligned (got %p, %p, %p): allocate with cudaMalloc and keep offsets multiples of 16 bytes",
+             what, a, b, c);
+}
+
+// amax(|x|) into meta->amax_pending (as float bits).
+template <class T>
+void fp8_amax(Fp8Meta* meta, const T* x, size_t n, cudaStream_t stream) {
+    check_cast_pointers("fp8_amax", x, x);
+    cudaCheck(cudaMemsetAsync(&meta->amax_pending, 0, sizeof(unsigned int), stream));
+    if (n == 0) return;
+    amax_kernel<<<cast_grid(n), CAST_THREADS, 0, stream>>>(&meta->amax_pending, x, n);
+    cudaCheckLaunch();
+}
+inline void fp8_update_scale(Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r, cudaStream_t stream) {
+    fp8_update_scale_kernel<<<1, 1, 0, stream>>>(meta, f, r);
+    cudaCheckLaunch();
+}
+
+// x -> FP8 with the recipe's scaling. Current: amax, scale, cast. Delayed: cast with the scale the
+// history gives while gathering amax, then record it.
+template <class T>
+void fp8_quantize(fp8* out, const T* x, size_t n, Fp8Format f, Fp8Meta* meta, const Fp8Recipe& r, cudaStream_t stream) {
+    check_cast_pointers("fp8_quantize", out, x);
+    unsigned int* amax_bits = nullptr;
+    if (r.delayed()) {
+        cudaCheck(cudaMemsetAsync(&meta->amax_pending, 0, sizeof(unsigned int), stream));
+        amax_bits = &meta->amax_pending;
+    } else {
+        fp8_amax(meta, x, n, stream);
+        fp8_update_scale(meta, f, r, stream);
+    }
+    if (n > 0) {
+        if (f == E4M3) quantize_kernel<E4M3><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, amax_bits);
+        else           quantize_kernel<E5M2><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, amax_bits);
+        cudaCheckLaunch();
+    }
+    if (r.delayed()) fp8_update_scale(meta, f, r, stream);
+}
+
+// x [rows, cols] -> out [rows, cols] and out_t [cols, rows] in FP8, scaled as fp8_quantize.
+template <class T>
+void fp8_cast_transpose(fp8* out, fp8* out_t, const T* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
+                        const Fp8Recipe& r, cudaStream_t stream) {
+    check_cast_pointers("fp8_cast_transpose", out, out_t, x);
+    unsigned int* amax_bits = nullptr;
+    if (r.delayed()) {
+        cudaCheck(cudaMemsetAsync(&meta->amax_pending, 0, sizeof(unsigned int), stream));
+        amax_bits = &meta->amax_pending;
+    } else {
+        fp8_amax(meta, x, (size_t)rows * cols, stream);
+        fp8_update_scale(meta, f, r, stream);
+    }
+    if (rows > 0 && cols > 0) {
+        dim3 grid(ceil_div(cols, CT_TILE), ceil_div(rows, CT_TILE));
+        if (f == E4M3) cast_transpose_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(out, out_t, x, rows, cols, meta, amax_bits);
+        else           cast_transpose_kernel<E5M2><<<grid, CAST_THREADS, 0, stream>>>(out, out_t, x, rows, cols, meta, amax_bits);
+        cudaCheckLaunch();
+    }
+    if (r.delayed()) fp8_update_scale(meta, f, r, stream);
+}
+
+template <class T>
+void fp8_dequantize(T* out, const fp8* x, size_t n, Fp8Format f, const Fp8Meta* meta, cudaStream_t stream) {
+    check_cast_pointers("fp8_dequantize", out, x);
+    if (n == 0) return;
+    if (f == E4M3) dequantize_kernel<E4M3><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta);
+    else           dequantize_kernel<E5M2><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta);
+    cudaCheckLaunch();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -292,29 +545,37 @@ inline int pointer_alignment(const void* p) {
     return align;
 }
 
-inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, MatmulOperand B,
-                   int M, int N, int K, bool accumulate, bool fast_accum, cudaStream_t stream) {
+// The rules of a legal call: "" if legal, else a message naming the shape, the types and the rule.
+inline std::string matmul_check(const void* D, DType d_type, const MatmulOperand& A, const MatmulOperand& B,
+                                int M, int N, int K, bool fast_accum) {
     bool fp8 = dtype_is_fp8(A.type) || dtype_is_fp8(B.type);
     char what[160];
     snprintf(what, sizeof(what), "matmul M=%d N=%d K=%d, A %s%s x B %s%s -> D %s", M, N, K, dtype_name(A.type),
              A.transposed ? "(transposed)" : "", dtype_name(B.type), B.transposed ? "(transposed)" : "", dtype_name(d_type));
-    // ---- the rules, each a clear error
-    if (M <= 0 || N <= 0 || K <= 0) fail("%s: dimensions must be positive", what);
-    if (d_type != DT_BF16 && d_type != DT_FP32) fail("%s: D must be BF16 or FP32", what);
+    std::string w = what;
+    if (M <= 0 || N <= 0 || K <= 0) return w + ": dimensions must be positive";
+    if (d_type != DT_BF16 && d_type != DT_FP32) return w + ": D must be BF16 or FP32";
     if (fp8) {
-        if (!dtype_is_fp8(A.type) || !dtype_is_fp8(B.type)) fail("%s: FP8 needs both operands FP8 (cast the other one)", what);
-        if (A.type == DT_E5M2 && B.type == DT_E5M2) fail("%s: E5M2 x E5M2 is not supported by FP8 tensor cores; make one operand E4M3", what);
-        if (A.transposed || B.transposed) fail("%s: FP8 GEMMs take only K-contiguous operands (the TN form); pass a transposed copy from cast_transpose", what);
-        if (M % 16 || N % 16 || K % 16) fail("%s: FP8 GEMM dimensions must be multiples of 16", what);
-        if (!A.inv_scale || !B.inv_scale) fail("%s: FP8 operands need their inv_scale pointers", what);
+        if (!dtype_is_fp8(A.type) || !dtype_is_fp8(B.type)) return w + ": FP8 needs both operands in FP8 (cast the other one)";
+        if (A.type == DT_E5M2 && B.type == DT_E5M2) return w + ": E5M2 x E5M2 is not supported by FP8 tensor cores; make one operand E4M3";
+        if (A.transposed || B.transposed) return w + ": FP8 GEMMs take only K-contiguous operands (the TN form); pass the transposed copy that fp8_cast_transpose writes";
+        if (M % 16 || N % 16 || K % 16) return w + ": FP8 GEMM dimensions must be multiples of 16";
+        if (!A.inv_scale || !B.inv_scale) return w + ": FP8 operands need their inv_scale pointers";
     } else {
-        if (A.type != DT_BF16 || B.type != DT_BF16) fail("%s: non-FP8 operands must both be BF16", what);
-        if (M % 8 || N % 8 || K % 8) fail("%s: BF16 GEMM dimensions must be multiples of 8 (16-byte rows)", what);
-        if (fast_accum) fail("%s: fast accumulation is an FP8 option", what);
+        if (A.type != DT_BF16 || B.type != DT_BF16) return w + ": non-FP8 operands must both be BF16";
+        if (M % 8 || N % 8 || K % 8) return w + ": BF16 GEMM dimensions must be multiples of 8 (16-byte rows)";
+        if (fast_accum) return w + ": fast accumulation is an FP8-only option";
     }
     if (!is_aligned16(A.ptr) || !is_aligned16(B.ptr) || !is_aligned16(D))
-        fail("%s: A, B and D must be 16-byte aligned (got %p, %p, %p)", what, A.ptr, B.ptr, D);
+        return w + ": A, B and D must be 16-byte aligned (allocate with cudaMalloc, keep offsets multiples of 16 bytes)";
+    return "";
+}
 
+inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, MatmulOperand B,
+                   int M, int N, int K, bool accumulate, bool fast_accum, cudaStream_t stream) {
+    std::string err = matmul_check(D, d_type, A, B, M, N, K, fast_accum);
+    if (!err.empty()) fail("%s", err.c_str());
+    bool fp8 = dtype_is_fp8(A.type);
     int align_a = pointer_alignment(A.ptr), align_b = pointer_alignment(B.ptr), align_d = pointer_alignment(D);
     MatmulKey key(M, N, K, A.type | (A.transposed << 4), B.type | (B.transposed << 4), d_type, accumulate, fast_accum,
                   align_a, align_b, align_d);
@@ -355,7 +616,8 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
                                                    plan.d_layout, pref, 1, &result, &found));
         ctx->heuristic_queries++;
         cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
-        if (found == 0) fail("%s: cuBLASLt has no algorithm for this configuration (run with CUBLASLT_LOG_LEVEL=5 to see why)", what);
+        if (found == 0) fail("matmul M=%d N=%d K=%d, A %s x B %s -> D %s: cuBLASLt has no algorithm for this configuration (run with CUBLASLT_LOG_LEVEL=5 to see why)",
+                              M, N, K, dtype_name(A.type), dtype_name(B.type), dtype_name(d_type));
         plan.algo = result.algo;
         it = ctx->plans.emplace(key, plan).first;
     }
