@@ -46,7 +46,7 @@ NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
 	-DPRECISION_$(PRECISION) -I$(dir $(NCCL_H))
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := fp8_kernels.cuh llama2.cuh adamw_fp8.cuh dataloader.h
+HEADERS := fp8_kernels.cuh llama2.cuh adamw_fp8.cuh dataloader.h $(wildcard attention.cuh part_*.inc)
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
 STAMP := .build-settings
 $(shell echo "$(PRECISION) $(GPU_ARCH)" | cmp -s - $(STAMP) || echo "$(PRECISION) $(GPU_ARCH)" > $(STAMP))
@@ -56,15 +56,23 @@ all: train_fp8 test_fp8
 train_fp8: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
 
-test_fp8: test_fp8.cu $(HEADERS) $(STAMP) Makefile
+test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
 
 test: test_fp8
 	./test_fp8
 
+data: train_fp8
+	./data.sh
+
+# The default run: the default preset on the King James Bible (TRAIN_FLAGS adds or overrides flags).
+TRAIN_FLAGS ?=
+train: train_fp8 data
+	./train_fp8 --out out/default $(TRAIN_FLAGS)
+
 bench: test_fp8
 	./test_fp8 --bench
 
-.PHONY: all test bench clean
+.PHONY: all test bench data train clean
 clean:
 	rm -f train_fp8 test_fp8 $(STAMP)

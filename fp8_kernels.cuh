@@ -182,9 +182,10 @@ __host__ __device__ inline float fp8_scale_from_amax(float amax, float fmax, int
 // the amax history gave, record this tensor's amax, and every `interval` uses recompute the scale from
 // the max over the last `history_len` amaxes.
 constexpr int FP8_MAX_HISTORY = 1024;
-struct Fp8Meta {
-    float scale;              // x_fp8 = saturate(x * scale)
+// inv_scale comes first and the struct is 16-byte aligned: cuBLASLt refuses scale pointers that are not.
+struct alignas(16) Fp8Meta {
     float inv_scale;          // 1/scale: the dequantizing factor the GEMM takes
+    float scale;              // x_fp8 = saturate(x * scale)
     float amax;               // amax of the last tensor seen (written by fp8_amax / the casts)
     unsigned int nonfinite;   // how many times a non-finite amax kept the old scale
     unsigned int uses;        // scale updates so far (delayed scaling counts these)
@@ -561,6 +562,8 @@ inline std::string matmul_check(const void* D, DType d_type, const MatmulOperand
         if (A.transposed || B.transposed) return w + ": FP8 GEMMs take only K-contiguous operands (the TN form); pass the transposed copy that fp8_cast_transpose writes";
         if (M % 16 || N % 16 || K % 16) return w + ": FP8 GEMM dimensions must be multiples of 16";
         if (!A.inv_scale || !B.inv_scale) return w + ": FP8 operands need their inv_scale pointers";
+        if (!is_aligned16(A.inv_scale) || !is_aligned16(B.inv_scale))
+            return w + ": inv_scale pointers must be 16-byte aligned (cuBLASLt refuses others; pass &Fp8Meta::inv_scale)";
     } else {
         if (A.type != DT_BF16 || B.type != DT_BF16) return w + ": non-FP8 operands must both be BF16";
         if (M % 8 || N % 8 || K % 8) return w + ": BF16 GEMM dimensions must be multiples of 8 (16-byte rows)";
@@ -591,9 +594,11 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
         cublasOperation_t op_second = A.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's "B" is our A
         cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
         cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-        if (fp8) {
+        if (fp8) {   // scale pointers are set before the heuristic query: they select scaling kernels
             int8_t fast = fast_accum ? 1 : 0;
             cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+            cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.inv_scale, sizeof(B.inv_scale)));
+            cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &A.inv_scale, sizeof(A.inv_scale)));
         }
         if (B.transposed) cublasCheck(cublasLtMatrixLayoutCreate(&plan.a_layout, dtype_cuda(B.type), N, K, N));
         else              cublasCheck(cublasLtMatrixLayoutCreate(&plan.a_layout, dtype_cuda(B.type), K, N, K));
