@@ -1,0 +1,955 @@
+// llama2.cuh: the LLaMA-2 model on one GPU.
+//   1. config       ModelConfig, the presets (tiny, d12, 110m, 1b, 7b) and their validation
+//   2. parameters   the flat layout of CONTRACTS.md, a reproducible init, FLOPs per token
+//   3. layers       embedding, RMSNorm (fused with the residual add), RoPE, SwiGLU, cross-entropy fused with
+//                   lm_head: each a forward/backward pair of kernels with plain launchers (attention.cuh has
+//                   the attention)
+//   4. the state    Model: weights, gradients and activations, one allocation each
+//   5. the linear   linear_forward / linear_backward: every decoder projection, and where FP8 plugs in
+//   6. the model    create/destroy, forward, backward, loss, logits
+// One token through the forward pass:
+//   x = tok_embedding[token]
+//   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))
+//                x = h + w_down(swiglu(w_gate_up(rmsnorm(h))))
+//   loss = cross_entropy(lm_head(rmsnorm(x)), target)
+// Activations and activation gradients are BF16, statistics FP32, parameter gradients FP32.
+#pragma once
+#include "fp8_kernels.cuh"
+#include "attention.cuh"
+#include "dataloader.h"   // strprintf, splitmix64
+
+// ----------------------------------------------------------------------------------------------
+// 1. Config
+
+struct ModelConfig {
+    int vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq_len;
+    float norm_eps, rope_theta;
+};
+
+// LLaMA's FFN width: SwiGLU has three matrices instead of two, so the hidden width is 2/3 of 4*dim (the
+// same parameter count), rounded up to a multiple of 256.
+inline int llama_ffn_dim(int dim) {
+    const int multiple_of = 256;
+    return multiple_of * ceil_div(2 * (4 * dim) / 3, multiple_of);
+}
+
+// "" if the config can run, else what is wrong and what to do.
+inline std::string model_config_problem(const ModelConfig& c) {
+    if (c.vocab_size < 16 || c.vocab_size % 16 != 0)
+        return strprintf("vocab_size %d must be a positive multiple of 16 (the GEMM rule): pad the vocabulary "
+                         "(model_config_preset does)", c.vocab_size);
+    if (c.dim < 16 || c.dim % 16 != 0) return strprintf("dim %d must be a positive multiple of 16 (the GEMM rule)", c.dim);
+    if (c.n_layers < 1) return strprintf("n_layers %d must be at least 1", c.n_layers);
+    if (c.n_heads < 1 || c.n_kv_heads < 1 || c.n_heads % c.n_kv_heads != 0)
+        return strprintf("n_heads %d must be a positive multiple of n_kv_heads %d (each KV head serves "
+                         "n_heads / n_kv_heads query heads)", c.n_heads, c.n_kv_heads);
+    if (c.head_dim != 64 && c.head_dim != 128)
+        return strprintf("head_dim %d is not supported: the attention kernels handle 64 or 128; choose n_heads = "
+                         "dim / 64 or dim / 128", c.head_dim);
+    if (c.head_dim * c.n_heads != c.dim)
+        return strprintf("head_dim %d x n_heads %d must equal dim %d", c.head_dim, c.n_heads, c.dim);
+    if (c.ffn_dim < 16 || c.ffn_dim % 16 != 0)
+        return strprintf("ffn_dim %d must be a positive multiple of 16 (the GEMM rule)", c.ffn_dim);
+    if (c.max_seq_len < 1) return strprintf("max_seq_len %d must be at least 1", c.max_seq_len);
+    if (!(c.norm_eps > 0.0f)) return strprintf("norm_eps %g must be positive", c.norm_eps);
+    if (!(c.rope_theta > 0.0f)) return strprintf("rope_theta %g must be positive", c.rope_theta);
+    return "";
+}
+inline void model_config_validate(const ModelConfig& c) {
+    std::string problem = model_config_problem(c);
+    if (!problem.empty()) fail("model config: %s", problem.c_str());
+}
+
+// The vocabulary comes from the data; it is padded up to a multiple of 16 (the GEMM rule). Padded ids never
+// occur as inputs or targets: their logits only learn to be small.
+inline ModelConfig model_config_preset(const char* name, int vocab_size) {
+    struct Preset { const char* name; int dim, n_layers, n_heads, n_kv_heads, ffn_dim, max_seq_len; };
+    static const Preset presets[] = {   // ffn_dim 0: LLaMA's rule
+        {"tiny", 128, 2, 2, 1, 0, 256},           // the tests: head_dim 64, two query heads per KV head
+        {"d12", 768, 12, 12, 12, 0, 1024},        // GPT-2 small's shape
+        {"110m", 768, 12, 12, 12, 0, 1024},       // llama2.c's stories110M
+        {"1b", 2048, 22, 32, 4, 5632, 2048},      // TinyLlama-1.1B
+        {"7b", 4096, 32, 32, 32, 11008, 4096},    // LLaMA-2 7B
+    };
+    if (vocab_size < 1) fail("model_config_preset: vocab_size %d must be positive (it comes from the data)", vocab_size);
+    for (const Preset& p : presets) {
+        if (strcmp(p.name, name) != 0) continue;
+        ModelConfig c;
+        c.vocab_size = 16 * ceil_div(vocab_size, 16);
+        c.dim = p.dim;
+        c.n_layers = p.n_layers;
+        c.n_heads = p.n_heads;
+        c.n_kv_heads = p.n_kv_heads;
+        c.head_dim = p.dim / p.n_heads;
+        c.ffn_dim = p.ffn_dim ? p.ffn_dim : llama_ffn_dim(p.dim);
+        c.max_seq_len = p.max_seq_len;
+        c.norm_eps = 1e-5f;
+        c.rope_theta = 10000.0f;
+        model_config_validate(c);
+        return c;
+    }
+    fail("unknown model preset '%s': choose tiny, d12, 110m, 1b or 7b", name);
+}
+
+inline int model_qkv_dim(const ModelConfig& c) { return (c.n_heads + 2 * c.n_kv_heads) * c.head_dim; }
+
+// ----------------------------------------------------------------------------------------------
+// 2. Parameters: one flat allocation in the order of CONTRACTS.md, walked through the table of TensorSpec.
+//   tok_embedding [V,D]; per layer attn_norm [D], wqkv [QKV,D], wo [D,D], ffn_norm [D], w_gate_up [2F,D],
+//   w_down [D,F]; final_norm [D]; lm_head [V,D]. Index in the table: 0, then 1 + 6l + LayerParam, then 1 + 6L, 2 + 6L.
+
+enum LayerParam { ATTN_NORM = 0, WQKV, WO, FFN_NORM, W_GATE_UP, W_DOWN, PARAMS_PER_LAYER };
+constexpr int PARAM_TOK_EMBEDDING = 0;
+inline int param_layer(int l, LayerParam p) { return 1 + l * PARAMS_PER_LAYER + p; }
+inline int param_final_norm(const ModelConfig& c) { return 1 + c.n_layers * PARAMS_PER_LAYER; }
+inline int param_lm_head(const ModelConfig& c) { return 2 + c.n_layers * PARAMS_PER_LAYER; }
+
+inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c) {
+    model_config_validate(c);
+    const int D = c.dim, V = c.vocab_size, F = c.ffn_dim;
+    std::vector<TensorSpec> specs;
+    size_t offset = 0;
+    auto add = [&](const std::string& name, int rows, int cols) {
+        specs.push_back({name, offset, (size_t)rows * cols, rows, cols});
+        offset += (size_t)rows * cols;
+    };
+    add("tok_embedding", V, D);
+    for (int l = 0; l < c.n_layers; l++) {
+        std::string p = "layers." + std::to_string(l) + ".";
+        add(p + "attn_norm", D, 1);
+        add(p + "wqkv", model_qkv_dim(c), D);
+        add(p + "wo", D, c.n_heads * c.head_dim);
+        add(p + "ffn_norm", D, 1);
+        add(p + "w_gate_up", 2 * F, D);
+        add(p + "w_down", D, F);
+    }
+    add("final_norm", D, 1);
+    add("lm_head", V, D);
+    return specs;
+}
+inline size_t model_num_params(const ModelConfig& c) {
+    std::vector<TensorSpec> specs = model_param_specs(c);
+    return specs.back().offset + specs.back().numel;
+}
+
+// Model FLOPs per trained token (forward + backward), the PaLM convention (also llm.c's):
+//   6 * (parameters of the matmuls: all but the embedding table; the norm weights are negligible)
+//   + 12 * L * D * T for attention: Q K^T and P V are 2 * T * D multiply-adds each per token and layer
+//     forward (4 T D), twice that backward; counted over all T keys, as if there were no causal mask.
+inline double model_flops_per_token(const ModelConfig& c, int T) {
+    double matmul_params = (double)model_num_params(c) - (double)c.vocab_size * c.dim;
+    return 6.0 * matmul_params + 12.0 * c.n_layers * (double)c.dim * T;
+}
+
+// The init's normal numbers, simple enough to re-implement anywhere: splitmix64 (dataloader.h) gives 64
+// random bits; u = (top 53 bits + 0.5) / 2^53 is uniform in (0, 1) and never 0; Box-Muller turns two
+// uniforms into two independent standard normals r cos(2 pi u2), r sin(2 pi u2) with r = sqrt(-2 ln u1),
+// returned in that order. Tensor i of the parameter table draws from its own stream, whose state starts at
+// seed + i * 2^32: a tensor's values do not depend on the tensors before it.
+struct InitRng {
+    uint64_t state;
+    bool has_spare = false;
+    double spare = 0.0;
+    explicit InitRng(uint64_t s) : state(s) {}
+    double uniform() { return ((double)(splitmix64(&state) >> 11) + 0.5) * 0x1.0p-53; }
+    double normal() {
+        if (has_spare) {
+            has_spare = false;
+            return spare;
+        }
+        const double two_pi = 6.283185307179586;
+        double u1 = uniform(), u2 = uniform();
+        double r = sqrt(-2.0 * log(u1));
+        spare = r * sin(two_pi * u2);
+        has_spare = true;
+        return r * cos(two_pi * u2);
+    }
+};
+
+// Host FP32 weights: normal(0, 0.02); wo and w_down (the projections into the residual stream) scaled by
+// 1/sqrt(2L) more, so the residual stream's variance does not grow with depth; norm weights 1.
+inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed) {
+    std::vector<TensorSpec> specs = model_param_specs(c);
+    std::vector<float> w(specs.back().offset + specs.back().numel);
+    const double residual_scale = 1.0 / sqrt(2.0 * c.n_layers);
+    for (size_t i = 0; i < specs.size(); i++) {
+        const TensorSpec& s = specs[i];
+        float* out = w.data() + s.offset;
+        if (s.cols == 1) {   // the norm weights are the only 1-D tensors
+            std::fill(out, out + s.numel, 1.0f);
+            continue;
+        }
+        bool in_layer = i >= 1 && (int)i < param_final_norm(c);
+        int kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
+        double stddev = 0.02 * (kind == WO || kind == W_DOWN ? residual_scale : 1.0);
+        InitRng rng(seed + ((uint64_t)i << 32));
+        for (size_t j = 0; j < s.numel; j++) out[j] = (float)(rng.normal() * stddev);
+    }
+    return w;
+}
+
+// ----------------------------------------------------------------------------------------------
+// 3. Layers. Rows are moved 16 bytes (8 BF16) at a time, so the launchers need the row length (the columns)
+// to be a multiple of 8 and the tensors 16-byte aligned; every index is computed in size_t.
+
+constexpr int BF16_PER_16B = Packed128<bf16>::size;   // 8
+
+inline void check_rows(const char* who, int cols, std::initializer_list<const void*> ptrs) {
+    if (cols < 1 || cols % BF16_PER_16B != 0)
+        fail("%s: rows of %d elements; they must be a positive multiple of %d (16-byte loads)", who, cols, BF16_PER_16B);
+    for (const void* p : ptrs)
+        if (p && !is_aligned16(p)) fail("%s: tensors must be 16-byte aligned (got %p)", who, p);
+}
+inline int grid_for(size_t threads, int block) { return ceil_div((long)threads, block); }
+
+// ---- Embedding: out[n,:] = tok_embedding[token[n],:]. A token id outside [0, V) gives a NaN row (and a
+// NaN loss), never a read out of bounds.
+// Backward: d_tok_embedding[v,:] += the sum of dout[n,:] over the n with token[n] == v, in increasing n,
+// without atomics. A block owns EMB_BWD_ROWS vocabulary rows x EMB_BWD_THREADS*8 columns, with FP32
+// accumulators in shared memory (each column owned by one thread). It reads every token id, a tile at a time:
+// the positions of its own tokens are listed in increasing order (warp ballots), then their rows of dout are
+// added, EMB_BWD_INFLIGHT loads in flight at a time. The result is the same on every run.
+// Cost: every block reads all N ids (V/8 x D/1024 blocks); a token that is a large share of the batch is
+// summed by one thread per 8 columns, one row after another.
+constexpr int EMB_THREADS = 256;
+constexpr int EMB_BWD_ROWS = 8;
+constexpr int EMB_BWD_THREADS = 128;   // x 8 columns: 1024 columns per block; accumulators 32 KiB
+constexpr int EMB_BWD_INFLIGHT = 8;
+
+__global__ void embedding_forward_kernel(bf16* out, const bf16* emb, const int* tokens, int N, int V, int D) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    int chunks = D / BF16_PER_16B;
+    if (i >= (size_t)N * chunks) return;
+    size_t n = i / chunks;
+    int c = (int)(i % chunks) * BF16_PER_16B;
+    int token = tokens[n];
+    Packed128<bf16> v;
+    if (token >= 0 && token < V) {
+        v = load128(emb + (size_t)token * D + c);
+    } else {
+        for (int k = 0; k < BF16_PER_16B; k++) v.v[k] = __float2bfloat16(NAN);
+    }
+    store128(out + n * D + c, v);
+}
+
+__global__ void __launch_bounds__(EMB_BWD_THREADS) embedding_backward_kernel(float* demb, const bf16* dout,
+                                                                             const int* tokens, int N, int V, int D) {
+    __shared__ float acc[EMB_BWD_ROWS][BF16_PER_16B][EMB_BWD_THREADS];   // [row][k][thread]: no bank conflicts
+    __shared__ int match_pos[EMB_BWD_THREADS], match_row[EMB_BWD_THREADS];
+    __shared__ int warp_hits[EMB_BWD_THREADS / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int v0 = blockIdx.x * EMB_BWD_ROWS;
+    const int c = (blockIdx.y * EMB_BWD_THREADS + threadIdx.x) * BF16_PER_16B;
+    const bool active = c < D;
+    for (int r = 0; r < EMB_BWD_ROWS; r++)
+        for (int k = 0; k < BF16_PER_16B; k++) acc[r][k][threadIdx.x] = 0.0f;
+    unsigned int touched = 0;   // bit r: vocabulary row v0 + r occurs
+    for (int t0 = 0; t0 < N; t0 += EMB_BWD_THREADS) {
+        // 1. the positions of this tile whose token is one of the block's rows, in increasing order
+        const int t = t0 + threadIdx.x;
+        const int r = t < N ? tokens[t] - v0 : -1;
+        const bool hit = r >= 0 && r < EMB_BWD_ROWS;
+        const unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        __syncthreads();   // the previous tile's list has been used by all
+        if (lane == 0) warp_hits[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, hits = 0;
+        for (int w = 0; w < EMB_BWD_THREADS / 32; w++) {
+            before += w < warp ? warp_hits[w] : 0;
+            hits += warp_hits[w];
+        }
+        if (hit) {
+            int i = before + __popc(ballot & ((1u << lane) - 1u));
+            match_pos[i] = t;
+            match_row[i] = r;
+        }
+        __syncthreads();
+        // 2. their rows of dout, added in that order
+        for (int i0 = 0; i0 < hits; i0 += EMB_BWD_INFLIGHT) {
+            Packed128<bf16> g[EMB_BWD_INFLIGHT] = {};
+#pragma unroll
+            for (int u = 0; u < EMB_BWD_INFLIGHT; u++)
+                if (active && i0 + u < hits) g[u] = load128(dout + (size_t)match_pos[i0 + u] * D + c);
+#pragma unroll
+            for (int u = 0; u < EMB_BWD_INFLIGHT; u++) {
+                if (i0 + u >= hits) break;
+                const int row = match_row[i0 + u];
+                touched |= 1u << row;
+                for (int k = 0; k < BF16_PER_16B; k++) acc[row][k][threadIdx.x] += to_float(g[u].v[k]);
+            }
+        }
+    }
+    if (!active) return;
+    for (int r = 0; r < EMB_BWD_ROWS; r++) {
+        if (!((touched >> r) & 1u) || v0 + r >= V) continue;
+        float* row = demb + (size_t)(v0 + r) * D + c;
+        for (int k = 0; k < BF16_PER_16B; k++) row[k] += acc[r][k][threadIdx.x];
+    }
+}
+
+inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int N, int V, int D, cudaStream_t s) {
+    check_rows("embedding_forward", D, {out, emb});
+    size_t threads = (size_t)N * (D / BF16_PER_16B);
+    embedding_forward_kernel<<<grid_for(threads, EMB_THREADS), EMB_THREADS, 0, s>>>(out, emb, tokens, N, V, D);
+    cudaCheckLaunch();
+}
+// demb [V,D] FP32 accumulates.
+inline void embedding_backward(float* demb, const bf16* dout, const int* tokens, int N, int V, int D, cudaStream_t s) {
+    check_rows("embedding_backward", D, {demb, dout});
+    dim3 grid(ceil_div(V, EMB_BWD_ROWS), ceil_div(D, EMB_BWD_THREADS * BF16_PER_16B));
+    embedding_backward_kernel<<<grid, EMB_BWD_THREADS, 0, s>>>(demb, dout, tokens, N, V, D);
+    cudaCheckLaunch();
+}
+
+// ---- RMSNorm fused with the residual add that precedes it:
+//   resid_out = resid + branch (rounded to BF16: that is the residual stream the next layer sees)
+//   y = resid_out * rstd * w,  rstd = 1 / sqrt(mean(resid_out^2) + eps)   (kept for the backward)
+// Without a branch (the first layer), y = rmsnorm(resid) and resid_out is not written.
+// Forward: one warp per row. Backward, with r = rstd and g = dy * w (CONTRACTS.md, part_ref_model.inc):
+//   dx_j = r g_j - (r^3 / D) x_j sum_i(g_i x_i)   added into dresid, the gradient of resid_out (which is
+//          also the gradient of resid and of branch: an add passes its gradient to both inputs)
+//   dw_j += sum_n dy_nj x_nj r_n                 without atomics: each block of RMSNORM_BWD_ROWS rows writes
+//          one row of partial sums, then one thread per column adds the partial rows up in order.
+constexpr int RMSNORM_THREADS = 256;
+constexpr int RMSNORM_BWD_ROWS = 32;
+
+__global__ void rmsnorm_forward_kernel(bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch,
+                                       const bf16* w, int N, int D, float eps) {
+    const int lane = threadIdx.x % 32;
+    const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (n >= N) return;
+    const size_t row = (size_t)n * D;
+    const bf16* x = resid + row;
+    float sumsq = 0.0f;
+    if (branch) {
+        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+            Packed128<bf16> a = load128(resid + row + c), b = load128(branch + row + c), sum;
+            for (int k = 0; k < BF16_PER_16B; k++) {
+                sum.v[k] = __float2bfloat16(to_float(a.v[k]) + to_float(b.v[k]));
+                float v = to_float(sum.v[k]);
+                sumsq += v * v;
+            }
+            store128(resid_out + row + c, sum);
+        }
+        x = resid_out + row;   // this lane reads back only what it wrote
+    } else {
+        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+            Packed128<bf16> a = load128(x + c);
+            for (int k = 0; k < BF16_PER_16B; k++) sumsq += to_float(a.v[k]) * to_float(a.v[k]);
+        }
+    }
+    sumsq = attention_warp_sum(sumsq);
+    const float r = 1.0f / sqrtf(sumsq / D + eps);
+    if (lane == 0) rstd[n] = r;
+    for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+        Packed128<bf16> a = load128(x + c), wv = load128(w + c), out;
+        for (int k = 0; k < BF16_PER_16B; k++) out.v[k] = __float2bfloat16(to_float(a.v[k]) * r * to_float(wv.v[k]));
+        store128(y + row + c, out);
+    }
+}
+
+__global__ void rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const bf16* dy, const bf16* x,
+                                        const float* rstd, const bf16* w, int N, int D) {
+    __shared__ float dots[RMSNORM_BWD_ROWS];   // sum_i dy_i w_i x_i of each row
+    const int row0 = blockIdx.x * RMSNORM_BWD_ROWS, rows = min(RMSNORM_BWD_ROWS, N - row0);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int r = warp; r < rows; r += warps) {
+        const size_t row = (size_t)(row0 + r) * D;
+        float s = 0.0f;
+        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+            Packed128<bf16> g = load128(dy + row + c), xv = load128(x + row + c), wv = load128(w + c);
+            for (int k = 0; k < BF16_PER_16B; k++) s += to_float(g.v[k]) * to_float(wv.v[k]) * to_float(xv.v[k]);
+        }
+        s = attention_warp_sum(s);
+        if (lane == 0) dots[r] = s;
+    }
+    __syncthreads();
+    // Each thread owns 8 columns, walks the block's rows in order and keeps its dw sums in registers.
+    for (int c = threadIdx.x * BF16_PER_16B; c < D; c += blockDim.x * BF16_PER_16B) {
+        Packed128<bf16> wv = load128(w + c);
+        float dw[BF16_PER_16B] = {};
+        for (int r = 0; r < rows; r++) {
+            const size_t o = (size_t)(row0 + r) * D + c;
+            const float rs = rstd[row0 + r], coef = rs * rs * rs * dots[r] / D;
+            Packed128<bf16> g = load128(dy + o), xv = load128(x + o), dr = load128(dresid + o), out;
+            for (int k = 0; k < BF16_PER_16B; k++) {
+                float gk = to_float(g.v[k]), xk = to_float(xv.v[k]);
+                float dx = rs * gk * to_float(wv.v[k]) - coef * xk;
+                out.v[k] = __float2bfloat16(to_float(dr.v[k]) + dx);
+                dw[k] += gk * xk * rs;
+            }
+            store128(dresid + o, out);
+        }
+        float* p = dw_partial + (size_t)blockIdx.x * D + c;
+        for (int k = 0; k < BF16_PER_16B; k++) p[k] = dw[k];
+    }
+}
+
+__global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int blocks, int D) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= D) return;
+    float s = 0.0f;
+    for (int b = 0; b < blocks; b++) s += dw_partial[(size_t)b * D + j];
+    dw[j] += s;
+}
+
+// resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add).
+inline void rmsnorm_forward(bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch, const bf16* w,
+                            int N, int D, float eps, cudaStream_t s) {
+    check_rows("rmsnorm_forward", D, {resid_out, y, resid, branch, w});
+    if ((resid_out == nullptr) != (branch == nullptr))
+        fail("rmsnorm_forward: resid_out and branch go together (the fused residual add), got %p and %p", resid_out, branch);
+    const int rows_per_block = RMSNORM_THREADS / 32;
+    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_THREADS, 0, s>>>(resid_out, y, rstd, resid, branch, w, N, D, eps);
+    cudaCheckLaunch();
+}
+// Floats of scratch that rmsnorm_backward needs: one partial dw row per block of rows.
+inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * D; }
+// dresid += dx (BF16, in place); dw += dw of these rows (FP32). x is the forward's input (resid_out when fused).
+inline void rmsnorm_backward(bf16* dresid, float* dw, float* scratch, const bf16* dy, const bf16* x, const float* rstd,
+                             const bf16* w, int N, int D, cudaStream_t s) {
+    check_rows("rmsnorm_backward", D, {dresid, dw, scratch, dy, x, w});
+    int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
+    rmsnorm_backward_kernel<<<blocks, RMSNORM_THREADS, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
+    cudaCheckLaunch();
+    rmsnorm_dw_reduce_kernel<<<ceil_div(D, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, D);
+    cudaCheckLaunch();
+}
+
+// ---- RoPE, in place on the Q and K column blocks of qkv [N, (NH+2NKV)*HD] (Q heads then K heads are the
+// first NH+NKV heads of a row). Adjacent pairs (2i, 2i+1) of each head rotate by the angle t * theta^(-2i/HD),
+// t = n % T the position in the sequence:  (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos).
+// The backward applies the inverse rotation (angle -t * theta^(-2i/HD)) to dq and dk: a rotation's
+// transpose is its inverse. The cos/sin tables [T, HD/2] are computed once in float64 on the host.
+constexpr int ROPE_THREADS = 256;
+
+inline void rope_tables(std::vector<float>* cos_t, std::vector<float>* sin_t, int T, int HD, double theta) {
+    cos_t->resize((size_t)T * HD / 2);
+    sin_t->resize((size_t)T * HD / 2);
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < HD / 2; i++) {
+            double angle = t * pow(theta, -2.0 * i / HD);
+            (*cos_t)[(size_t)t * HD / 2 + i] = (float)cos(angle);
+            (*sin_t)[(size_t)t * HD / 2 + i] = (float)sin(angle);
+        }
+    }
+}
+
+// sign +1: forward rotation; -1: the inverse (backward). One thread rotates 4 pairs (16 bytes).
+__global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, int N, int T, int rot_heads,
+                            int qkv_cols, int HD, float sign) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const int chunks = HD / BF16_PER_16B;
+    if (i >= (size_t)N * rot_heads * chunks) return;
+    const int chunk = (int)(i % chunks), head = (int)((i / chunks) % rot_heads);
+    const size_t n = i / ((size_t)chunks * rot_heads);
+    const int t = (int)(n % T);
+    bf16* p = qkv + n * qkv_cols + (size_t)head * HD + chunk * BF16_PER_16B;
+    Packed128<bf16> v = load128(p);
+    for (int q = 0; q < BF16_PER_16B / 2; q++) {
+        const size_t pair = (size_t)t * (HD / 2) + chunk * (BF16_PER_16B / 2) + q;
+        const float c = cos_t[pair], s = sign * sin_t[pair];
+        const float x0 = to_float(v.v[2 * q]), x1 = to_float(v.v[2 * q + 1]);
+        v.v[2 * q] = __float2bfloat16(x0 * c - x1 * s);
+        v.v[2 * q + 1] = __float2bfloat16(x0 * s + x1 * c);
+    }
+    store128(p, v);
+}
+
+inline void rope_launch(const char* who, bf16* qkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV,
+                        int HD, float sign, cudaStream_t s) {
+    check_rows(who, HD, {qkv});
+    size_t threads = (size_t)B * T * (NH + NKV) * (HD / BF16_PER_16B);
+    rope_kernel<<<grid_for(threads, ROPE_THREADS), ROPE_THREADS, 0, s>>>(qkv, cos_t, sin_t, B * T, T, NH + NKV,
+                                                                         (NH + 2 * NKV) * HD, HD, sign);
+    cudaCheckLaunch();
+}
+inline void rope_forward(bf16* qkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV, int HD, cudaStream_t s) {
+    rope_launch("rope_forward", qkv, cos_t, sin_t, B, T, NH, NKV, HD, 1.0f, s);
+}
+inline void rope_backward(bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV, int HD, cudaStream_t s) {
+    rope_launch("rope_backward", dqkv, cos_t, sin_t, B, T, NH, NKV, HD, -1.0f, s);
+}
+
+// ---- SwiGLU: out[n,j] = silu(g) * u with g = gate_up[n,j], u = gate_up[n,F+j], silu(g) = g sigmoid(g).
+// Backward: du = dout silu(g); dg = dout u silu'(g), silu'(g) = sig(g) (1 + g (1 - sig(g))).
+constexpr int SWIGLU_THREADS = 256;
+
+__global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int F) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const int chunks = F / BF16_PER_16B;
+    if (i >= (size_t)N * chunks) return;
+    const size_t n = i / chunks;
+    const int c = (int)(i % chunks) * BF16_PER_16B;
+    Packed128<bf16> g = load128(gate_up + n * 2 * F + c), u = load128(gate_up + n * 2 * F + F + c), o;
+    for (int k = 0; k < BF16_PER_16B; k++) {
+        float gk = to_float(g.v[k]);
+        o.v[k] = __float2bfloat16(gk / (1.0f + expf(-gk)) * to_float(u.v[k]));
+    }
+    store128(out + n * F + c, o);
+}
+
+__global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int N, int F) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const int chunks = F / BF16_PER_16B;
+    if (i >= (size_t)N * chunks) return;
+    const size_t n = i / chunks;
+    const int c = (int)(i % chunks) * BF16_PER_16B;
+    Packed128<bf16> g = load128(gate_up + n * 2 * F + c), u = load128(gate_up + n * 2 * F + F + c);
+    Packed128<bf16> dy = load128(dout + n * F + c), dg, du;
+    for (int k = 0; k < BF16_PER_16B; k++) {
+        float gk = to_float(g.v[k]), uk = to_float(u.v[k]), dk = to_float(dy.v[k]);
+        float sig = 1.0f / (1.0f + expf(-gk));
+        dg.v[k] = __float2bfloat16(dk * uk * sig * (1.0f + gk * (1.0f - sig)));
+        du.v[k] = __float2bfloat16(dk * gk * sig);
+    }
+    store128(dgate_up + n * 2 * F + c, dg);
+    store128(dgate_up + n * 2 * F + F + c, du);
+}
+
+inline void swiglu_forward(bf16* out, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    check_rows("swiglu_forward", F, {out, gate_up});
+    size_t threads = (size_t)N * (F / BF16_PER_16B);
+    swiglu_forward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(out, gate_up, N, F);
+    cudaCheckLaunch();
+}
+inline void swiglu_backward(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    check_rows("swiglu_backward", F, {dgate_up, dout, gate_up});
+    size_t threads = (size_t)N * (F / BF16_PER_16B);
+    swiglu_backward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(dgate_up, dout, gate_up, N, F);
+    cudaCheckLaunch();
+}
+
+// ---- Cross-entropy of FP32 logits rows [N,V], one block per row:
+//   loss = lse - logits[target], lse = m + log(sum_j exp(logits_j - m)), m the row max
+//   dlogits (optional, BF16) = (softmax - onehot(target)) * grad_scale = (exp(logits_j - lse) - [j == target]) * grad_scale
+// First pass: each thread keeps a running (max, sum of exp(x - max)) over its elements; the pairs merge
+// across the block in a fixed order. Second pass: dlogits. A target outside [0, V) gives a NaN loss.
+constexpr int CE_THREADS = 256;
+
+// (m, s) := the merge of two running (max, sum of exp(x - max)); (-inf, 0) is the empty set.
+__device__ inline void softmax_merge(float& m, float& s, float m2, float s2) {
+    float mx = fmaxf(m, m2);
+    if (mx == -INFINITY) return;
+    s = s * expf(m - mx) + s2 * expf(m2 - mx);
+    m = mx;
+}
+
+__global__ void __launch_bounds__(CE_THREADS) cross_entropy_kernel(float* losses, bf16* dlogits, const float* logits,
+                                                                   const int* targets, int V, float grad_scale) {
+    __shared__ float warp_m[CE_THREADS / 32], warp_s[CE_THREADS / 32];
+    __shared__ float row_lse;
+    const size_t n = blockIdx.x;
+    const float* row = logits + n * V;
+    float m = -INFINITY, s = 0.0f;
+    for (int c = threadIdx.x * 8; c < V; c += CE_THREADS * 8) {
+        float4 a = *reinterpret_cast<const float4*>(row + c), b = *reinterpret_cast<const float4*>(row + c + 4);
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float cm = v[0];
+        for (int k = 1; k < 8; k++) cm = fmaxf(cm, v[k]);
+        float cs = 0.0f;
+        for (int k = 0; k < 8; k++) cs += expf(v[k] - cm);
+        softmax_merge(m, s, cm, cs);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        softmax_merge(m, s, m2, s2);
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_m[threadIdx.x / 32] = m;
+        warp_s[threadIdx.x / 32] = s;
+    }
+    __syncthreads();
+    const int target = targets[n];
+    if (threadIdx.x == 0) {
+        float bm = warp_m[0], bs = warp_s[0];
+        for (int w = 1; w < CE_THREADS / 32; w++) softmax_merge(bm, bs, warp_m[w], warp_s[w]);
+        float lse = bm + logf(bs);
+        losses[n] = (target >= 0 && target < V) ? lse - row[target] : NAN;
+        row_lse = lse;
+    }
+    __syncthreads();
+    if (dlogits == nullptr) return;
+    const float lse = row_lse;
+    for (int c = threadIdx.x * 8; c < V; c += CE_THREADS * 8) {
+        float4 a = *reinterpret_cast<const float4*>(row + c), b = *reinterpret_cast<const float4*>(row + c + 4);
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        Packed128<bf16> d;
+        for (int k = 0; k < 8; k++) d.v[k] = __float2bfloat16((expf(v[k] - lse) - (c + k == target ? 1.0f : 0.0f)) * grad_scale);
+        store128(dlogits + n * V + c, d);
+    }
+}
+
+// losses [N]; dlogits [N,V] BF16 or null (loss only).
+inline void cross_entropy_forward_backward(float* losses, bf16* dlogits, const float* logits, const int* targets, int N,
+                                           int V, float grad_scale, cudaStream_t s) {
+    check_rows("cross_entropy_forward_backward", V, {dlogits, logits});
+    cross_entropy_kernel<<<N, CE_THREADS, 0, s>>>(losses, dlogits, logits, targets, V, grad_scale);
+    cudaCheckLaunch();
+}
+
+// lm_head and cross-entropy over N tokens, `chunk` tokens at a time so that no [N, V] buffer exists:
+//   logits_chunk [chunk,V] FP32 = x_chunk lm_head^T
+//   losses, and dlogits_chunk [chunk,V] BF16 (written in the same pass that computes the loss)
+//   dx_chunk = dlogits_chunk lm_head;  dlm_head += dlogits_chunk^T x_chunk
+// dx null: the loss only (dlm_head and dlogits_chunk unused). chunk and N: multiples of 16.
+inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, float* dlm_head, float* logits_chunk,
+                                  bf16* dlogits_chunk, const bf16* x, const bf16* lm_head, const int* targets, int N,
+                                  int D, int V, int chunk, float grad_scale, cudaStream_t s) {
+    if (chunk < 16 || chunk % 16 != 0 || N % 16 != 0)
+        fail("lm_head_cross_entropy: chunk %d and N %d must be positive multiples of 16 (the GEMM rule)", chunk, N);
+    for (int c0 = 0; c0 < N; c0 += chunk) {
+        const int rows = std::min(chunk, N - c0);
+        const bf16* xc = x + (size_t)c0 * D;
+        matmul(mm, logits_chunk, DT_FP32, {xc, DT_BF16}, {lm_head, DT_BF16}, rows, V, D, false, false, s);
+        cross_entropy_forward_backward(losses + c0, dx ? dlogits_chunk : nullptr, logits_chunk, targets + c0, rows, V,
+                                       grad_scale, s);
+        if (!dx) continue;
+        // dx [rows,D] = dlogits [rows,V] lm_head [V,D]: lm_head is the [K,N] operand, stored transposed
+        matmul(mm, dx + (size_t)c0 * D, DT_BF16, {dlogits_chunk, DT_BF16}, {lm_head, DT_BF16, true}, rows, D, V, false,
+               false, s);
+        // dlm_head [V,D] += dlogits^T x: both operands are stored [K=rows, .]
+        matmul(mm, dlm_head, DT_FP32, {dlogits_chunk, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, true, false, s);
+    }
+}
+
+// The mean of N losses, summed in float64 in a fixed order by one block.
+constexpr int LOSS_MEAN_THREADS = 256;
+__global__ void loss_mean_kernel(float* mean, const float* losses, int N) {
+    __shared__ double partial[LOSS_MEAN_THREADS];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < N; i += LOSS_MEAN_THREADS) s += losses[i];
+    partial[threadIdx.x] = s;
+    __syncthreads();
+    for (int stride = LOSS_MEAN_THREADS / 2; stride > 0; stride /= 2) {
+        if ((int)threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *mean = (float)(partial[0] / N);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 4. The model's state. Activations: one allocation, walked through a table of named tensors.
+// Per-layer tensors are [L, rows, ...] with rows = B*T of the allocation; a smaller batch uses the first rows.
+
+struct ModelActivations {
+    // saved by the forward for the backward (BF16 unless FP32 is said)
+    bf16* resid_attn;      // [L,N,D]    the residual stream entering each layer (layer 0: the embedding)
+    bf16* attn_norm;       // [L,N,D]    attn_norm(resid_attn)
+    float* attn_rstd;      // [L,N]      FP32
+    bf16* qkv;             // [L,N,QKV]  after RoPE
+    bf16* att;             // [L,N,D]    attention output
+    float* lse;            // [L,B*NH*T] FP32, attention's log-sum-exp
+    bf16* resid_ffn;       // [L,N,D]    resid_attn + wo(att)
+    bf16* ffn_norm;        // [L,N,D]    ffn_norm(resid_ffn)
+    float* ffn_rstd;       // [L,N]      FP32
+    bf16* gate_up;         // [L,N,2F]
+    bf16* swiglu;          // [L,N,F]
+    bf16* resid_final;     // [N,D]      the residual stream after the last layer
+    bf16* final_norm;      // [N,D]
+    float* final_rstd;     // [N]        FP32
+    // scratch
+    bf16* branch;          // [N,D]      the output of wo / w_down before the residual add
+    bf16* dresid;          // [N,D]      gradient of the residual stream
+    bf16* dnorm;           // [N,D]      gradient of a norm's output
+    bf16* datt;            // [N,D]
+    bf16* dqkv;            // [N,QKV]
+    bf16* dgate_up;        // [N,2F]
+    bf16* dswiglu;         // [N,F]
+    float* att_scratch;    // [B*NH*T]   FP32, attention_backward's scratch
+    float* norm_scratch;   // [ceil(N/32),D] FP32, rmsnorm_backward's partial dw rows
+    float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
+    bf16* dlogits;         // [chunk,V]
+    float* losses;         // [N]        FP32
+    float* loss_mean;      // [1]        FP32
+};
+
+struct ActivationSpec { const char* name; DType type; size_t numel; void** slot; };
+
+struct Model {
+    ModelConfig config;
+    std::vector<TensorSpec> params;
+    size_t num_params = 0;
+    bf16* weights = nullptr;   // [num_params] BF16, written by the optimizer after each step
+    float* grads = nullptr;    // [num_params] FP32, accumulated over micro-batches
+    int B = 0, T = 0;          // the allocated batch shape
+    ModelActivations acts = {};
+    void* act_memory = nullptr;
+    size_t act_bytes = 0;
+    float* rope_cos = nullptr;   // [T,HD/2] RoPE tables (constants, one allocation with rope_sin)
+    float* rope_sin = nullptr;
+    int ce_chunk = 0;          // tokens per lm_head + cross-entropy chunk: a multiple of 16, at most model_create's
+    MatmulContext matmul;
+    cudaStream_t stream = nullptr;
+};
+
+inline bf16* model_weight(Model* m, int param) { return m->weights + m->params[param].offset; }
+inline float* model_grad(Model* m, int param) { return m->grads + m->params[param].offset; }
+
+// ----------------------------------------------------------------------------------------------
+// 5. The linear layer: out[N,out] = inp[N,in] W^T, W = parameter `param` of the table ([out,in]: rows, cols).
+// Every decoder projection (wqkv, wo, w_gate_up, w_down) calls this pair and nothing else: THIS IS WHERE THE
+// FP8 PATH PLUGS IN (cast inp and W to E4M3 and dout to E5M2 with the transposed copies that the TN form
+// needs, FP8 operands with their inv_scale into matmul; the param index names the tensor whose scales to
+// use). Here both builds run BF16 GEMMs.
+//   forward   Y = X W^T           A = X [N,in], B = W [out,in]
+//   backward  dX = dY W           A = dY [N,out], B = W stored [K=out, in] (transposed)
+//             dW += dY^T X        A = dY stored [K=N, out], B = X stored [K=N, in] (both transposed), FP32 grads
+inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
+    const TensorSpec& w = m->params[param];
+    matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {model_weight(m, param), DT_BF16}, N, w.rows, w.cols, false, false,
+           m->stream);
+}
+inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, int param, int N) {
+    const TensorSpec& w = m->params[param];
+    matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
+           false, m->stream);
+    matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, true,
+           false, m->stream);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 6. The model.
+
+inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
+    const ModelConfig& c = m->config;
+    const size_t L = c.n_layers, N = (size_t)m->B * m->T, D = c.dim, F = c.ffn_dim, V = c.vocab_size;
+    const size_t QKV = model_qkv_dim(c), LSE = N * c.n_heads, chunk = m->ce_chunk;
+    ModelActivations& a = m->acts;
+    return {
+        {"resid_attn", DT_BF16, L * N * D, (void**)&a.resid_attn},
+        {"attn_norm", DT_BF16, L * N * D, (void**)&a.attn_norm},
+        {"attn_rstd", DT_FP32, L * N, (void**)&a.attn_rstd},
+        {"qkv", DT_BF16, L * N * QKV, (void**)&a.qkv},
+        {"att", DT_BF16, L * N * D, (void**)&a.att},
+        {"lse", DT_FP32, L * LSE, (void**)&a.lse},
+        {"resid_ffn", DT_BF16, L * N * D, (void**)&a.resid_ffn},
+        {"ffn_norm", DT_BF16, L * N * D, (void**)&a.ffn_norm},
+        {"ffn_rstd", DT_FP32, L * N, (void**)&a.ffn_rstd},
+        {"gate_up", DT_BF16, L * N * 2 * F, (void**)&a.gate_up},
+        {"swiglu", DT_BF16, L * N * F, (void**)&a.swiglu},
+        {"resid_final", DT_BF16, N * D, (void**)&a.resid_final},
+        {"final_norm", DT_BF16, N * D, (void**)&a.final_norm},
+        {"final_rstd", DT_FP32, N, (void**)&a.final_rstd},
+        {"branch", DT_BF16, N * D, (void**)&a.branch},
+        {"dresid", DT_BF16, N * D, (void**)&a.dresid},
+        {"dnorm", DT_BF16, N * D, (void**)&a.dnorm},
+        {"datt", DT_BF16, N * D, (void**)&a.datt},
+        {"dqkv", DT_BF16, N * QKV, (void**)&a.dqkv},
+        {"dgate_up", DT_BF16, N * 2 * F, (void**)&a.dgate_up},
+        {"dswiglu", DT_BF16, N * F, (void**)&a.dswiglu},
+        {"att_scratch", DT_FP32, LSE, (void**)&a.att_scratch},
+        {"norm_scratch", DT_FP32, rmsnorm_backward_scratch((int)N, (int)D), (void**)&a.norm_scratch},
+        {"logits", DT_FP32, chunk * V, (void**)&a.logits},
+        {"dlogits", DT_BF16, chunk * V, (void**)&a.dlogits},
+        {"losses", DT_FP32, N, (void**)&a.losses},
+        {"loss_mean", DT_FP32, 1, (void**)&a.loss_mean},
+    };
+}
+
+// Tokens per lm_head + cross-entropy chunk: as many as keep [chunk,V] within 2^25 elements (128 MiB of FP32
+// logits and 64 MiB of BF16 dlogits), at least 16, at most N; a multiple of 16.
+inline int model_ce_chunk(int N, int V) {
+    long fit = ((1L << 25) / V) / 16 * 16;
+    return (int)std::min<long>(N, std::max<long>(16, fit));
+}
+
+inline void model_create(Model* m, const ModelConfig& c, int B, int T) {
+    model_config_validate(c);
+    if (B < 1 || T < 1) fail("model_create: B=%d and T=%d must be at least 1", B, T);
+    if (T > c.max_seq_len) fail("model_create: T=%d is longer than max_seq_len %d: lower T or raise max_seq_len", T, c.max_seq_len);
+    if ((B * T) % 16 != 0) fail("model_create: B*T = %d*%d must be a multiple of 16 (the GEMM rule): change B or T", B, T);
+    m->config = c;
+    m->params = model_param_specs(c);
+    m->num_params = m->params.back().offset + m->params.back().numel;
+    m->B = B;
+    m->T = T;
+    m->ce_chunk = model_ce_chunk(B * T, c.vocab_size);
+    cudaCheck(cudaStreamCreate(&m->stream));
+    matmul_context_create(&m->matmul);
+    cudaCheck(cudaMalloc(&m->weights, m->num_params * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&m->grads, m->num_params * sizeof(float)));
+    cudaCheck(cudaMemset(m->grads, 0, m->num_params * sizeof(float)));
+    // activations: each tensor at a 256-byte boundary of one allocation
+    std::vector<ActivationSpec> specs = model_activation_specs(m);
+    std::vector<size_t> offsets;
+    size_t bytes = 0;
+    for (const ActivationSpec& s : specs) {
+        offsets.push_back(bytes);
+        bytes += (s.numel * dtype_size(s.type) + 255) / 256 * 256;
+    }
+    cudaCheck(cudaMalloc(&m->act_memory, bytes));
+    m->act_bytes = bytes;
+    for (size_t i = 0; i < specs.size(); i++) *specs[i].slot = (char*)m->act_memory + offsets[i];
+    std::vector<float> cos_t, sin_t;
+    rope_tables(&cos_t, &sin_t, T, c.head_dim, c.rope_theta);
+    cudaCheck(cudaMalloc(&m->rope_cos, 2 * cos_t.size() * sizeof(float)));
+    m->rope_sin = m->rope_cos + cos_t.size();
+    cudaCheck(cudaMemcpy(m->rope_cos, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(m->rope_sin, sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+
+    const double MiB = 1048576.0;
+    printf("model: %zu parameters (dim %d, %d layers, %d heads, %d KV heads, ffn %d, vocab %d), B=%d T=%d\n",
+           m->num_params, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, B, T);
+    printf("model memory: weights %.1f MiB (BF16), gradients %.1f MiB (FP32), activations %.1f MiB\n",
+           m->num_params * sizeof(bf16) / MiB, m->num_params * sizeof(float) / MiB, bytes / MiB);
+    printf("model FLOPs per token: %.3f GFLOP (6 x %zu matmul parameters + 12 x L x D x T attention)\n",
+           model_flops_per_token(c, T) / 1e9, m->num_params - (size_t)c.vocab_size * c.dim);
+}
+
+inline void model_destroy(Model* m) {
+    cudaCheck(cudaFree(m->rope_cos));
+    cudaCheck(cudaFree(m->act_memory));
+    cudaCheck(cudaFree(m->grads));
+    cudaCheck(cudaFree(m->weights));
+    matmul_context_destroy(&m->matmul);
+    cudaCheck(cudaStreamDestroy(m->stream));
+    *m = Model();
+}
+
+// host FP32 [num_params] -> BF16 weights (round to nearest even), through a bounded staging buffer.
+inline void model_upload_weights(Model* m, const float* host_fp32) {
+    const size_t step = 1u << 24;
+    std::vector<bf16> staging(std::min(step, m->num_params));
+    for (size_t i0 = 0; i0 < m->num_params; i0 += step) {
+        size_t n = std::min(step, m->num_params - i0);
+        for (size_t i = 0; i < n; i++) staging[i] = __float2bfloat16(host_fp32[i0 + i]);
+        cudaCheck(cudaMemcpy(m->weights + i0, staging.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+    }
+}
+
+inline void model_zero_grads(Model* m) {
+    cudaCheck(cudaMemsetAsync(m->grads, 0, m->num_params * sizeof(float), m->stream));
+}
+
+// Layer l's saved activations.
+struct LayerActs {
+    bf16 *resid_attn, *attn_norm, *qkv, *att, *resid_ffn, *ffn_norm, *gate_up, *swiglu;
+    float *attn_rstd, *lse, *ffn_rstd;
+};
+inline LayerActs model_layer_acts(Model* m, int l) {
+    const ModelConfig& c = m->config;
+    const size_t N = (size_t)m->B * m->T, D = c.dim, F = c.ffn_dim;
+    ModelActivations& a = m->acts;
+    LayerActs la;
+    la.resid_attn = a.resid_attn + l * N * D;
+    la.attn_norm = a.attn_norm + l * N * D;
+    la.attn_rstd = a.attn_rstd + l * N;
+    la.qkv = a.qkv + l * N * model_qkv_dim(c);
+    la.att = a.att + l * N * D;
+    la.lse = a.lse + l * N * c.n_heads;
+    la.resid_ffn = a.resid_ffn + l * N * D;
+    la.ffn_norm = a.ffn_norm + l * N * D;
+    la.ffn_rstd = a.ffn_rstd + l * N;
+    la.gate_up = a.gate_up + l * N * 2 * F;
+    la.swiglu = a.swiglu + l * N * F;
+    return la;
+}
+
+inline void model_check_batch(const Model* m, int B, int T, const char* who) {
+    if (B < 1 || T < 1 || B > m->B || T > m->T)
+        fail("%s: B=%d T=%d must be positive and at most the allocated B=%d T=%d (model_create)", who, B, T, m->B, m->T);
+    if ((B * T) % 16 != 0) fail("%s: B*T = %d*%d must be a multiple of 16 (the GEMM rule)", who, B, T);
+}
+
+// The forward pass up to the final norm (acts.final_norm), for B x T tokens.
+inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
+    model_check_batch(m, B, T, "model_forward");
+    const ModelConfig& c = m->config;
+    ModelActivations& a = m->acts;
+    const int N = B * T, D = c.dim, L = c.n_layers;
+    cudaStream_t s = m->stream;
+    LayerActs first = model_layer_acts(m, 0);
+    embedding_forward(first.resid_attn, model_weight(m, PARAM_TOK_EMBEDDING), d_inputs, N, c.vocab_size, D, s);
+    rmsnorm_forward(nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr,
+                    model_weight(m, param_layer(0, ATTN_NORM)), N, D, c.norm_eps, s);
+    for (int l = 0; l < L; l++) {
+        LayerActs la = model_layer_acts(m, l);
+        // attention block (resid_attn and attn_norm were written by the previous layer's last step)
+        linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
+        rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, c.n_heads, c.n_kv_heads, c.head_dim, s);
+        attention_forward(la.att, la.lse, la.qkv, B, T, c.n_heads, c.n_kv_heads, c.head_dim, s);
+        linear_forward(m, a.branch, la.att, param_layer(l, WO), N);
+        rmsnorm_forward(la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch,
+                        model_weight(m, param_layer(l, FFN_NORM)), N, D, c.norm_eps, s);
+        // feed-forward block
+        linear_forward(m, la.gate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
+        swiglu_forward(la.swiglu, la.gate_up, N, c.ffn_dim, s);
+        linear_forward(m, a.branch, la.swiglu, param_layer(l, W_DOWN), N);
+        // the residual add, fused with the next norm: the next layer's attn_norm, or the final norm
+        if (l + 1 < L) {
+            LayerActs next = model_layer_acts(m, l + 1);
+            rmsnorm_forward(next.resid_attn, next.attn_norm, next.attn_rstd, la.resid_ffn, a.branch,
+                            model_weight(m, param_layer(l + 1, ATTN_NORM)), N, D, c.norm_eps, s);
+        } else {
+            rmsnorm_forward(a.resid_final, a.final_norm, a.final_rstd, la.resid_ffn, a.branch,
+                            model_weight(m, param_final_norm(c)), N, D, c.norm_eps, s);
+        }
+    }
+}
+
+// The mean of acts.losses[0..N) to the host (waits for the stream).
+inline float model_loss_mean(Model* m, int N) {
+    loss_mean_kernel<<<1, LOSS_MEAN_THREADS, 0, m->stream>>>(m->acts.loss_mean, m->acts.losses, N);
+    cudaCheckLaunch();
+    float mean;
+    cudaCheck(cudaMemcpyAsync(&mean, m->acts.loss_mean, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+    cudaCheck(cudaStreamSynchronize(m->stream));
+    return mean;
+}
+
+// Forward + backward of one micro-batch of B x T tokens (device int arrays). Accumulates into m->grads
+// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean). Returns the
+// mean loss of this micro-batch.
+inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
+    const ModelConfig& c = m->config;
+    ModelActivations& a = m->acts;
+    const int B = m->B, T = m->T, N = B * T, D = c.dim, F = c.ffn_dim;
+    cudaStream_t s = m->stream;
+    model_forward(m, d_inputs, B, T);
+    lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
+                          a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
+                          grad_scale, s);
+    // dresid: the gradient of the residual stream, from the top down
+    cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
+    rmsnorm_backward(a.dresid, model_grad(m, param_final_norm(c)), a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd,
+                     model_weight(m, param_final_norm(c)), N, D, s);
+    for (int l = c.n_layers - 1; l >= 0; l--) {
+        LayerActs la = model_layer_acts(m, l);
+        // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
+        linear_backward(m, a.dswiglu, a.dresid, la.swiglu, param_layer(l, W_DOWN), N);
+        swiglu_backward(a.dgate_up, a.dswiglu, la.gate_up, N, F, s);
+        linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
+        rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
+                         la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s);
+        // attention block
+        linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
+        attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, c.n_heads, c.n_kv_heads,
+                           c.head_dim, s);
+        rope_backward(a.dqkv, m->rope_cos, m->rope_sin, B, T, c.n_heads, c.n_kv_heads, c.head_dim, s);
+        linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
+        rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
+                         la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s);
+    }
+    embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
+    return model_loss_mean(m, N);
+}
+
+// Evaluation: the mean loss over B x T tokens (B, T at most the allocated ones), no gradients.
+inline float model_loss(Model* m, const int* d_inputs, const int* d_targets, int B, int T) {
+    const ModelConfig& c = m->config;
+    model_forward(m, d_inputs, B, T);
+    lm_head_cross_entropy(&m->matmul, m->acts.losses, nullptr, nullptr, m->acts.logits, nullptr, m->acts.final_norm,
+                          model_weight(m, param_lm_head(c)), d_targets, B * T, c.dim, c.vocab_size, m->ce_chunk, 1.0f,
+                          m->stream);
+    return model_loss_mean(m, B * T);
+}
+
+// All logits [B*T, V] FP32 into d_logits (sampling, tests). Waits for the stream.
+inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_logits) {
+    const ModelConfig& c = m->config;
+    model_forward(m, d_inputs, B, T);
+    matmul(&m->matmul, d_logits, DT_FP32, {m->acts.final_norm, DT_BF16}, {model_weight(m, param_lm_head(c)), DT_BF16},
+           B * T, c.vocab_size, c.dim, false, false, m->stream);
+    cudaCheck(cudaStreamSynchronize(m->stream));
+}

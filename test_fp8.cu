@@ -119,6 +119,9 @@ static std::vector<double> to_double(const std::vector<T>& v) {
 #if __has_include("part_model.inc")
 #include "part_model.inc"
 #endif
+#if __has_include("part_fp8linear.inc")
+#include "part_fp8linear.inc"
+#endif
 #if __has_include("part_adamw.inc")
 #include "part_adamw.inc"
 #endif
