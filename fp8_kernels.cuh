@@ -421,9 +421,20 @@ inline void fp8_update_scale(Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r, cud
     fp8_update_scale_kernel<<<1, 1, 0, stream>>>(meta, f, r);
     cudaCheckLaunch();
 }
+// The same for many tensors in one launch: metas[ids[i]], i < n.
+__global__ void fp8_update_scales_kernel(Fp8Meta* metas, const int* ids, int n, Fp8Format f, Fp8Recipe r) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) fp8_meta_update(&metas[ids[i]], __uint_as_float(metas[ids[i]].amax_pending), f, r);
+}
+inline void fp8_update_scales(Fp8Meta* metas, const int* ids, int n, Fp8Format f, const Fp8Recipe& r, cudaStream_t stream) {
+    if (n == 0) return;
+    fp8_update_scales_kernel<<<ceil_div(n, 128), 128, 0, stream>>>(metas, ids, n, f, r);
+    cudaCheckLaunch();
+}
 
 // x -> FP8 with the recipe's scaling. Current: amax, scale, cast. Delayed: cast with the scale the
-// history gives while gathering amax, then record it.
+// history gives while gathering amax into meta->amax_pending; the caller records it (fp8_update_scale)
+// only after every GEMM that reads this cast's inv_scale has run, so that they see the scale it used.
 template <class T>
 void fp8_quantize(fp8* out, const T* x, size_t n, Fp8Format f, Fp8Meta* meta, const Fp8Recipe& r, cudaStream_t stream) {
     check_cast_pointers("fp8_quantize", out, x);
@@ -440,7 +451,6 @@ void fp8_quantize(fp8* out, const T* x, size_t n, Fp8Format f, Fp8Meta* meta, co
         else           quantize_kernel<E5M2><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, amax_bits);
         cudaCheckLaunch();
     }
-    if (r.delayed()) fp8_update_scale(meta, f, r, stream);
 }
 
 // x [rows, cols] -> out [rows, cols] and out_t [cols, rows] in FP8, scaled as fp8_quantize.
@@ -462,7 +472,6 @@ void fp8_cast_transpose(fp8* out, fp8* out_t, const T* x, int rows, int cols, Fp
         else           cast_transpose_kernel<E5M2><<<grid, CAST_THREADS, 0, stream>>>(out, out_t, x, rows, cols, meta, amax_bits);
         cudaCheckLaunch();
     }
-    if (r.delayed()) fp8_update_scale(meta, f, r, stream);
 }
 
 template <class T>
@@ -472,6 +481,49 @@ void fp8_dequantize(T* out, const fp8* x, size_t n, Fp8Format f, const Fp8Meta* 
     if (f == E4M3) dequantize_kernel<E4M3><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta);
     else           dequantize_kernel<E5M2><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta);
     cudaCheckLaunch();
+}
+
+// Per-tensor FP8 health for --fp8-stats: of the n values cast, how many saturated (|x * scale| beyond
+// the format's max) and how many non-zero values flushed to zero (their code is +-0).
+struct Fp8Health { unsigned long long saturated, flushed, total; };
+
+template <Fp8Format F, class T>
+__global__ void fp8_health_kernel(Fp8Health* health, const T* x, size_t n, const Fp8Meta* meta) {
+    const float scale = meta->scale, fmax = fp8_max(F);
+    unsigned long long sat = 0, flush = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = to_float(x[i]), s = v * scale;
+        sat += fabsf(s) > fmax;
+        flush += v != 0.0f && (fp8_encode<F>(s) & 0x7F) == 0;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        sat += __shfl_xor_sync(0xffffffffu, sat, o);
+        flush += __shfl_xor_sync(0xffffffffu, flush, o);
+    }
+    if (threadIdx.x % 32 == 0) {   // integer atomics: exact and order-free
+        if (sat) atomicAdd(&health->saturated, sat);
+        if (flush) atomicAdd(&health->flushed, flush);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&health->total, (unsigned long long)n);
+}
+
+// Counts into *health (accumulates; zero it to start) for x cast with meta's current scale.
+template <class T>
+void fp8_health(Fp8Health* health, const T* x, size_t n, Fp8Format f, const Fp8Meta* meta, cudaStream_t stream) {
+    if (n == 0) return;
+    int grid = cast_grid(n * CAST_VEC);   // one element per thread per step (cast_grid counts 16)
+    if (f == E4M3) fp8_health_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(health, x, n, meta);
+    else           fp8_health_kernel<E5M2><<<grid, CAST_THREADS, 0, stream>>>(health, x, n, meta);
+    cudaCheckLaunch();
+}
+
+// cast_transpose, plus the health counts with the scale the cast used: delayed scaling casts with the
+// scale it had before the call, current scaling with the one it computes first.
+inline void fp8_cast_transpose_counted(fp8* q, fp8* q_t, const bf16* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
+                                       Fp8Health* health, const Fp8Recipe& recipe, cudaStream_t stream) {
+    if (health && recipe.delayed()) fp8_health(health, x, (size_t)rows * cols, f, meta, stream);
+    fp8_cast_transpose(q, q_t, x, rows, cols, f, meta, recipe, stream);
+    if (health && !recipe.delayed()) fp8_health(health, x, (size_t)rows * cols, f, meta, stream);
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -666,6 +666,40 @@ struct ModelActivations {
 
 struct ActivationSpec { const char* name; DType type; size_t numel; void** slot; };
 
+// The FP8 state of one linear layer: the weight's FP8 copies and the scales of X, W and dY.
+struct Fp8Linear {
+    fp8* w8;            // [out, in] E4M3
+    fp8* w8_t;          // [in, out] E4M3
+    Fp8Meta* meta;      // [3] device: X, W, dY
+    Fp8Health* health;  // [3] device, or nullptr: --fp8-stats counts for X, W, dY
+};
+enum { FP8_X = 0, FP8_W = 1, FP8_DY = 2 };
+
+// The FP8 recipe's knobs (read in both builds so that the BF16 build can refuse them clearly).
+struct Fp8Options {
+    bool enabled = true;        // false: every layer BF16 (the FP8 build's own baseline, for the benchmarks)
+    Fp8Recipe recipe;           // scaling of X and dY; W gets current scaling after every optimizer step
+    bool all_layers = false;    // FP8 in the first and last decoder layers too (the recipe keeps them BF16)
+    bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
+};
+
+#if defined(PRECISION_FP8)
+// The FP8 build's state: per decoder linear (wqkv, wo, w_gate_up, w_down of each layer, index 4*l + k)
+// its FP8 weight copies, the saved X8^T, and the scales of X, W and dY (one device array for all).
+constexpr int LINEARS_PER_LAYER = 4;
+struct ModelFp8 {
+    std::vector<Fp8Linear> linears;   // w8 == nullptr: a BF16 layer
+    std::vector<fp8*> saved_x8_t;     // X8^T [in, N] kept from forward for the weight gradient
+    void* memory = nullptr;           // one allocation: FP8 weights, saved X8^T, scratch
+    size_t weight_bytes = 0, saved_bytes = 0, scratch_bytes = 0;
+    Fp8Meta* metas = nullptr;         // [L*4*3] device: X, W, dY of each linear (saved in checkpoints)
+    Fp8Health* health = nullptr;      // [L*4*3] device: --fp8-stats counts
+    fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
+    int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
+    int n_fp8_linears = 0;
+};
+#endif
+
 struct Model {
     ModelConfig config;
     std::vector<TensorSpec> params;
@@ -681,6 +715,10 @@ struct Model {
     int ce_chunk = 0;          // tokens per lm_head + cross-entropy chunk: a multiple of 16, at most model_create's
     MatmulContext matmul;
     cudaStream_t stream = nullptr;
+    Fp8Options fp8_options;
+#if defined(PRECISION_FP8)
+    ModelFp8 fp8;
+#endif
 };
 
 inline bf16* model_weight(Model* m, int param) { return m->weights + m->params[param].offset; }
@@ -688,46 +726,150 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 
 // ----------------------------------------------------------------------------------------------
 // 5. The linear layer: out[N,out] = inp[N,in] W^T, W = parameter `param` of the table ([out,in]: rows, cols).
-// Every decoder projection (wqkv, wo, w_gate_up, w_down) calls this pair and nothing else: THIS IS WHERE THE
-// FP8 PATH PLUGS IN (cast inp and W to E4M3 and dout to E5M2 with the transposed copies that the TN form
-// needs, FP8 operands with their inv_scale into matmul; the param index names the tensor whose scales to
-// use). Here both builds run BF16 GEMMs.
+// Every decoder projection (wqkv, wo, w_gate_up, w_down) calls linear_forward / linear_backward, which run
+// the FP8 layer below in the FP8 build's FP8 layers and BF16 GEMMs everywhere else:
 //   forward   Y = X W^T           A = X [N,in], B = W [out,in]
 //   backward  dX = dY W           A = dY [N,out], B = W stored [K=out, in] (transposed)
 //             dW += dY^T X        A = dY stored [K=N, out], B = X stored [K=N, in] (both transposed), FP32 grads
+
+// The FP8 linear layer (PRECISION=FP8): Y[N,out] = X[N,in] W^T in E4M3; backward with dY in E5M2.
+//   forward   X8, X8^T = cast_transpose(X)             (E4M3; X8^T is what backward keeps)
+//             Y = X8 * W8^T                            A = X8 [N,in],     B = W8 [out,in]
+//   backward  dY8, dY8^T = cast_transpose(dY)          (E5M2)
+//             dX = dY8 * W8                            A = dY8 [N,out],   B = W8^T [in,out]
+//             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
+// Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
+// transposed copies. W8 and W8^T are made once per optimizer step (fp8_weight_update), not per micro-batch.
+
+
+// After each optimizer step: W (BF16) -> W8 and W8^T with current scaling (the weights just changed).
+inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
+    fp8_cast_transpose_counted(lin->w8, lin->w8_t, w, out, in, E4M3, &lin->meta[FP8_W], lin->health ? &lin->health[FP8_W] : nullptr,
+                               Fp8Recipe(), stream);
+}
+
+// x8 is scratch [N,in]; x8_t [in,N] is kept for backward.
+inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, const bf16* x, Fp8Linear* lin, int N, int in,
+                               int out, const Fp8Recipe& recipe, bool fast_accum, cudaStream_t stream) {
+    fp8_cast_transpose_counted(x8, x8_t, x, N, in, E4M3, &lin->meta[FP8_X], lin->health ? &lin->health[FP8_X] : nullptr, recipe,
+                               stream);
+    matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
+           N, out, in, false, fast_accum, stream);
+}
+
+// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches).
+inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
+                                Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream) {
+    fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
+                               recipe, stream);
+    matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
+           N, in, out, false, false, stream);
+    matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
+           out, in, N, true, false, stream);
+}
+
+// Whether decoder layer l runs its linears in FP8: never in the BF16 build; in the FP8 build all layers
+// but the first and last, or all of them with Fp8Options::all_layers.
+inline bool model_layer_fp8(const Model* m, int l) {
+#if defined(PRECISION_FP8)
+    return m->fp8_options.enabled && (m->fp8_options.all_layers || (l != 0 && l != m->config.n_layers - 1));
+#else
+    (void)m, (void)l;
+    return false;
+#endif
+}
+
+#if defined(PRECISION_FP8)
+// The FP8 linear of parameter `param`, or nullptr when it is a BF16 one.
+inline int model_linear_index(int param) {
+    int p = param - 1, l = p / PARAMS_PER_LAYER, kind = p % PARAMS_PER_LAYER;
+    int k = kind == WQKV ? 0 : kind == WO ? 1 : kind == W_GATE_UP ? 2 : 3;
+    return l * LINEARS_PER_LAYER + k;
+}
+inline Fp8Linear* model_fp8_linear(Model* m, int param) {
+    Fp8Linear* lin = &m->fp8.linears[model_linear_index(param)];
+    return lin->w8 ? lin : nullptr;
+}
+#endif
+
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
+#if defined(PRECISION_FP8)
+    if (Fp8Linear* lin = model_fp8_linear(m, param)) {
+        fp8_linear_forward(&m->matmul, out, m->fp8.x8, m->fp8.saved_x8_t[model_linear_index(param)], inp, lin, N, w.cols, w.rows,
+                           m->fp8_options.recipe, m->fp8_options.fast_accum, m->stream);
+        return;
+    }
+#endif
     matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {model_weight(m, param), DT_BF16}, N, w.rows, w.cols, false, false,
            m->stream);
 }
+// inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer).
 inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
+#if defined(PRECISION_FP8)
+    if (Fp8Linear* lin = model_fp8_linear(m, param)) {
+        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, dout,
+                            m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream);
+        return;
+    }
+#endif
     matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
            false, m->stream);
     matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, true,
            false, m->stream);
 }
 
+// The weights changed (optimizer step, upload): the FP8 build rebuilds W8 and W8^T of its FP8 layers.
+inline void model_weights_changed(Model* m) {
+#if defined(PRECISION_FP8)
+    for (int l = 0; l < m->config.n_layers; l++)
+        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
+                const TensorSpec& w = m->params[param_layer(l, p)];
+                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream);
+            }
+#else
+    (void)m;
+#endif
+}
+
 // ----------------------------------------------------------------------------------------------
 // 6. The model.
+
+// The BF16 inputs of the linears that only their weight gradient needs (attn_norm, ffn_norm, swiglu) are
+// kept per layer for BF16 layers; FP8 layers keep X8^T instead, so they share one slot, reused layer by
+// layer. Slot of layer l: its own for BF16 layers, the shared last one for FP8 layers.
+inline int model_num_bf16_layers(const Model* m) {
+    int n = 0;
+    for (int l = 0; l < m->config.n_layers; l++) n += !model_layer_fp8(m, l);
+    return n;
+}
+inline int model_linear_input_slot(const Model* m, int l) {
+    if (model_layer_fp8(m, l)) return model_num_bf16_layers(m);
+    int slot = 0;
+    for (int i = 0; i < l; i++) slot += !model_layer_fp8(m, i);
+    return slot;
+}
 
 inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
     const ModelConfig& c = m->config;
     const size_t L = c.n_layers, N = (size_t)m->B * m->T, D = c.dim, F = c.ffn_dim, V = c.vocab_size;
+    const size_t S = model_num_bf16_layers(m) + (model_num_bf16_layers(m) < c.n_layers ? 1 : 0);   // input slots
     const size_t QKV = model_qkv_dim(c), LSE = N * c.n_heads, chunk = m->ce_chunk;
     ModelActivations& a = m->acts;
     return {
         {"resid_attn", DT_BF16, L * N * D, (void**)&a.resid_attn},
-        {"attn_norm", DT_BF16, L * N * D, (void**)&a.attn_norm},
+        {"attn_norm", DT_BF16, S * N * D, (void**)&a.attn_norm},
         {"attn_rstd", DT_FP32, L * N, (void**)&a.attn_rstd},
         {"qkv", DT_BF16, L * N * QKV, (void**)&a.qkv},
         {"att", DT_BF16, L * N * D, (void**)&a.att},
         {"lse", DT_FP32, L * LSE, (void**)&a.lse},
         {"resid_ffn", DT_BF16, L * N * D, (void**)&a.resid_ffn},
-        {"ffn_norm", DT_BF16, L * N * D, (void**)&a.ffn_norm},
+        {"ffn_norm", DT_BF16, S * N * D, (void**)&a.ffn_norm},
         {"ffn_rstd", DT_FP32, L * N, (void**)&a.ffn_rstd},
         {"gate_up", DT_BF16, L * N * 2 * F, (void**)&a.gate_up},
-        {"swiglu", DT_BF16, L * N * F, (void**)&a.swiglu},
+        {"swiglu", DT_BF16, S * N * F, (void**)&a.swiglu},
         {"resid_final", DT_BF16, N * D, (void**)&a.resid_final},
         {"final_norm", DT_BF16, N * D, (void**)&a.final_norm},
         {"final_rstd", DT_FP32, N, (void**)&a.final_rstd},
@@ -754,12 +896,90 @@ inline int model_ce_chunk(int N, int V) {
     return (int)std::min<long>(N, std::max<long>(16, fit));
 }
 
-inline void model_create(Model* m, const ModelConfig& c, int B, int T) {
+#if defined(PRECISION_FP8)
+// FP8 state: W8 and W8^T of each FP8 linear, X8^T saved per FP8 linear, the scratch casts; Fp8Meta and
+// Fp8Health arrays for all linears.
+inline void model_fp8_create(Model* m) {
+    const ModelConfig& c = m->config;
+    const int L = c.n_layers;
+    const size_t N = (size_t)m->B * m->T;
+    ModelFp8& f = m->fp8;
+    f.linears.assign(L * LINEARS_PER_LAYER, Fp8Linear{nullptr, nullptr, nullptr, nullptr});
+    f.saved_x8_t.assign(L * LINEARS_PER_LAYER, nullptr);
+    size_t max_in = 0, max_out = 0;
+    std::vector<size_t> w_off(L * LINEARS_PER_LAYER), x_off(L * LINEARS_PER_LAYER);
+    auto round256 = [](size_t b) { return (b + 255) / 256 * 256; };
+    for (int l = 0; l < L; l++)
+        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+            if (!model_layer_fp8(m, l)) continue;
+            const TensorSpec& w = m->params[param_layer(l, p)];
+            int i = model_linear_index(param_layer(l, p));
+            w_off[i] = f.weight_bytes;
+            f.weight_bytes += 2 * round256((size_t)w.rows * w.cols);
+            x_off[i] = f.saved_bytes;
+            f.saved_bytes += round256(N * w.cols);
+            max_in = std::max(max_in, (size_t)w.cols);
+            max_out = std::max(max_out, (size_t)w.rows);
+        }
+    f.scratch_bytes = round256(N * max_in) + 2 * round256(N * max_out);
+    cudaCheck(cudaMalloc(&f.memory, f.weight_bytes + f.saved_bytes + f.scratch_bytes));
+    char* base = (char*)f.memory;
+    f.x8 = (fp8*)(base + f.weight_bytes + f.saved_bytes);
+    f.dy8 = f.x8 + round256(N * max_in);
+    f.dy8_t = f.dy8 + round256(N * max_out);
+    const size_t n_meta = (size_t)L * LINEARS_PER_LAYER * 3;
+    cudaCheck(cudaMalloc(&f.metas, n_meta * sizeof(Fp8Meta)));
+    cudaCheck(cudaMalloc(&f.health, n_meta * sizeof(Fp8Health)));
+    std::vector<Fp8Meta> init(n_meta, fp8_meta_initial());
+    cudaCheck(cudaMemcpy(f.metas, init.data(), n_meta * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
+    std::vector<int> x_ids, dy_ids;
+    for (int l = 0; l < L; l++)
+        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+            if (!model_layer_fp8(m, l)) continue;
+            const TensorSpec& w = m->params[param_layer(l, p)];
+            int i = model_linear_index(param_layer(l, p));
+            x_ids.push_back(3 * i + FP8_X);
+            dy_ids.push_back(3 * i + FP8_DY);
+            f.linears[i].w8 = (fp8*)(base + w_off[i]);
+            f.linears[i].w8_t = f.linears[i].w8 + round256((size_t)w.rows * w.cols);
+            f.linears[i].meta = f.metas + 3 * i;
+            f.saved_x8_t[i] = (fp8*)(base + f.weight_bytes + x_off[i]);
+        }
+    f.n_fp8_linears = (int)x_ids.size();
+    x_ids.insert(x_ids.end(), dy_ids.begin(), dy_ids.end());
+    cudaCheck(cudaMalloc(&f.delayed_ids, std::max<size_t>(1, x_ids.size()) * sizeof(int)));
+    cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+}
+
+// Delayed scaling: after a training step's backward, every GEMM that read the X and dY scales has run;
+// now their amaxes enter the histories (eval passes record nothing: the history is of training steps).
+inline void model_fp8_record_amax(Model* m) {
+    const Fp8Recipe& r = m->fp8_options.recipe;
+    if (!r.delayed()) return;
+    ModelFp8& f = m->fp8;
+    fp8_update_scales(f.metas, f.delayed_ids, f.n_fp8_linears, E4M3, r, m->stream);
+    fp8_update_scales(f.metas, f.delayed_ids + f.n_fp8_linears, f.n_fp8_linears, E5M2, r, m->stream);
+}
+
+// --fp8-stats: count saturation and underflow in the casts of the steps between begin and end.
+inline void model_fp8_stats_begin(Model* m) {
+    const size_t n = m->fp8.linears.size() * 3;
+    cudaCheck(cudaMemsetAsync(m->fp8.health, 0, n * sizeof(Fp8Health), m->stream));
+    for (size_t i = 0; i < m->fp8.linears.size(); i++)
+        if (m->fp8.linears[i].w8) m->fp8.linears[i].health = m->fp8.health + 3 * i;
+}
+inline void model_fp8_stats_end(Model* m) {
+    for (Fp8Linear& lin : m->fp8.linears) lin.health = nullptr;
+}
+#endif
+
+inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8Options& fp8 = Fp8Options()) {
     model_config_validate(c);
     if (B < 1 || T < 1) fail("model_create: B=%d and T=%d must be at least 1", B, T);
     if (T > c.max_seq_len) fail("model_create: T=%d is longer than max_seq_len %d: lower T or raise max_seq_len", T, c.max_seq_len);
     if ((B * T) % 16 != 0) fail("model_create: B*T = %d*%d must be a multiple of 16 (the GEMM rule): change B or T", B, T);
     m->config = c;
+    m->fp8_options = fp8;
     m->params = model_param_specs(c);
     m->num_params = m->params.back().offset + m->params.back().numel;
     m->B = B;
@@ -793,11 +1013,28 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T) {
            m->num_params, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, B, T);
     printf("model memory: weights %.1f MiB (BF16), gradients %.1f MiB (FP32), activations %.1f MiB\n",
            m->num_params * sizeof(bf16) / MiB, m->num_params * sizeof(float) / MiB, bytes / MiB);
+#if defined(PRECISION_FP8)
+    model_fp8_create(m);   // W8 is made when weights arrive (model_upload_weights, model_weights_changed)
+    // What the same model keeps in the BF16 build: every layer's attn_norm, ffn_norm and swiglu, no X8^T.
+    const int fp8_layers = c.n_layers - model_num_bf16_layers(m);
+    const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + c.ffn_dim) * sizeof(bf16);
+    printf("model FP8: %d of %d decoder layers in FP8 (%s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, scratch %.1f MiB\n",
+           fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16", m->fp8.weight_bytes / MiB,
+           m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
+    printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
+           (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
+#endif
     printf("model FLOPs per token: %.3f GFLOP (6 x %zu matmul parameters + 12 x L x D x T attention)\n",
            model_flops_per_token(c, T) / 1e9, m->num_params - (size_t)c.vocab_size * c.dim);
 }
 
 inline void model_destroy(Model* m) {
+#if defined(PRECISION_FP8)
+    cudaCheck(cudaFree(m->fp8.memory));
+    cudaCheck(cudaFree(m->fp8.metas));
+    cudaCheck(cudaFree(m->fp8.health));
+    cudaCheck(cudaFree(m->fp8.delayed_ids));
+#endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));
     cudaCheck(cudaFree(m->grads));
@@ -816,6 +1053,7 @@ inline void model_upload_weights(Model* m, const float* host_fp32) {
         for (size_t i = 0; i < n; i++) staging[i] = __float2bfloat16(host_fp32[i0 + i]);
         cudaCheck(cudaMemcpy(m->weights + i0, staging.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
     }
+    model_weights_changed(m);
 }
 
 inline void model_zero_grads(Model* m) {
@@ -831,18 +1069,19 @@ inline LayerActs model_layer_acts(Model* m, int l) {
     const ModelConfig& c = m->config;
     const size_t N = (size_t)m->B * m->T, D = c.dim, F = c.ffn_dim;
     ModelActivations& a = m->acts;
+    const size_t slot = model_linear_input_slot(m, l);
     LayerActs la;
     la.resid_attn = a.resid_attn + l * N * D;
-    la.attn_norm = a.attn_norm + l * N * D;
+    la.attn_norm = a.attn_norm + slot * N * D;
     la.attn_rstd = a.attn_rstd + l * N;
     la.qkv = a.qkv + l * N * model_qkv_dim(c);
     la.att = a.att + l * N * D;
     la.lse = a.lse + l * N * c.n_heads;
     la.resid_ffn = a.resid_ffn + l * N * D;
-    la.ffn_norm = a.ffn_norm + l * N * D;
+    la.ffn_norm = a.ffn_norm + slot * N * D;
     la.ffn_rstd = a.ffn_rstd + l * N;
     la.gate_up = a.gate_up + l * N * 2 * F;
-    la.swiglu = a.swiglu + l * N * F;
+    la.swiglu = a.swiglu + slot * N * F;
     return la;
 }
 
@@ -932,6 +1171,9 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
                          la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s);
     }
     embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
+#if defined(PRECISION_FP8)
+    model_fp8_record_amax(m);
+#endif
     return model_loss_mean(m, N);
 }
 

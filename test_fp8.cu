@@ -128,7 +128,7 @@ static std::vector<double> to_double(const std::vector<T>& v) {
 #if __has_include("part_bench.inc")
 #include "part_bench.inc"
 #else
-static void run_benchmarks() { printf("no benchmarks built\n"); }
+static void run_benchmarks(const std::vector<std::string>&) { printf("no benchmarks built\n"); }
 #endif
 
 // ----------------------------------------------------------------------------------------------
@@ -141,7 +141,8 @@ int main(int argc, char** argv) {
         std::string a = argv[i];
         if (a == "--bench") bench = true;
         else if (a == "--help" || a == "-h") {
-            printf("usage: %s [--bench] [NAME...]\n  NAME: run only tests whose names contain it\n  --bench: benchmark tables (GPU)\n", argv[0]);
+            printf("usage: %s [NAME...]          run the tests (only those whose names contain a NAME)\n"
+                   "       %s --bench [gemm] [cast] [model]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
             return 0;
         } else filters.push_back(a);
     }
@@ -163,7 +164,7 @@ int main(int argc, char** argv) {
 #endif
     if (bench) {
         if (!g_have_gpu) { fprintf(stderr, "error: --bench needs a GPU, and none was found\n"); return 1; }
-        run_benchmarks();
+        run_benchmarks(filters);
         return 0;
     }
     int passed = 0, failed = 0, skipped = 0;
