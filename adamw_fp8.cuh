@@ -1,0 +1,627 @@
+// adamw_fp8.cuh: the optimizer. AdamW with FP32 master weights and moments kept in FP32, BF16 or FP8,
+// global-norm gradient clipping, decoupled weight decay on 2-D tensors only, the learning-rate schedule.
+//
+// API (one AdamW per rank; all device work on the stream passed in)
+//   struct AdamWConfig               hyperparameters and moment storage; the defaults are the build's recipe
+//   DType adamw_parse_moment_dtype(const char* flag, const char* value)      "fp32" | "bf16" | "e4m3" | "e5m2"
+//   void  adamw_create(AdamW* opt, const std::vector<TensorSpec>& specs, size_t num_params,
+//                      const float* init_master_host, const AdamWConfig& config)
+//         specs: the parameters (Model::params); init_master_host: num_params floats, the initial weights
+//   float adamw_grad_norm(AdamW* opt, const float* grads, cudaStream_t stream)
+//         global L2 norm of the FP32 gradients over all tensors; deterministic; synchronizes the stream.
+//         A non-finite result (inf/NaN in a gradient) means: skip this step (do not call adamw_step).
+//   void  adamw_step(AdamW* opt, const float* grads, bf16* weights, float lr, float grad_norm, cudaStream_t stream)
+//         one update with the gradients scaled by min(1, grad_clip / grad_norm); grad_norm is adamw_grad_norm's
+//         finite result. Updates master weights and moments and writes the BF16 weights (Model::weights).
+//   void  adamw_export_weights(const AdamW* opt, bf16* weights, cudaStream_t stream)   BF16 weights from the
+//         master weights (after adamw_load; a step writes them itself)
+//   void  adamw_save(const AdamW* opt, FILE* f)                       the state, in the order documented below
+//   void  adamw_load(AdamW* opt, FILE* f, const char* path)           into an AdamW created with the same
+//         tensors and moment dtypes; a mismatch is a clear error naming `path`
+//   size_t adamw_moment_bytes_per_param(const AdamWConfig& c);  void adamw_print_memory(const AdamW* opt)
+//   void  adamw_destroy(AdamW* opt)
+//   float lr_schedule(int step, int total_steps, int warmup_steps, float max_lr, float final_frac)
+//         linear warm-up, then cosine decay to final_frac * max_lr at the last step (step is 0-based)
+// With tensor parallelism each rank owns the shards in its specs; a global norm over ranks is
+// sqrt(sum of norm^2) over the sharded tensors (replicated ones counted once), computed by the caller.
+#pragma once
+#include "fp8_kernels.cuh"
+
+// ----------------------------------------------------------------------------------------------
+// 1. Configuration and the schedule.
+
+struct AdamWConfig {
+    float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+    float weight_decay = 0.1f;   // decoupled (w -= lr * wd * w), 2-D tensors only
+    float grad_clip = 1.0f;      // clip the global gradient norm to this; 0 = off
+#if defined(PRECISION_FP8)
+    DType m_dtype = DT_E4M3;     // the recipe: E4M3 first moment with its own per-tensor scale,
+    DType v_dtype = DT_BF16;     // BF16 second moment
+#else
+    DType m_dtype = DT_FP32;     // the baseline: FP32 moments
+    DType v_dtype = DT_FP32;
+#endif
+    bool update_clip = false;    // divide each tensor's Adam update by max(1, RMS(update)) (Adafactor,
+                                 // Shazeer & Stern 2018; the update clipping of the first FP8-LM recipe)
+    bool use_atan2 = false;      // Adam-atan2: update = atan2(m_hat, sqrt(v_hat)), no eps (Everett et al. 2024,
+                                 // "Scaling exponents across parameterizations and optimizers", with a = b = 1)
+};
+
+inline DType adamw_parse_moment_dtype(const char* flag, const char* value) {
+    if (strcmp(value, "fp32") == 0) return DT_FP32;
+    if (strcmp(value, "bf16") == 0) return DT_BF16;
+    if (strcmp(value, "e4m3") == 0) return DT_E4M3;
+    if (strcmp(value, "e5m2") == 0) return DT_E5M2;
+    fail("%s %s: unknown moment type; use fp32, bf16, e4m3 or e5m2", flag, value);
+}
+
+inline void adamw_config_validate(const AdamWConfig& c) {
+    if (c.m_dtype == DT_E5M2)
+        fail("AdamW first moment E5M2 (--m-dtype e5m2) is not supported: m needs E4M3's mantissa; use e4m3, bf16 or fp32");
+    if (!(c.beta1 >= 0.0f && c.beta1 < 1.0f)) fail("AdamW beta1 = %g: must be in [0, 1)", c.beta1);
+    if (!(c.beta2 >= 0.0f && c.beta2 < 1.0f)) fail("AdamW beta2 = %g: must be in [0, 1)", c.beta2);
+    if (!(c.eps > 0.0f) && !c.use_atan2) fail("AdamW eps = %g: must be > 0 (only Adam-atan2 needs none)", c.eps);
+    if (!(c.weight_decay >= 0.0f)) fail("AdamW weight decay = %g: must be >= 0 (--weight-decay)", c.weight_decay);
+    if (!(c.grad_clip >= 0.0f)) fail("AdamW gradient clip = %g: must be >= 0, 0 = off (--grad-clip)", c.grad_clip);
+}
+
+// Learning rate at 0-based `step` of a run of `total_steps`:
+//   warm-up   step < W:  max_lr * (step + 1) / W
+//   decay     step >= W: min + (max_lr - min) * (1 + cos(pi * p)) / 2,  p = (step - W) / (total_steps - 1 - W),
+//             min = final_frac * max_lr, so the first step after warm-up gets max_lr and the last one min.
+inline float lr_schedule(int step, int total_steps, int warmup_steps, float max_lr, float final_frac) {
+    if (total_steps < 1) fail("lr_schedule: total steps = %d, must be >= 1 (--steps)", total_steps);
+    if (step < 0 || step >= total_steps) fail("lr_schedule: step %d is outside 0..%d (--steps %d)", step, total_steps - 1, total_steps);
+    if (warmup_steps < 0) fail("lr_schedule: warm-up steps = %d, must be >= 0 (--warmup)", warmup_steps);
+    if (!(max_lr >= 0.0f)) fail("lr_schedule: learning rate = %g, must be >= 0 (--lr)", max_lr);
+    if (!(final_frac >= 0.0f && final_frac <= 1.0f)) fail("lr_schedule: final fraction = %g, must be in [0, 1] (--final-lr-frac)", final_frac);
+    if (step < warmup_steps) return (float)((double)max_lr * (step + 1) / warmup_steps);
+    int decay_steps = total_steps - 1 - warmup_steps;
+    if (decay_steps <= 0) return max_lr;
+    double p = (double)(step - warmup_steps) / decay_steps;
+    double min_lr = (double)max_lr * final_frac;
+    return (float)(min_lr + ((double)max_lr - min_lr) * 0.5 * (1.0 + cos(M_PI * p)));
+}
+
+// ----------------------------------------------------------------------------------------------
+// 2. Moment storage.
+// FP32 and BF16 hold m and v as they are. FP8 holds them times a per-tensor power-of-two scale (the scale
+// rule of fp8_kernels.cuh, current scaling, with an Fp8Meta per tensor): the new moment is quantized with
+// the scale of its own amax at every step.
+//
+// Choosing the scale of the new moment. Two ways: (a) a second pass: compute the new moments in FP32,
+// reduce their amax per tensor, then quantize in the update pass; (b) a delayed amax: quantize with the
+// scale of the previous step's amax, less a margin of a few binades for growth. We use (a), for accuracy:
+// (b) saturates whenever a tensor's moment grows faster than its margin allows (a gradient spike moves
+// m's amax by up to (1 - beta1) * spike, many binades), and every binade of margin pushes a binade of
+// small moments into E4M3's 3-binade subnormal range and then to zero. (a) is exact current scaling:
+// no saturation, and the full 17.8 binades of E4M3 below the amax. Its cost is one extra read of the
+// gradient and both stored moments: 7 bytes per parameter in the default FP8 setup, on top of the 20 the
+// update pass reads and writes, about a third more optimizer traffic (7B parameters: ~190 GB, ~40 ms of
+// H200 bandwidth per step, small next to forward and backward). Both passes compute
+// the new moments with the same instructions, so the values quantized are the values whose amax set the
+// scale. The update of this step uses the FP32 moments; the FP8 codes are what the next step reads.
+//
+// The second moment in FP8 stores sqrt(v), not v. v >= 0 spans twice the binades of the gradients
+// (gradients over 20 binades give v over 40), while E4M3 spans 17.8 and E5M2 31.8 binades: storing
+// sqrt(v) halves the span, and sqrt(v) is what the update divides by, so its relative error maps
+// 1:1 onto the update. Near zero: a sqrt(v) below half the smallest subnormal rounds to code 0, and
+// reading that back as v = 0 is the one dangerous case: if that element's m is still nonzero (m has
+// its own scale, and after a spike elsewhere in the tensor sqrt(v)'s scale drops further than m's) the
+// update divides m by sqrt(1 - beta2) |g|, or by eps alone once g is 0: hundreds of learning rates. So
+// code 0 reads back as half the smallest subnormal (times 1/scale): the upper end of the values that round
+// to 0. Exact Adam keeps |m_hat| <= ~1.17 sqrt(v_hat) (beta1^2 < beta2), so an element whose sqrt(v)
+// underflowed now gets a step within that bound times the rounding of the smallest codes (a few learning
+// rates at most), never the 1/eps blow-up. Codes above 0 are unchanged. The floor is relative to the
+// tensor's scale; the initial all-zero state gets the scale rule's answer for amax 0 (2^108 for E4M3),
+// which makes its floor (~1e-36) vanish in FP32.
+// (FP8 storage also drops EMA steps smaller than half a code step: a moment moves only when the new
+// gradient term differs from it by more than about its relative code spacing divided by (1 - beta), and
+// an m of 0 never leaves 0 while (1 - beta1) |g| is below half the smallest code. Gradient noise keeps
+// most moments moving; this is the recipe's known cost, and why v defaults to BF16.)
+
+// Half the smallest subnormal of an FP8 format: 2^(-bias - man_bits). E4M3 2^-10, E5M2 2^-17.
+template <DType T>
+__device__ constexpr float fp8_half_min_subnormal() { return T == DT_E4M3 ? 0x1p-10f : 0x1p-17f; }
+
+template <DType T>
+__device__ inline float moment_load(const void* base, size_t i) {
+    if constexpr (T == DT_FP32) return ((const float*)base)[i];
+    else if constexpr (T == DT_BF16) return __bfloat162float(((const bf16*)base)[i]);
+    else return fp8_decode<T == DT_E4M3 ? E4M3 : E5M2>(((const fp8*)base)[i]);
+}
+template <DType T>
+__device__ inline void moment_store(void* base, size_t i, float x) {
+    if constexpr (T == DT_FP32) ((float*)base)[i] = x;
+    else if constexpr (T == DT_BF16) ((bf16*)base)[i] = __float2bfloat16(x);   // round to nearest even
+    else ((fp8*)base)[i] = fp8_encode<T == DT_E4M3 ? E4M3 : E5M2>(x);          // RNE, saturating
+}
+// v from its storage; `decode` = 1/scale for FP8 (1 otherwise). FP8 holds sqrt(v) with code 0 read as
+// half the smallest subnormal (see above).
+template <DType V>
+__device__ inline float second_moment_load(const void* base, size_t i, float decode) {
+    if constexpr (V == DT_E4M3 || V == DT_E5M2) {
+        float s = fmaxf(moment_load<V>(base, i), fp8_half_min_subnormal<V>()) * decode;
+        return s * s;
+    } else {
+        return moment_load<V>(base, i);
+    }
+}
+template <DType V>
+__device__ inline void second_moment_store(void* base, size_t i, float v, float encode) {
+    if constexpr (V == DT_E4M3 || V == DT_E5M2) moment_store<V>(base, i, sqrtf(v) * encode);
+    else moment_store<V>(base, i, v);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 3. The optimizer state.
+// Work is split into blocks of ADAMW_BLOCK_ELEMS elements, each inside one tensor; a table maps every
+// block to its tensor, so one launch covers all tensors. Sums (gradient norm, update RMS) are per-block
+// partials followed by a fixed-order sum, with no float atomics; maxima (moment amax) are integer
+// atomicMax on the bits, exact and order-free. Both are deterministic.
+constexpr int ADAMW_THREADS = 256;
+constexpr int ADAMW_BLOCK_ELEMS = 8192;
+
+struct AdamWTensor {           // one row of the device tensor table
+    size_t offset, numel;      // in elements, as in TensorSpec
+    float weight_decay;        // config.weight_decay for 2-D tensors, 0 for the others
+    int first_block, num_blocks;
+};
+struct AdamWScales {           // per tensor, for the update pass (written by the scales kernel)
+    float m_decode, m_encode;  // FP8 m: 1/scale of the stored m, scale of the new m (else 1, 1)
+    float v_decode, v_encode;  // the same for FP8 v (which stores sqrt(v))
+    float update;              // update clipping: 1 / max(1, RMS(update)) (else 1)
+};
+struct AdamWStepArgs {
+    float lr, clip;                        // clip = min(1, grad_clip / grad_norm) multiplies the gradients
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+    float m_correction, v_correction;      // 1 / (1 - beta^t): Adam's bias corrections at step t
+    bool use_atan2;
+};
+
+struct AdamW {
+    AdamWConfig config;
+    std::vector<TensorSpec> specs;
+    size_t num_params = 0;
+    int step = 0;               // updates applied so far; the next one is step t = step + 1
+    // The state: one allocation, parts in this order, each starting 256-byte aligned. adamw_save writes a
+    // header and then the parts in this order, each exactly (no padding):
+    //   master  num_params x float, the FP32 master weights
+    //   m       num_params x m_dtype (FP8: code of m * scale)
+    //   v       num_params x v_dtype (FP8: code of sqrt(v) * scale)
+    //   m_meta  one Fp8Meta per tensor, in specs order (only when m is FP8)
+    //   v_meta  one Fp8Meta per tensor (only when v is FP8)
+    void* state = nullptr;
+    size_t state_bytes = 0;
+    float* master = nullptr;
+    void* m = nullptr;
+    void* v = nullptr;
+    Fp8Meta* m_meta = nullptr;
+    Fp8Meta* v_meta = nullptr;
+    // Work buffers (rebuilt by adamw_create, not saved).
+    int num_blocks = 0;
+    AdamWTensor* tensors = nullptr;   // [specs.size()]
+    int* block_tensor = nullptr;      // [num_blocks]
+    AdamWScales* scales = nullptr;    // [specs.size()]
+    float* partials = nullptr;        // [num_blocks]: per-block sums of squares (gradient norm, update clipping)
+    float* norm = nullptr;            // [1]
+};
+
+struct AdamWPart { void* ptr; size_t bytes; const char* name; };
+// The parts of the state in the documented order (FP8 meta parts only where the moment is FP8).
+inline std::vector<AdamWPart> adamw_state_parts(const AdamW* opt) {
+    size_t n = opt->num_params, t = opt->specs.size();
+    std::vector<AdamWPart> parts = {{opt->master, n * sizeof(float), "master weights"},
+                                    {opt->m, n * dtype_size(opt->config.m_dtype), "first moment"},
+                                    {opt->v, n * dtype_size(opt->config.v_dtype), "second moment"}};
+    if (opt->m_meta) parts.push_back({opt->m_meta, t * sizeof(Fp8Meta), "first moment scales"});
+    if (opt->v_meta) parts.push_back({opt->v_meta, t * sizeof(Fp8Meta), "second moment scales"});
+    return parts;
+}
+
+inline size_t adamw_moment_bytes_per_param(const AdamWConfig& c) { return dtype_size(c.m_dtype) + dtype_size(c.v_dtype); }
+
+// ----------------------------------------------------------------------------------------------
+// 4. Kernels.
+
+// Sum one value per thread over the block in a fixed order (warp butterflies, then warp 0): the same
+// inputs give the same bits. The result is valid in thread 0.
+template <class T>
+__device__ T adamw_block_sum(T x) {
+    __shared__ T warp_sums[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        x = lane < (int)(blockDim.x / 32) ? warp_sums[lane] : (T)0;
+        for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    }
+    return x;
+}
+
+// The element range of this block: [begin, end) within tensor t.
+__device__ inline void adamw_block_range(const AdamWTensor& t, size_t* begin, size_t* end) {
+    *begin = (size_t)(blockIdx.x - t.first_block) * ADAMW_BLOCK_ELEMS;
+    *end = min(*begin + ADAMW_BLOCK_ELEMS, t.numel);
+}
+
+// The AdamW moments of one element, in FP32 (Loshchilov & Hutter 2019, Algorithm 2):
+//   g = clip * grad;  m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+// Every multiply-add is an explicit fmaf, so the arithmetic is fixed (no compiler contraction) and the
+// host can repeat it bit for bit.
+__device__ inline void adamw_moments(float* m_new, float* v_new, float grad, float m_old, float v_old, const AdamWStepArgs& a) {
+    float g = grad * a.clip;
+    *m_new = fmaf(a.one_minus_beta1, g, a.beta1 * m_old);
+    *v_new = fmaf(a.one_minus_beta2, g * g, a.beta2 * v_old);
+}
+// The Adam direction: m_hat / (sqrt(v_hat) + eps), or atan2(m_hat, sqrt(v_hat)) (bounded by pi/2, no eps).
+__device__ inline float adamw_direction(float m_new, float v_new, const AdamWStepArgs& a) {
+    float m_hat = m_new * a.m_correction, v_hat = v_new * a.v_correction;
+    return a.use_atan2 ? atan2f(m_hat, sqrtf(v_hat)) : m_hat / (sqrtf(v_hat) + a.eps);
+}
+
+// Global gradient norm, pass 1: per block, the sum of squares of its gradients.
+__global__ void adamw_grad_sumsq_kernel(float* partials, const float* grads, const AdamWTensor* tensors, const int* block_tensor) {
+    AdamWTensor t = tensors[block_tensor[blockIdx.x]];
+    size_t begin, end;
+    adamw_block_range(t, &begin, &end);
+    const float* g = grads + t.offset;
+    float sum = 0.0f;
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) sum = fmaf(g[i], g[i], sum);
+    sum = adamw_block_sum(sum);
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+// Pass 2 (one block): the fixed-order sum of the partials (in double: one block, free) and its sqrt.
+__global__ void adamw_grad_norm_kernel(float* norm, const float* partials, int num_blocks) {
+    double sum = 0.0;
+    for (int b = threadIdx.x; b < num_blocks; b += blockDim.x) sum += partials[b];
+    sum = adamw_block_sum(sum);
+    if (threadIdx.x == 0) *norm = (float)sqrt(sum);
+}
+
+// Update pass 1 (when a moment is FP8 or update clipping is on): the amax of the new m and of the new
+// sqrt(v) per tensor, gathered into Fp8Meta::amax_pending with the integer atomicMax of fp8_kernels.cuh
+// (exact and order-free), and per block the sum of squares of the Adam direction.
+template <DType M, DType V>
+__global__ void adamw_stats_kernel(float* partials, const float* grads, const void* m, const void* v, Fp8Meta* m_meta,
+                                   Fp8Meta* v_meta, const AdamWTensor* tensors, const int* block_tensor, AdamWStepArgs a,
+                                   bool update_clip) {
+    constexpr bool m_fp8 = M == DT_E4M3, v_fp8 = V == DT_E4M3 || V == DT_E5M2;
+    int ti = block_tensor[blockIdx.x];
+    AdamWTensor t = tensors[ti];
+    float m_decode = 1.0f, v_decode = 1.0f;
+    if constexpr (m_fp8) m_decode = m_meta[ti].inv_scale;
+    if constexpr (v_fp8) v_decode = v_meta[ti].inv_scale;
+    size_t begin, end;
+    adamw_block_range(t, &begin, &end);
+    unsigned int m_amax = 0, sqrt_v_amax = 0;   // bits of |x|: their integer order is the numeric order
+    float update_sumsq = 0.0f;
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        size_t j = t.offset + i;
+        float m_new, v_new;
+        adamw_moments(&m_new, &v_new, grads[j], moment_load<M>(m, j) * m_decode, second_moment_load<V>(v, j, v_decode), a);
+        m_amax = max(m_amax, abs_bits(m_new));
+        sqrt_v_amax = max(sqrt_v_amax, abs_bits(sqrtf(v_new)));
+        if (update_clip) {
+            float u = adamw_direction(m_new, v_new, a);
+            update_sumsq = fmaf(u, u, update_sumsq);
+        }
+    }
+    if constexpr (m_fp8) block_atomic_max(&m_meta[ti].amax_pending, m_amax);
+    __syncthreads();   // block_atomic_max's shared memory is reused next
+    if constexpr (v_fp8) block_atomic_max(&v_meta[ti].amax_pending, sqrt_v_amax);
+    if (update_clip) {
+        update_sumsq = adamw_block_sum(update_sumsq);
+        if (threadIdx.x == 0) partials[blockIdx.x] = update_sumsq;
+    }
+}
+
+// One block per tensor: move the FP8 moment scales to the gathered amax (fp8_meta_update, current scaling;
+// a non-finite amax keeps the scale and is counted) keeping the old 1/scale for decoding, and set the
+// update-clipping factor 1 / max(1, RMS) from the tensor's block partials, summed in a fixed order.
+__global__ void adamw_scales_kernel(AdamWScales* scales, Fp8Meta* m_meta, Fp8Meta* v_meta, const float* partials,
+                                    const AdamWTensor* tensors, Fp8Format m_format, Fp8Format v_format, Fp8Recipe recipe,
+                                    bool update_clip) {
+    int ti = blockIdx.x;
+    AdamWTensor t = tensors[ti];
+    double update_sumsq = 0.0;
+    if (update_clip) {
+        for (int b = t.first_block + threadIdx.x; b < t.first_block + t.num_blocks; b += blockDim.x) update_sumsq += partials[b];
+        update_sumsq = adamw_block_sum(update_sumsq);
+    }
+    if (threadIdx.x == 0) {
+        AdamWScales s = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+        if (m_meta) {
+            Fp8Meta* meta = &m_meta[ti];
+            s.m_decode = meta->inv_scale;
+            fp8_meta_update(meta, __uint_as_float(meta->amax_pending), m_format, recipe);
+            meta->amax_pending = 0;
+            s.m_encode = meta->scale;
+        }
+        if (v_meta) {
+            Fp8Meta* meta = &v_meta[ti];
+            s.v_decode = meta->inv_scale;
+            fp8_meta_update(meta, __uint_as_float(meta->amax_pending), v_format, recipe);
+            meta->amax_pending = 0;
+            s.v_encode = meta->scale;
+        }
+        if (update_clip) {
+            float rms = (float)sqrt(update_sumsq / (double)t.numel);
+            s.update = rms > 1.0f ? 1.0f / rms : 1.0f;
+        }
+        scales[ti] = s;
+    }
+}
+
+// The update pass: reads gradient, master weight and both moments once; writes master, moments and the
+// BF16 weight. Decoupled weight decay (AdamW): w = w - lr * (u + wd * w), u the (clipped) Adam direction.
+template <DType M, DType V>
+__global__ void adamw_update_kernel(float* master, void* m, void* v, bf16* weights, const float* grads, const AdamWTensor* tensors,
+                                    const int* block_tensor, const AdamWScales* scales, AdamWStepArgs a) {
+    int ti = block_tensor[blockIdx.x];
+    AdamWTensor t = tensors[ti];
+    AdamWScales s = scales[ti];
+    size_t begin, end;
+    adamw_block_range(t, &begin, &end);
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        size_t j = t.offset + i;
+        float m_new, v_new;
+        adamw_moments(&m_new, &v_new, grads[j], moment_load<M>(m, j) * s.m_decode, second_moment_load<V>(v, j, s.v_decode), a);
+        float u = adamw_direction(m_new, v_new, a) * s.update;
+        float w = master[j];
+        w = fmaf(-a.lr, fmaf(t.weight_decay, w, u), w);
+        master[j] = w;
+        weights[j] = __float2bfloat16(w);
+        moment_store<M>(m, j, m_new * s.m_encode);
+        second_moment_store<V>(v, j, v_new, s.v_encode);
+    }
+}
+
+__global__ void adamw_export_weights_kernel(bf16* weights, const float* master, const AdamWTensor* tensors, const int* block_tensor) {
+    AdamWTensor t = tensors[block_tensor[blockIdx.x]];
+    size_t begin, end;
+    adamw_block_range(t, &begin, &end);
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) weights[t.offset + i] = __float2bfloat16(master[t.offset + i]);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 5. Launchers.
+
+inline void adamw_create(AdamW* opt, const std::vector<TensorSpec>& specs, size_t num_params, const float* init_master_host,
+                         const AdamWConfig& config) {
+    adamw_config_validate(config);
+    if (specs.empty()) fail("adamw_create: no tensors to optimize");
+    // The tensor table: every tensor inside [0, num_params), rows x cols elements, no two overlapping.
+    std::vector<AdamWTensor> table;
+    std::vector<int> block_tensor;
+    for (size_t i = 0; i < specs.size(); i++) {
+        const TensorSpec& s = specs[i];
+        if (s.numel == 0 || s.numel != (size_t)s.rows * (size_t)s.cols)
+            fail("adamw_create: tensor %s has numel %zu but shape %d x %d", s.name.c_str(), s.numel, s.rows, s.cols);
+        if (s.offset + s.numel > num_params)
+            fail("adamw_create: tensor %s (offset %zu, %zu elements) ends past the %zu parameters", s.name.c_str(), s.offset, s.numel, num_params);
+        int blocks = ceil_div((long)s.numel, ADAMW_BLOCK_ELEMS);
+        table.push_back({s.offset, s.numel, s.is_matrix() ? config.weight_decay : 0.0f, (int)block_tensor.size(), blocks});
+        if (block_tensor.size() + blocks > (size_t)INT32_MAX) fail("adamw_create: more than 2^31 blocks of %d parameters", ADAMW_BLOCK_ELEMS);
+        block_tensor.insert(block_tensor.end(), blocks, (int)i);
+    }
+    std::vector<size_t> order(specs.size());
+    for (size_t i = 0; i < order.size(); i++) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return specs[a].offset < specs[b].offset; });
+    for (size_t k = 1; k < order.size(); k++) {
+        const TensorSpec &a = specs[order[k - 1]], &b = specs[order[k]];
+        if (a.offset + a.numel > b.offset) fail("adamw_create: tensors %s and %s overlap", a.name.c_str(), b.name.c_str());
+    }
+
+    opt->config = config;
+    opt->specs = specs;
+    opt->num_params = num_params;
+    opt->step = 0;
+    opt->num_blocks = (int)block_tensor.size();
+    bool m_fp8 = dtype_is_fp8(config.m_dtype), v_fp8 = dtype_is_fp8(config.v_dtype);
+    size_t nt = specs.size();
+    size_t sizes[5] = {num_params * sizeof(float), num_params * dtype_size(config.m_dtype), num_params * dtype_size(config.v_dtype),
+                       m_fp8 ? nt * sizeof(Fp8Meta) : 0, v_fp8 ? nt * sizeof(Fp8Meta) : 0};
+    size_t offsets[5], total = 0;
+    for (int k = 0; k < 5; k++) {
+        offsets[k] = total;
+        total += (sizes[k] + 255) / 256 * 256;
+    }
+    opt->state_bytes = total;
+    cudaCheck(cudaMalloc(&opt->state, total));
+    char* base = (char*)opt->state;
+    opt->master = (float*)(base + offsets[0]);
+    opt->m = base + offsets[1];
+    opt->v = base + offsets[2];
+    opt->m_meta = m_fp8 ? (Fp8Meta*)(base + offsets[3]) : nullptr;
+    opt->v_meta = v_fp8 ? (Fp8Meta*)(base + offsets[4]) : nullptr;
+    cudaCheck(cudaMemcpy(opt->master, init_master_host, sizes[0], cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemset(opt->m, 0, sizes[1]));   // zero in every format (FP8 code 0 is +0)
+    cudaCheck(cudaMemset(opt->v, 0, sizes[2]));
+    // The moments start at exactly zero, so their scale is the rule's answer for amax 0 (see section 2).
+    for (int k = 0; k < 2; k++) {
+        Fp8Meta* meta = k == 0 ? opt->m_meta : opt->v_meta;
+        if (!meta) continue;
+        Fp8Format f = (k == 0 ? config.m_dtype : config.v_dtype) == DT_E4M3 ? E4M3 : E5M2;
+        Fp8Meta initial = fp8_meta_initial();
+        initial.scale = fp8_scale_from_amax(0.0f, fp8_max(f), 0, 1.0f);
+        initial.inv_scale = 1.0f / initial.scale;
+        std::vector<Fp8Meta> metas(nt, initial);
+        cudaCheck(cudaMemcpy(meta, metas.data(), nt * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
+    }
+
+    cudaCheck(cudaMalloc(&opt->tensors, nt * sizeof(AdamWTensor)));
+    cudaCheck(cudaMalloc(&opt->block_tensor, block_tensor.size() * sizeof(int)));
+    cudaCheck(cudaMalloc(&opt->scales, nt * sizeof(AdamWScales)));
+    cudaCheck(cudaMalloc(&opt->partials, block_tensor.size() * sizeof(float)));
+    cudaCheck(cudaMalloc(&opt->norm, sizeof(float)));
+    cudaCheck(cudaMemcpy(opt->tensors, table.data(), nt * sizeof(AdamWTensor), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(opt->block_tensor, block_tensor.data(), block_tensor.size() * sizeof(int), cudaMemcpyHostToDevice));
+    std::vector<AdamWScales> ones(nt, AdamWScales{1.0f, 1.0f, 1.0f, 1.0f, 1.0f});   // used as is when no stats pass runs
+    cudaCheck(cudaMemcpy(opt->scales, ones.data(), nt * sizeof(AdamWScales), cudaMemcpyHostToDevice));
+}
+
+inline void adamw_destroy(AdamW* opt) {
+    cudaCheck(cudaFree(opt->state));
+    cudaCheck(cudaFree(opt->tensors));
+    cudaCheck(cudaFree(opt->block_tensor));
+    cudaCheck(cudaFree(opt->scales));
+    cudaCheck(cudaFree(opt->partials));
+    cudaCheck(cudaFree(opt->norm));
+    *opt = AdamW();
+}
+
+inline float adamw_grad_norm(AdamW* opt, const float* grads, cudaStream_t stream) {
+    adamw_grad_sumsq_kernel<<<opt->num_blocks, ADAMW_THREADS, 0, stream>>>(opt->partials, grads, opt->tensors, opt->block_tensor);
+    cudaCheckLaunch();
+    adamw_grad_norm_kernel<<<1, 1024, 0, stream>>>(opt->norm, opt->partials, opt->num_blocks);
+    cudaCheckLaunch();
+    float norm = 0.0f;
+    cudaCheck(cudaMemcpyAsync(&norm, opt->norm, sizeof(float), cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+    return norm;
+}
+
+template <DType M, DType V>
+inline void adamw_step_launch(AdamW* opt, const float* grads, bf16* weights, const AdamWStepArgs& a, cudaStream_t stream) {
+    const AdamWConfig& c = opt->config;
+    if (dtype_is_fp8(M) || dtype_is_fp8(V) || c.update_clip) {
+        adamw_stats_kernel<M, V><<<opt->num_blocks, ADAMW_THREADS, 0, stream>>>(opt->partials, grads, opt->m, opt->v, opt->m_meta,
+                                                                               opt->v_meta, opt->tensors, opt->block_tensor, a,
+                                                                               c.update_clip);
+        cudaCheckLaunch();
+        adamw_scales_kernel<<<(int)opt->specs.size(), ADAMW_THREADS, 0, stream>>>(
+            opt->scales, opt->m_meta, opt->v_meta, opt->partials, opt->tensors, M == DT_E4M3 ? E4M3 : E5M2,
+            V == DT_E4M3 ? E4M3 : E5M2, Fp8Recipe(), c.update_clip);
+        cudaCheckLaunch();
+    }
+    adamw_update_kernel<M, V><<<opt->num_blocks, ADAMW_THREADS, 0, stream>>>(opt->master, opt->m, opt->v, weights, grads, opt->tensors,
+                                                                             opt->block_tensor, opt->scales, a);
+    cudaCheckLaunch();
+}
+template <DType M>
+inline void adamw_step_dispatch_v(AdamW* opt, const float* grads, bf16* weights, const AdamWStepArgs& a, cudaStream_t stream) {
+    switch (opt->config.v_dtype) {
+        case DT_FP32: adamw_step_launch<M, DT_FP32>(opt, grads, weights, a, stream); break;
+        case DT_BF16: adamw_step_launch<M, DT_BF16>(opt, grads, weights, a, stream); break;
+        case DT_E4M3: adamw_step_launch<M, DT_E4M3>(opt, grads, weights, a, stream); break;
+        case DT_E5M2: adamw_step_launch<M, DT_E5M2>(opt, grads, weights, a, stream); break;
+    }
+}
+
+inline void adamw_step(AdamW* opt, const float* grads, bf16* weights, float lr, float grad_norm, cudaStream_t stream) {
+    const AdamWConfig& c = opt->config;
+    if (!std::isfinite(grad_norm))
+        fail("adamw_step: the gradient norm is %g; skip this step instead (check adamw_grad_norm's result first)", grad_norm);
+    if (!(lr >= 0.0f) || !std::isfinite(lr)) fail("adamw_step: learning rate %g, must be finite and >= 0", lr);
+    opt->step += 1;
+    AdamWStepArgs a;
+    a.lr = lr;
+    a.clip = (c.grad_clip > 0.0f && grad_norm > c.grad_clip) ? c.grad_clip / grad_norm : 1.0f;
+    a.beta1 = c.beta1;
+    a.one_minus_beta1 = 1.0f - c.beta1;   // exact in float for beta1 in [0.5, 1) (Sterbenz)
+    a.beta2 = c.beta2;
+    a.one_minus_beta2 = 1.0f - c.beta2;
+    a.eps = c.eps;
+    a.m_correction = (float)(1.0 / (1.0 - pow((double)c.beta1, opt->step)));
+    a.v_correction = (float)(1.0 / (1.0 - pow((double)c.beta2, opt->step)));
+    a.use_atan2 = c.use_atan2;
+    switch (c.m_dtype) {
+        case DT_FP32: adamw_step_dispatch_v<DT_FP32>(opt, grads, weights, a, stream); break;
+        case DT_BF16: adamw_step_dispatch_v<DT_BF16>(opt, grads, weights, a, stream); break;
+        case DT_E4M3: adamw_step_dispatch_v<DT_E4M3>(opt, grads, weights, a, stream); break;
+        case DT_E5M2: fail("adamw_step: first moment E5M2 is not supported");
+    }
+}
+
+inline void adamw_export_weights(const AdamW* opt, bf16* weights, cudaStream_t stream) {
+    adamw_export_weights_kernel<<<opt->num_blocks, ADAMW_THREADS, 0, stream>>>(weights, opt->master, opt->tensors, opt->block_tensor);
+    cudaCheckLaunch();
+}
+
+// ----------------------------------------------------------------------------------------------
+// 6. Save and load. The format (little-endian):
+//   AdamWFileHeader (40 bytes, below), then the state parts of section 3 in order, each exactly its bytes:
+//   master weights, m, v, m scales (if FP8), v scales (if FP8). Fp8Meta is saved whole (scale, inv_scale,
+//   amax, counters, history), so a resumed run quantizes exactly as the uninterrupted one.
+constexpr uint32_t ADAMW_MAGIC = 0x574D4441;   // the bytes "ADMW"
+constexpr uint32_t ADAMW_VERSION = 1;
+struct AdamWFileHeader {
+    uint32_t magic, version;
+    uint32_t m_dtype, v_dtype;     // DType codes
+    uint32_t num_tensors;
+    int32_t step;                  // updates applied
+    uint64_t num_params;
+    uint64_t table_hash;           // FNV-1a of the tensors' (offset, numel)
+};
+static_assert(sizeof(AdamWFileHeader) == 40, "the AdamW file header is 40 bytes, as documented");
+
+inline uint64_t adamw_table_hash(const std::vector<TensorSpec>& specs) {
+    uint64_t h = 14695981039346656037ull;
+    for (const TensorSpec& s : specs) {
+        uint64_t words[2] = {s.offset, s.numel};
+        const unsigned char* p = (const unsigned char*)words;
+        for (size_t i = 0; i < sizeof(words); i++) h = (h ^ p[i]) * 1099511628211ull;
+    }
+    return h;
+}
+inline AdamWFileHeader adamw_file_header(const AdamW* opt) {
+    return {ADAMW_MAGIC, ADAMW_VERSION, (uint32_t)opt->config.m_dtype, (uint32_t)opt->config.v_dtype,
+            (uint32_t)opt->specs.size(), opt->step, opt->num_params, adamw_table_hash(opt->specs)};
+}
+
+constexpr size_t ADAMW_IO_CHUNK = 64u << 20;   // device <-> file through a 64 MiB host buffer
+
+inline void adamw_save(const AdamW* opt, FILE* f) {
+    cudaCheck(cudaDeviceSynchronize());
+    AdamWFileHeader h = adamw_file_header(opt);
+    if (fwrite(&h, sizeof(h), 1, f) != 1) fail("adamw_save: writing the optimizer header failed (disk full?)");
+    std::vector<char> buffer(ADAMW_IO_CHUNK);
+    for (const AdamWPart& part : adamw_state_parts(opt)) {
+        for (size_t done = 0; done < part.bytes; done += ADAMW_IO_CHUNK) {
+            size_t n = std::min(ADAMW_IO_CHUNK, part.bytes - done);
+            cudaCheck(cudaMemcpy(buffer.data(), (char*)part.ptr + done, n, cudaMemcpyDeviceToHost));
+            if (fwrite(buffer.data(), 1, n, f) != n) fail("adamw_save: writing the %s failed (disk full?)", part.name);
+        }
+    }
+}
+
+inline void adamw_load(AdamW* opt, FILE* f, const char* path) {
+    AdamWFileHeader got, want = adamw_file_header(opt);
+    if (fread(&got, sizeof(got), 1, f) != 1) fail("%s: the optimizer state is missing (file ends before its header)", path);
+    if (got.magic != ADAMW_MAGIC || got.version != ADAMW_VERSION)
+        fail("%s: no AdamW state version %u here (magic 0x%08x version %u): damaged or foreign file", path, ADAMW_VERSION, got.magic, got.version);
+    if (got.m_dtype != want.m_dtype || got.v_dtype != want.v_dtype)
+        fail("%s: the saved moments are m %s, v %s; this run has m %s, v %s: resume with --m-dtype/--v-dtype of the saved run",
+             path, got.m_dtype < 4 ? dtype_name((DType)got.m_dtype) : "?", got.v_dtype < 4 ? dtype_name((DType)got.v_dtype) : "?",
+             dtype_name(opt->config.m_dtype), dtype_name(opt->config.v_dtype));
+    if (got.num_tensors != want.num_tensors || got.num_params != want.num_params || got.table_hash != want.table_hash)
+        fail("%s: the saved optimizer has %u tensors and %llu parameters (layout hash %016llx), this model %u and %llu (%016llx)",
+             path, got.num_tensors, (unsigned long long)got.num_params, (unsigned long long)got.table_hash, want.num_tensors,
+             (unsigned long long)want.num_params, (unsigned long long)want.table_hash);
+    if (got.step < 0) fail("%s: the saved optimizer step is %d: damaged file", path, got.step);
+    std::vector<char> buffer(ADAMW_IO_CHUNK);
+    for (const AdamWPart& part : adamw_state_parts(opt)) {
+        for (size_t done = 0; done < part.bytes; done += ADAMW_IO_CHUNK) {
+            size_t n = std::min(ADAMW_IO_CHUNK, part.bytes - done);
+            if (fread(buffer.data(), 1, n, f) != n) fail("%s: the optimizer's %s ends early (truncated file)", path, part.name);
+            cudaCheck(cudaMemcpy((char*)part.ptr + done, buffer.data(), n, cudaMemcpyHostToDevice));
+        }
+    }
+    opt->step = got.step;
+}
+
+inline void adamw_print_memory(const AdamW* opt) {
+    const AdamWConfig& c = opt->config;
+    size_t mb = dtype_size(c.m_dtype), vb = dtype_size(c.v_dtype);
+    size_t meta_bytes = ((opt->m_meta ? 1 : 0) + (opt->v_meta ? 1 : 0)) * opt->specs.size() * sizeof(Fp8Meta);
+    printf("optimizer: AdamW, m %s%s, v %s%s, FP32 master weights%s%s\n", dtype_name(c.m_dtype),
+           dtype_is_fp8(c.m_dtype) ? " (per-tensor scale)" : "", dtype_name(c.v_dtype),
+           dtype_is_fp8(c.v_dtype) ? " (sqrt(v), per-tensor scale)" : "", c.update_clip ? ", update clipping" : "",
+           c.use_atan2 ? ", Adam-atan2" : "");
+    printf("bytes per parameter: weights 2 (BF16) + gradients 4 (FP32) + master weights 4 (FP32) + moments %zu (m %zu + v %zu) = %zu\n",
+           mb + vb, mb, vb, 2 + 4 + 4 + mb + vb);
+    printf("optimizer state: %.1f MiB for %zu parameters in %zu tensors (FP8 scales %.1f KiB)\n",
+           (double)opt->num_params * (4 + mb + vb) / 1048576.0, opt->num_params, opt->specs.size(), meta_bytes / 1024.0);
+}
