@@ -17,6 +17,8 @@
 #include "fp8_kernels.cuh"
 #include "attention.cuh"
 #include "dataloader.h"   // strprintf, splitmix64
+#include <atomic>
+#include <thread>
 
 // ----------------------------------------------------------------------------------------------
 // 1. Config
@@ -172,19 +174,26 @@ inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed
     std::vector<TensorSpec> specs = model_param_specs(c);
     std::vector<float> w(specs.back().offset + specs.back().numel);
     const double residual_scale = 1.0 / sqrt(2.0 * c.n_layers);
-    for (size_t i = 0; i < specs.size(); i++) {
-        const TensorSpec& s = specs[i];
-        float* out = w.data() + s.offset;
-        if (s.cols == 1) {   // the norm weights are the only 1-D tensors
-            std::fill(out, out + s.numel, 1.0f);
-            continue;
+    // Each tensor has its own RNG stream, so threads can take tensors in any order: same weights.
+    std::atomic<size_t> next(0);
+    auto worker = [&]() {
+        for (size_t i = next++; i < specs.size(); i = next++) {
+            const TensorSpec& s = specs[i];
+            float* out = w.data() + s.offset;
+            if (s.cols == 1) {   // the norm weights are the only 1-D tensors
+                std::fill(out, out + s.numel, 1.0f);
+                continue;
+            }
+            bool in_layer = i >= 1 && (int)i < param_final_norm(c);
+            int kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
+            double stddev = 0.02 * (kind == WO || kind == W_DOWN ? residual_scale : 1.0);
+            InitRng rng(seed + ((uint64_t)i << 32));
+            for (size_t j = 0; j < s.numel; j++) out[j] = (float)(rng.normal() * stddev);
         }
-        bool in_layer = i >= 1 && (int)i < param_final_norm(c);
-        int kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
-        double stddev = 0.02 * (kind == WO || kind == W_DOWN ? residual_scale : 1.0);
-        InitRng rng(seed + ((uint64_t)i << 32));
-        for (size_t j = 0; j < s.numel; j++) out[j] = (float)(rng.normal() * stddev);
-    }
+    };
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < std::max(1u, std::thread::hardware_concurrency()); t++) threads.emplace_back(worker);
+    for (std::thread& t : threads) t.join();
     return w;
 }
 
@@ -970,6 +979,38 @@ inline void model_fp8_stats_begin(Model* m) {
 }
 inline void model_fp8_stats_end(Model* m) {
     for (Fp8Linear& lin : m->fp8.linears) lin.health = nullptr;
+}
+
+// The counts since model_fp8_stats_begin, one CSV row per FP8 tensor (layer, linear, X/W/dY, format, amax,
+// log2 of the scale, saturated and flushed fractions), and the worst of each kind for the console.
+struct Fp8StatsSummary { double worst_saturated, worst_flushed; std::string saturated_at, flushed_at; };
+inline Fp8StatsSummary model_fp8_stats_write(Model* m, int step, FILE* csv) {
+    const size_t n = m->fp8.linears.size() * 3;
+    std::vector<Fp8Meta> metas(n);
+    std::vector<Fp8Health> health(n);
+    cudaCheck(cudaMemcpyAsync(metas.data(), m->fp8.metas, n * sizeof(Fp8Meta), cudaMemcpyDeviceToHost, m->stream));
+    cudaCheck(cudaMemcpyAsync(health.data(), m->fp8.health, n * sizeof(Fp8Health), cudaMemcpyDeviceToHost, m->stream));
+    cudaCheck(cudaStreamSynchronize(m->stream));
+    static const char* linear_names[] = {"wqkv", "wo", "w_gate_up", "w_down"};
+    static const char* tensor_names[] = {"X", "W", "dY"};
+    Fp8StatsSummary sum = {0.0, 0.0, "-", "-"};
+    for (size_t i = 0; i < m->fp8.linears.size(); i++) {
+        if (!m->fp8.linears[i].w8) continue;
+        for (int t = 0; t < 3; t++) {
+            const Fp8Meta& meta = metas[3 * i + t];
+            const Fp8Health& h = health[3 * i + t];
+            if (h.total == 0) continue;
+            double sat = (double)h.saturated / h.total, flush = (double)h.flushed / h.total;
+            std::string where = strprintf("layer %zu %s %s", i / LINEARS_PER_LAYER, linear_names[i % LINEARS_PER_LAYER], tensor_names[t]);
+            if (sat > sum.worst_saturated) { sum.worst_saturated = sat; sum.saturated_at = where; }
+            if (flush > sum.worst_flushed) { sum.worst_flushed = flush; sum.flushed_at = where; }
+            if (csv)
+                fprintf(csv, "%d,%zu,%s,%s,%s,%.6e,%d,%.6e,%.6e\n", step, i / LINEARS_PER_LAYER, linear_names[i % LINEARS_PER_LAYER],
+                        tensor_names[t], t == FP8_DY ? "E5M2" : "E4M3", meta.amax, (int)log2f(meta.scale), sat, flush);
+        }
+    }
+    if (csv) fflush(csv);
+    return sum;
 }
 #endif
 

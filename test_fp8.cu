@@ -125,6 +125,9 @@ static std::vector<double> to_double(const std::vector<T>& v) {
 #if __has_include("part_adamw.inc")
 #include "part_adamw.inc"
 #endif
+#if __has_include("part_train.inc")
+#include "part_train.inc"
+#endif
 #if __has_include("part_bench.inc")
 #include "part_bench.inc"
 #else
