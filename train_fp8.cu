@@ -41,9 +41,9 @@ struct TrainOptions {
     int batch = 32;                          // B: sequences per micro-batch
     int seq = 512;                           // T: tokens per sequence
     long total_batch = 0;                    // tokens per optimizer step; 0 = B*T (no accumulation)
-    int steps = 1000;
+    int steps = 600;
     float lr = 6e-4f;
-    int warmup = 100;
+    int warmup = 60;
     float final_lr_frac = 0.1f;
     float weight_decay = 0.1f;
     float grad_clip = 1.0f;                  // global-norm clip; 0 = off
