@@ -173,6 +173,22 @@ __device__ inline void attention_load_tile_async(bf16* tile, const bf16* src, in
     }
 }
 
+// Double-buffered K/V tiles: start loading tile kt+1 into the other buffer (unless kt is the last), then
+// wait until tile kt has landed (cp.async groups complete in order).
+template <int HD>
+__device__ inline void attention_prefetch_kv(bf16* kv_tiles, const bf16* k_src, const bf16* v_src, int kt, int last_kt, int T,
+                                             int stride) {
+    if (kt < last_kt) {
+        bf16* next = kv_tiles + ((kt + 1) % 2) * 2 * AttnDims<HD>::TILE_ELEMS;
+        attention_load_tile_async<HD>(next, k_src, (kt + 1) * ATTN_TILE, T, stride);
+        attention_load_tile_async<HD>(next + AttnDims<HD>::TILE_ELEMS, v_src, (kt + 1) * ATTN_TILE, T, stride);
+        attention_cp_async_commit();
+        attention_cp_async_wait<1>();
+    } else {
+        attention_cp_async_wait<0>();
+    }
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward. One block per (query tile, query head, batch). Online softmax in base 2 (scores pre-multiplied
 // by log2(e)/sqrt(HD)): for each K/V tile, m' = max(m, rowmax S), P = exp2(S - m'),
@@ -214,15 +230,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
     for (int kt = 0; kt <= qt; kt++) {
         const bf16* k_tile = kv_tiles + (kt % 2) * 2 * Dims::TILE_ELEMS;
         const bf16* v_tile = k_tile + Dims::TILE_ELEMS;
-        if (kt < qt) {                               // prefetch the next K/V tiles into the other buffer
-            bf16* next = kv_tiles + ((kt + 1) % 2) * 2 * Dims::TILE_ELEMS;
-            attention_load_tile_async<HD>(next, k_src, (kt + 1) * ATTN_TILE, T, C3);
-            attention_load_tile_async<HD>(next + Dims::TILE_ELEMS, v_src, (kt + 1) * ATTN_TILE, T, C3);
-            attention_cp_async_commit();
-            attention_cp_async_wait<1>();
-        } else {
-            attention_cp_async_wait<0>();
-        }
+        attention_prefetch_kv<HD>(kv_tiles, k_src, v_src, kt, qt, T, C3);
         __syncthreads();
         float s[ATTN_TILE / 8][4];
         attention_strip_abt<HD>(s, q_tile, k_tile, row0, lane);
@@ -435,15 +443,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
     for (int kt = 0; kt <= qt; kt++) {
         const bf16* k_tile = kv_tiles + (kt % 2) * 2 * Dims::TILE_ELEMS;
         const bf16* v_tile = k_tile + Dims::TILE_ELEMS;
-        if (kt < qt) {
-            bf16* next = kv_tiles + ((kt + 1) % 2) * 2 * Dims::TILE_ELEMS;
-            attention_load_tile_async<HD>(next, k_src, (kt + 1) * ATTN_TILE, T, C3);
-            attention_load_tile_async<HD>(next + Dims::TILE_ELEMS, v_src, (kt + 1) * ATTN_TILE, T, C3);
-            attention_cp_async_commit();
-            attention_cp_async_wait<1>();
-        } else {
-            attention_cp_async_wait<0>();
-        }
+        attention_prefetch_kv<HD>(kv_tiles, k_src, v_src, kt, qt, T, C3);
         __syncthreads();
         const int k0 = kt * ATTN_TILE;
         float s[ATTN_TILE / 8][4], dp[ATTN_TILE / 8][4];
