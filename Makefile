@@ -46,7 +46,7 @@ NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
 	-DPRECISION_$(PRECISION) -I$(dir $(NCCL_H))
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := fp8_kernels.cuh llama2.cuh adamw_fp8.cuh dataloader.h $(wildcard attention.cuh part_*.inc)
+HEADERS := fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
 STAMP := .build-settings
 $(shell echo "$(PRECISION) $(GPU_ARCH)" | cmp -s - $(STAMP) || echo "$(PRECISION) $(GPU_ARCH)" > $(STAMP))

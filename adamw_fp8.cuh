@@ -5,11 +5,13 @@
 //   struct AdamWConfig               hyperparameters and moment storage; the defaults are the build's recipe
 //   DType adamw_parse_moment_dtype(const char* flag, const char* value)      "fp32" | "bf16" | "e4m3" | "e5m2"
 //   void  adamw_create(AdamW* opt, const std::vector<TensorSpec>& specs, size_t num_params,
-//                      const float* init_master_host, const AdamWConfig& config)
-//         specs: the parameters (Model::params); init_master_host: num_params floats, the initial weights
-//   float adamw_grad_norm(AdamW* opt, const float* grads, cudaStream_t stream)
+//                      const float* init_master_host, const AdamWConfig& config, const std::vector<float>& norm_weights = {})
+//         specs: the parameters (Model::params); init_master_host: num_params floats, the initial weights;
+//         norm_weights: per tensor, the weight of its sum of squares in the gradient norm (empty: all 1)
+//   float adamw_grad_norm(AdamW* opt, const float* grads, cudaStream_t stream, const TpGroup* group = nullptr)
 //         global L2 norm of the FP32 gradients over all tensors; deterministic; synchronizes the stream.
 //         A non-finite result (inf/NaN in a gradient) means: skip this step (do not call adamw_step).
+//         With a tensor-parallel group: over the tensors of every rank (see below).
 //   void  adamw_step(AdamW* opt, const float* grads, bf16* weights, float lr, float grad_norm, cudaStream_t stream)
 //         one update with the gradients scaled by min(1, grad_clip / grad_norm); grad_norm is adamw_grad_norm's
 //         finite result. Updates master weights and moments and writes the BF16 weights (Model::weights).
@@ -22,8 +24,10 @@
 //   void  adamw_destroy(AdamW* opt)
 //   float lr_schedule(int step, int total_steps, int warmup_steps, float max_lr, float final_frac)
 //         linear warm-up, then cosine decay to final_frac * max_lr at the last step (step is 0-based)
-// With tensor parallelism each rank owns the shards in its specs; a global norm over ranks is
-// sqrt(sum of norm^2) over the sharded tensors (replicated ones counted once), computed by the caller.
+// With tensor parallelism each rank owns the shards in its specs, and the global norm is sqrt of the sum over
+// ranks of their sums of squares, all-reduced (FP64) inside adamw_grad_norm. A tensor replicated on all n ranks
+// (llama2.cuh keeps those identical) gets norm weight 1/n, so that it counts once; at n = 1 the weight is 1 and
+// the norm is bit for bit the one without a group.
 #pragma once
 #include "fp8_kernels.cuh"
 
@@ -165,6 +169,7 @@ constexpr int ADAMW_BLOCK_ELEMS = 8192;
 struct AdamWTensor {           // one row of the device tensor table
     size_t offset, numel;      // in elements, as in TensorSpec
     float weight_decay;        // config.weight_decay for 2-D tensors, 0 for the others
+    float norm_weight;         // weight of its sum of squares in the gradient norm (1; 1/n if replicated on n ranks)
     int first_block, num_blocks;
 };
 struct AdamWScales {           // per tensor, for the update pass (written by the scales kernel)
@@ -204,7 +209,7 @@ struct AdamW {
     int* block_tensor = nullptr;      // [num_blocks]
     AdamWScales* scales = nullptr;    // [specs.size()]
     float* partials = nullptr;        // [num_blocks]: per-block sums of squares (gradient norm, update clipping)
-    float* norm = nullptr;            // [1]
+    double* sumsq = nullptr;          // [1]: the gradients' sum of squares
 };
 
 struct AdamWPart { void* ptr; size_t bytes; const char* name; };
@@ -270,14 +275,14 @@ __global__ void adamw_grad_sumsq_kernel(float* partials, const float* grads, con
     float sum = 0.0f;
     for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) sum = fmaf(g[i], g[i], sum);
     sum = adamw_block_sum(sum);
-    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum * t.norm_weight;
 }
-// Pass 2 (one block): the fixed-order sum of the partials (in double: one block, free) and its sqrt.
-__global__ void adamw_grad_norm_kernel(float* norm, const float* partials, int num_blocks) {
+// Pass 2 (one block): the fixed-order sum of the partials (in double: one block, free); the caller takes sqrt.
+__global__ void adamw_grad_sumsq_total_kernel(double* sumsq, const float* partials, int num_blocks) {
     double sum = 0.0;
     for (int b = threadIdx.x; b < num_blocks; b += blockDim.x) sum += partials[b];
     sum = adamw_block_sum(sum);
-    if (threadIdx.x == 0) *norm = (float)sqrt(sum);
+    if (threadIdx.x == 0) *sumsq = sum;
 }
 
 // Update pass 1 (when a moment is FP8 or update clipping is on): the amax of the new m and of the new
@@ -389,9 +394,11 @@ __global__ void adamw_export_weights_kernel(bf16* weights, const float* master, 
 // 5. Launchers.
 
 inline void adamw_create(AdamW* opt, const std::vector<TensorSpec>& specs, size_t num_params, const float* init_master_host,
-                         const AdamWConfig& config) {
+                         const AdamWConfig& config, const std::vector<float>& norm_weights = {}) {
     adamw_config_validate(config);
     if (specs.empty()) fail("adamw_create: no tensors to optimize");
+    if (!norm_weights.empty() && norm_weights.size() != specs.size())
+        fail("adamw_create: %zu norm weights for %zu tensors", norm_weights.size(), specs.size());
     // The tensor table: every tensor inside [0, num_params), rows x cols elements, no two overlapping.
     std::vector<AdamWTensor> table;
     std::vector<int> block_tensor;
@@ -402,7 +409,8 @@ inline void adamw_create(AdamW* opt, const std::vector<TensorSpec>& specs, size_
         if (s.offset + s.numel > num_params)
             fail("adamw_create: tensor %s (offset %zu, %zu elements) ends past the %zu parameters", s.name.c_str(), s.offset, s.numel, num_params);
         int blocks = ceil_div((long)s.numel, ADAMW_BLOCK_ELEMS);
-        table.push_back({s.offset, s.numel, s.is_matrix() ? config.weight_decay : 0.0f, (int)block_tensor.size(), blocks});
+        table.push_back({s.offset, s.numel, s.is_matrix() ? config.weight_decay : 0.0f, norm_weights.empty() ? 1.0f : norm_weights[i],
+                         (int)block_tensor.size(), blocks});
         if (block_tensor.size() + blocks > (size_t)INT32_MAX) fail("adamw_create: more than 2^31 blocks of %d parameters", ADAMW_BLOCK_ELEMS);
         block_tensor.insert(block_tensor.end(), blocks, (int)i);
     }
@@ -455,7 +463,7 @@ inline void adamw_create(AdamW* opt, const std::vector<TensorSpec>& specs, size_
     cudaCheck(cudaMalloc(&opt->block_tensor, block_tensor.size() * sizeof(int)));
     cudaCheck(cudaMalloc(&opt->scales, nt * sizeof(AdamWScales)));
     cudaCheck(cudaMalloc(&opt->partials, block_tensor.size() * sizeof(float)));
-    cudaCheck(cudaMalloc(&opt->norm, sizeof(float)));
+    cudaCheck(cudaMalloc(&opt->sumsq, sizeof(double)));
     cudaCheck(cudaMemcpy(opt->tensors, table.data(), nt * sizeof(AdamWTensor), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(opt->block_tensor, block_tensor.data(), block_tensor.size() * sizeof(int), cudaMemcpyHostToDevice));
     std::vector<AdamWScales> ones(nt, AdamWScales{1.0f, 1.0f, 1.0f, 1.0f, 1.0f});   // used as is when no stats pass runs
@@ -468,19 +476,20 @@ inline void adamw_destroy(AdamW* opt) {
     cudaCheck(cudaFree(opt->block_tensor));
     cudaCheck(cudaFree(opt->scales));
     cudaCheck(cudaFree(opt->partials));
-    cudaCheck(cudaFree(opt->norm));
+    cudaCheck(cudaFree(opt->sumsq));
     *opt = AdamW();
 }
 
-inline float adamw_grad_norm(AdamW* opt, const float* grads, cudaStream_t stream) {
+inline float adamw_grad_norm(AdamW* opt, const float* grads, cudaStream_t stream, const TpGroup* group = nullptr) {
     adamw_grad_sumsq_kernel<<<opt->num_blocks, ADAMW_THREADS, 0, stream>>>(opt->partials, grads, opt->tensors, opt->block_tensor);
     cudaCheckLaunch();
-    adamw_grad_norm_kernel<<<1, 1024, 0, stream>>>(opt->norm, opt->partials, opt->num_blocks);
+    adamw_grad_sumsq_total_kernel<<<1, 1024, 0, stream>>>(opt->sumsq, opt->partials, opt->num_blocks);
     cudaCheckLaunch();
-    float norm = 0.0f;
-    cudaCheck(cudaMemcpyAsync(&norm, opt->norm, sizeof(float), cudaMemcpyDeviceToHost, stream));
+    if (group) tp_all_reduce(group, opt->sumsq, 1, ncclFloat64, ncclSum, stream);
+    double sumsq = 0.0;
+    cudaCheck(cudaMemcpyAsync(&sumsq, opt->sumsq, sizeof(double), cudaMemcpyDeviceToHost, stream));
     cudaCheck(cudaStreamSynchronize(stream));
-    return norm;
+    return (float)sqrt(sumsq);
 }
 
 template <DType M, DType V>

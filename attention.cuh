@@ -5,7 +5,7 @@
 //             accumulates dK and dV over the query heads of its group and the query tiles at or after it,
 //             another per query tile accumulates dQ. No T x T matrix ever lives in device memory, and no
 //             output is written by atomics: two runs give bit-identical results.
-// Layouts (CONTRACTS.md): qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a
+// Layouts (README.md, "Parameter layout"): qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a
 // block occupies HD columns. out and dout [B*T, NH*HD]; lse and the backward scratch [B, NH, T] float.
 // Query head h reads K/V head h / (NH/NKV).
 // A block has 4 warps and works on 64-row tiles; warp w owns rows 16w..16w+15 of every tile-sized result.

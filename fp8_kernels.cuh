@@ -84,6 +84,19 @@ struct TensorSpec {
     bool is_matrix() const { return rows > 1 && cols > 1; }
 };
 
+// A tensor-parallel group as the code that needs one sees it: this rank, the group size, and an in-place
+// all-reduce on a stream with ncclAllReduce's types and ops. llama2.cuh's is NCCL (tp_nccl_all_reduce); the
+// one-GPU shard test's sums on the host. Every rank ends with the same bits (NCCL's all-reduce guarantees it).
+struct TpGroup {
+    int size = 1, rank = 0;
+    ncclComm_t comm = nullptr;   // the NCCL group's communicator
+    void* host = nullptr;        // the host simulation's shared state
+    void (*all_reduce)(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) = nullptr;
+};
+inline void tp_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) {
+    g->all_reduce(g, buf, count, type, op, s);
+}
+
 __host__ __device__ inline float to_float(float x) { return x; }
 __host__ __device__ inline float to_float(bf16 x) { return __bfloat162float(x); }
 
@@ -454,9 +467,13 @@ void fp8_quantize(fp8* out, const T* x, size_t n, Fp8Format f, Fp8Meta* meta, co
 }
 
 // x [rows, cols] -> out [rows, cols] and out_t [cols, rows] in FP8, scaled as fp8_quantize.
+// amax_group (current scaling; nullptr = none): the amax is the MAX over the group (--tp-amax-sync), taken
+// between the amax kernel and the scale update. The amax is the bits of |x| as an unsigned word, whose integer
+// order is the numeric order, so an ncclMax on ncclUint32 is exact. (Delayed scaling syncs when it records
+// the amaxes: llama2.cuh, model_fp8_record_amax.)
 template <class T>
 void fp8_cast_transpose(fp8* out, fp8* out_t, const T* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
-                        const Fp8Recipe& r, cudaStream_t stream) {
+                        const Fp8Recipe& r, cudaStream_t stream, const TpGroup* amax_group = nullptr) {
     check_cast_pointers("fp8_cast_transpose", out, out_t, x);
     unsigned int* amax_bits = nullptr;
     if (r.delayed()) {
@@ -464,6 +481,7 @@ void fp8_cast_transpose(fp8* out, fp8* out_t, const T* x, int rows, int cols, Fp
         amax_bits = &meta->amax_pending;
     } else {
         fp8_amax(meta, x, (size_t)rows * cols, stream);
+        if (amax_group) tp_all_reduce(amax_group, &meta->amax_pending, 1, ncclUint32, ncclMax, stream);
         fp8_update_scale(meta, f, r, stream);
     }
     if (rows > 0 && cols > 0) {
@@ -520,9 +538,10 @@ void fp8_health(Fp8Health* health, const T* x, size_t n, Fp8Format f, const Fp8M
 // cast_transpose, plus the health counts with the scale the cast used: delayed scaling casts with the
 // scale it had before the call, current scaling with the one it computes first.
 inline void fp8_cast_transpose_counted(fp8* q, fp8* q_t, const bf16* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
-                                       Fp8Health* health, const Fp8Recipe& recipe, cudaStream_t stream) {
+                                       Fp8Health* health, const Fp8Recipe& recipe, cudaStream_t stream,
+                                       const TpGroup* amax_group = nullptr) {
     if (health && recipe.delayed()) fp8_health(health, x, (size_t)rows * cols, f, meta, stream);
-    fp8_cast_transpose(q, q_t, x, rows, cols, f, meta, recipe, stream);
+    fp8_cast_transpose(q, q_t, x, rows, cols, f, meta, recipe, stream, amax_group);
     if (health && !recipe.delayed()) fp8_health(health, x, (size_t)rows * cols, f, meta, stream);
 }
 

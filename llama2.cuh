@@ -1,12 +1,13 @@
-// llama2.cuh: the LLaMA-2 model on one GPU.
+// llama2.cuh: the LLaMA-2 model on one GPU, or one tensor-parallel rank's share of it.
 //   1. config       ModelConfig, the presets (tiny, d12, 110m, 1b, 7b) and their validation
-//   2. parameters   the flat layout of CONTRACTS.md, a reproducible init, FLOPs per token
+//   2. parameters   the flat layout (README.md, "Parameter layout"), a reproducible init, FLOPs per token, tensor-parallel shards
 //   3. layers       embedding, RMSNorm (fused with the residual add), RoPE, SwiGLU, cross-entropy fused with
 //                   lm_head: each a forward/backward pair of kernels with plain launchers (attention.cuh has
 //                   the attention)
 //   4. the state    Model: weights, gradients and activations, one allocation each
 //   5. the linear   linear_forward / linear_backward: every decoder projection, and where FP8 plugs in
 //   6. the model    create/destroy, forward, backward, loss, logits
+//   7. tensor parallelism   the NCCL groups, the start-up checks, the layout print
 // One token through the forward pass:
 //   x = tok_embedding[token]
 //   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))
@@ -96,7 +97,7 @@ inline ModelConfig model_config_preset(const char* name, int vocab_size) {
 inline int model_qkv_dim(const ModelConfig& c) { return (c.n_heads + 2 * c.n_kv_heads) * c.head_dim; }
 
 // ----------------------------------------------------------------------------------------------
-// 2. Parameters: one flat allocation in the order of CONTRACTS.md, walked through the table of TensorSpec.
+// 2. Parameters: one flat allocation in the order of README.md's "Parameter layout", walked through the table of TensorSpec.
 //   tok_embedding [V,D]; per layer attn_norm [D], wqkv [QKV,D], wo [D,D], ffn_norm [D], w_gate_up [2F,D],
 //   w_down [D,F]; final_norm [D]; lm_head [V,D]. Index in the table: 0, then 1 + 6l + LayerParam, then 1 + 6L, 2 + 6L.
 
@@ -106,9 +107,26 @@ inline int param_layer(int l, LayerParam p) { return 1 + l * PARAMS_PER_LAYER + 
 inline int param_final_norm(const ModelConfig& c) { return 1 + c.n_layers * PARAMS_PER_LAYER; }
 inline int param_lm_head(const ModelConfig& c) { return 2 + c.n_layers * PARAMS_PER_LAYER; }
 
-inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c) {
+// "" if the model splits over tp_size ranks (tensor parallelism, section 7), else what is wrong.
+inline std::string model_tp_problem(const ModelConfig& c, int tp_size) {
+    if (tp_size < 1) return strprintf("the tensor-parallel size %d must be at least 1", tp_size);
+    if (c.n_heads % tp_size || c.n_kv_heads % tp_size)
+        return strprintf("n_heads %d and n_kv_heads %d must both divide by the tensor-parallel size %d (each rank "
+                         "holds whole heads): choose --tp among their common divisors", c.n_heads, c.n_kv_heads, tp_size);
+    if (c.ffn_dim % (16 * tp_size))
+        return strprintf("ffn_dim %d must divide by 16 x the tensor-parallel size %d (each rank's FFN slice is a "
+                         "multiple of 16, the GEMM rule): change --ffn or --tp", c.ffn_dim, tp_size);
+    return "";
+}
+
+// The parameter table of one rank of tp_size (tp_size 1: the whole model). Sharded tensors have the shard's
+// shape (section 7): wqkv [(NH + 2 NKV) HD / tp, D], wo [D, NH HD / tp], w_gate_up [2F / tp, D],
+// w_down [D, F / tp]; the others are whole (replicated on every rank).
+inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c, int tp_size = 1) {
     model_config_validate(c);
-    const int D = c.dim, V = c.vocab_size, F = c.ffn_dim;
+    std::string problem = model_tp_problem(c, tp_size);
+    if (!problem.empty()) fail("model_param_specs: %s", problem.c_str());
+    const int D = c.dim, V = c.vocab_size, F = c.ffn_dim / tp_size;
     std::vector<TensorSpec> specs;
     size_t offset = 0;
     auto add = [&](const std::string& name, int rows, int cols) {
@@ -119,8 +137,8 @@ inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c) {
     for (int l = 0; l < c.n_layers; l++) {
         std::string p = "layers." + std::to_string(l) + ".";
         add(p + "attn_norm", D, 1);
-        add(p + "wqkv", model_qkv_dim(c), D);
-        add(p + "wo", D, c.n_heads * c.head_dim);
+        add(p + "wqkv", model_qkv_dim(c) / tp_size, D);
+        add(p + "wo", D, c.n_heads * c.head_dim / tp_size);
         add(p + "ffn_norm", D, 1);
         add(p + "w_gate_up", 2 * F, D);
         add(p + "w_down", D, F);
@@ -129,9 +147,56 @@ inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c) {
     add("lm_head", V, D);
     return specs;
 }
-inline size_t model_num_params(const ModelConfig& c) {
-    std::vector<TensorSpec> specs = model_param_specs(c);
+inline size_t model_num_params(const ModelConfig& c, int tp_size = 1) {
+    std::vector<TensorSpec> specs = model_param_specs(c, tp_size);
     return specs.back().offset + specs.back().numel;
+}
+
+// ---- Tensor-parallel shards of the parameters (Megatron style). Rank r of n holds
+//   wqkv       the rows of its query heads [r NH/n, (r+1) NH/n), then of its KV heads [r NKV/n, (r+1) NKV/n) in the
+//              K block and in the V block: the whole tensor's Q, K, V order, so that its qkv activation has the
+//              unsharded column layout for its heads and RoPE and attention run on local heads unchanged
+//   w_gate_up  rows [r F/n, (r+1) F/n) of the gate half, then the same rows of the up half (SwiGLU stays local)
+//   wo, w_down the matching columns: their input is this rank's heads / FFN slice (row-parallel)
+//   the rest   whole, on every rank (replicated): embedding, norms, lm_head
+// A shard is a list of blocks of rows of the whole tensor, and one range of its columns.
+struct ShardMap {
+    std::vector<std::pair<int, int>> row_blocks;   // (first row, rows) of the whole tensor, in shard order
+    int col0, cols;
+};
+inline bool model_param_sharded(const ModelConfig& c, int param) {
+    if (param < 1 || param >= param_final_norm(c)) return false;
+    int kind = (param - 1) % PARAMS_PER_LAYER;
+    return kind == WQKV || kind == WO || kind == W_GATE_UP || kind == W_DOWN;
+}
+inline ShardMap model_shard_map(const ModelConfig& c, int param, const TensorSpec& whole, int tp_size, int rank) {
+    const int q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, F = c.ffn_dim, n = tp_size, r = rank;
+    ShardMap m = {{{0, whole.rows}}, 0, whole.cols};
+    if (!model_param_sharded(c, param)) return m;
+    switch ((param - 1) % PARAMS_PER_LAYER) {
+        case WQKV: m.row_blocks = {{r * q / n, q / n}, {q + r * kv / n, kv / n}, {q + kv + r * kv / n, kv / n}}; break;
+        case W_GATE_UP: m.row_blocks = {{r * F / n, F / n}, {F + r * F / n, F / n}}; break;
+        case WO: m.col0 = r * q / n; m.cols = q / n; break;
+        case W_DOWN: m.col0 = r * F / n; m.cols = F / n; break;
+    }
+    return m;
+}
+// Rank `rank`'s shard <-> the whole tensors: `whole` is laid out by model_param_specs(c), `shard` by
+// model_param_specs(c, tp_size). to_shard: cut the shard out; else write it back into its place.
+template <class T>
+void model_copy_shard(const ModelConfig& c, int tp_size, int rank, T* whole, T* shard, bool to_shard) {
+    std::vector<TensorSpec> ws = model_param_specs(c), ss = model_param_specs(c, tp_size);
+    for (size_t i = 0; i < ws.size(); i++) {
+        ShardMap map = model_shard_map(c, (int)i, ws[i], tp_size, rank);
+        size_t k = 0;   // row of the shard
+        for (const std::pair<int, int>& block : map.row_blocks)
+            for (int row = block.first; row < block.first + block.second; row++, k++) {
+                T* a = whole + ws[i].offset + (size_t)row * ws[i].cols + map.col0;
+                T* b = shard + ss[i].offset + k * ss[i].cols;
+                if (to_shard) std::copy(a, a + map.cols, b);
+                else std::copy(b, b + map.cols, a);
+            }
+    }
 }
 
 // Model FLOPs per trained token (forward + backward), the PaLM convention (also llm.c's):
@@ -314,7 +379,7 @@ inline void embedding_backward(float* demb, const bf16* dout, const int* tokens,
 //   resid_out = resid + branch (rounded to BF16: that is the residual stream the next layer sees)
 //   y = resid_out * rstd * w,  rstd = 1 / sqrt(mean(resid_out^2) + eps)   (kept for the backward)
 // Without a branch (the first layer), y = rmsnorm(resid) and resid_out is not written.
-// Forward: one warp per row. Backward, with r = rstd and g = dy * w (CONTRACTS.md, part_ref_model.inc):
+// Forward: one warp per row. Backward, with r = rstd and g = dy * w (the float64 reference in test_fp8.cu):
 //   dx_j = r g_j - (r^3 / D) x_j sum_i(g_i x_i)   added into dresid, the gradient of resid_out (which is
 //          also the gradient of resid and of branch: an add passes its gradient to both inputs)
 //   dw_j += sum_n dy_nj x_nj r_n                 without atomics: each block of RMSNORM_BWD_ROWS rows writes
@@ -647,7 +712,7 @@ struct ModelActivations {
     bf16* attn_norm;       // [L,N,D]    attn_norm(resid_attn)
     float* attn_rstd;      // [L,N]      FP32
     bf16* qkv;             // [L,N,QKV]  after RoPE
-    bf16* att;             // [L,N,D]    attention output
+    bf16* att;             // [L,N,A]    attention output (A = this rank's heads x HD; D without TP)
     float* lse;            // [L,B*NH*T] FP32, attention's log-sum-exp
     bf16* resid_ffn;       // [L,N,D]    resid_attn + wo(att)
     bf16* ffn_norm;        // [L,N,D]    ffn_norm(resid_ffn)
@@ -661,7 +726,7 @@ struct ModelActivations {
     bf16* branch;          // [N,D]      the output of wo / w_down before the residual add
     bf16* dresid;          // [N,D]      gradient of the residual stream
     bf16* dnorm;           // [N,D]      gradient of a norm's output
-    bf16* datt;            // [N,D]
+    bf16* datt;            // [N,A]
     bf16* dqkv;            // [N,QKV]
     bf16* dgate_up;        // [N,2F]
     bf16* dswiglu;         // [N,F]
@@ -690,6 +755,7 @@ struct Fp8Options {
     Fp8Recipe recipe;           // scaling of X and dY; W gets current scaling after every optimizer step
     bool all_layers = false;    // FP8 in the first and last decoder layers too (the recipe keeps them BF16)
     bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
+    bool tp_amax_sync = false;  // tensor parallelism: the amax of a sharded X or dY is the MAX over the group
 };
 
 #if defined(PRECISION_FP8)
@@ -725,12 +791,19 @@ struct Model {
     MatmulContext matmul;
     cudaStream_t stream = nullptr;
     Fp8Options fp8_options;
+    // Tensor parallelism (section 7): the group (nullptr: none, no collectives) and this rank's share of the
+    // heads and the FFN width (the whole model's without a group).
+    const TpGroup* tp = nullptr;
+    int tp_size = 1, tp_rank = 0;
+    int n_heads = 0, n_kv_heads = 0, ffn_dim = 0;
 #if defined(PRECISION_FP8)
     ModelFp8 fp8;
 #endif
 };
 
 inline bf16* model_weight(Model* m, int param) { return m->weights + m->params[param].offset; }
+// This rank's qkv width (all of it without tensor parallelism): its query heads, then its K and V heads.
+inline int model_local_qkv_dim(const Model* m) { return (m->n_heads + 2 * m->n_kv_heads) * m->config.head_dim; }
 inline float* model_grad(Model* m, int param) { return m->grads + m->params[param].offset; }
 
 // ----------------------------------------------------------------------------------------------
@@ -758,19 +831,23 @@ inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cu
 }
 
 // x8 is scratch [N,in]; x8_t [in,N] is kept for backward.
+// amax_group: take the MAX of X's amax over this group (--tp-amax-sync; nullptr = this rank's own).
 inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, const bf16* x, Fp8Linear* lin, int N, int in,
-                               int out, const Fp8Recipe& recipe, bool fast_accum, cudaStream_t stream) {
+                               int out, const Fp8Recipe& recipe, bool fast_accum, cudaStream_t stream,
+                               const TpGroup* amax_group = nullptr) {
     fp8_cast_transpose_counted(x8, x8_t, x, N, in, E4M3, &lin->meta[FP8_X], lin->health ? &lin->health[FP8_X] : nullptr, recipe,
-                               stream);
+                               stream, amax_group);
     matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, out, in, false, fast_accum, stream);
 }
 
 // dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches).
+// amax_group: take the MAX of dY's amax over this group (--tp-amax-sync; nullptr = this rank's own).
 inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
-                                Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream) {
+                                Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream,
+                                const TpGroup* amax_group = nullptr) {
     fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
-                               recipe, stream);
+                               recipe, stream, amax_group);
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
@@ -799,6 +876,16 @@ inline Fp8Linear* model_fp8_linear(Model* m, int param) {
     Fp8Linear* lin = &m->fp8.linears[model_linear_index(param)];
     return lin->w8 ? lin : nullptr;
 }
+// --tp-amax-sync: the group whose MAX of amax a cast takes, or nullptr. Only the casts of tensors that are
+// this rank's slice need it: X of the row-parallel layers (wo, w_down: their input is this rank's heads or
+// FFN slice) and dY of the column-parallel ones (wqkv, w_gate_up). The other X and dY (the norms' outputs,
+// the residual stream's gradient) are replicated, the same bits on every rank: their amax is the group's.
+inline const TpGroup* model_amax_group(const Model* m, int param, bool dy) {
+    if (!m->tp || !m->fp8_options.tp_amax_sync) return nullptr;
+    int kind = (param - 1) % PARAMS_PER_LAYER;
+    bool row_parallel = kind == WO || kind == W_DOWN;
+    return dy != row_parallel ? m->tp : nullptr;
+}
 #endif
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
@@ -806,7 +893,7 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int 
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
         fp8_linear_forward(&m->matmul, out, m->fp8.x8, m->fp8.saved_x8_t[model_linear_index(param)], inp, lin, N, w.cols, w.rows,
-                           m->fp8_options.recipe, m->fp8_options.fast_accum, m->stream);
+                           m->fp8_options.recipe, m->fp8_options.fast_accum, m->stream, model_amax_group(m, param, false));
         return;
     }
 #endif
@@ -819,7 +906,8 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
         fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, dout,
-                            m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream);
+                            m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream,
+                            model_amax_group(m, param, true));
         return;
     }
 #endif
@@ -843,6 +931,12 @@ inline void model_weights_changed(Model* m) {
 #endif
 }
 
+// Tensor parallelism: the in-place BF16 sum over the group of a row-parallel layer's output (forward) or of a
+// column-parallel layer's input gradient (backward); nothing without a group.
+inline void model_tp_all_reduce(Model* m, bf16* x, size_t n) {
+    if (m->tp) tp_all_reduce(m->tp, x, n, ncclBfloat16, ncclSum, m->stream);
+}
+
 // ----------------------------------------------------------------------------------------------
 // 6. The model.
 
@@ -863,16 +957,18 @@ inline int model_linear_input_slot(const Model* m, int l) {
 
 inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
     const ModelConfig& c = m->config;
-    const size_t L = c.n_layers, N = (size_t)m->B * m->T, D = c.dim, F = c.ffn_dim, V = c.vocab_size;
+    // per rank under tensor parallelism: qkv, att, gate_up, swiglu and their gradients hold this rank's heads
+    // and FFN slice (QKV, A, F, LSE); the residual stream and the norms are whole (D)
+    const size_t L = c.n_layers, N = (size_t)m->B * m->T, D = c.dim, F = m->ffn_dim, V = c.vocab_size;
     const size_t S = model_num_bf16_layers(m) + (model_num_bf16_layers(m) < c.n_layers ? 1 : 0);   // input slots
-    const size_t QKV = model_qkv_dim(c), LSE = N * c.n_heads, chunk = m->ce_chunk;
+    const size_t QKV = model_local_qkv_dim(m), A = (size_t)m->n_heads * c.head_dim, LSE = N * m->n_heads, chunk = m->ce_chunk;
     ModelActivations& a = m->acts;
     return {
         {"resid_attn", DT_BF16, L * N * D, (void**)&a.resid_attn},
         {"attn_norm", DT_BF16, S * N * D, (void**)&a.attn_norm},
         {"attn_rstd", DT_FP32, L * N, (void**)&a.attn_rstd},
         {"qkv", DT_BF16, L * N * QKV, (void**)&a.qkv},
-        {"att", DT_BF16, L * N * D, (void**)&a.att},
+        {"att", DT_BF16, L * N * A, (void**)&a.att},
         {"lse", DT_FP32, L * LSE, (void**)&a.lse},
         {"resid_ffn", DT_BF16, L * N * D, (void**)&a.resid_ffn},
         {"ffn_norm", DT_BF16, S * N * D, (void**)&a.ffn_norm},
@@ -885,7 +981,7 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
         {"branch", DT_BF16, N * D, (void**)&a.branch},
         {"dresid", DT_BF16, N * D, (void**)&a.dresid},
         {"dnorm", DT_BF16, N * D, (void**)&a.dnorm},
-        {"datt", DT_BF16, N * D, (void**)&a.datt},
+        {"datt", DT_BF16, N * A, (void**)&a.datt},
         {"dqkv", DT_BF16, N * QKV, (void**)&a.dqkv},
         {"dgate_up", DT_BF16, N * 2 * F, (void**)&a.dgate_up},
         {"dswiglu", DT_BF16, N * F, (void**)&a.dswiglu},
@@ -966,6 +1062,13 @@ inline void model_fp8_record_amax(Model* m) {
     const Fp8Recipe& r = m->fp8_options.recipe;
     if (!r.delayed()) return;
     ModelFp8& f = m->fp8;
+    if (m->tp && m->fp8_options.tp_amax_sync)   // the amaxes of this rank's slices (model_amax_group), one word each
+        for (int l = 0; l < m->config.n_layers; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+                if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
+                    bool dy = model_amax_group(m, param_layer(l, p), true) != nullptr;
+                    tp_all_reduce(m->tp, &lin->meta[dy ? FP8_DY : FP8_X].amax_pending, 1, ncclUint32, ncclMax, m->stream);
+                }
     fp8_update_scales(f.metas, f.delayed_ids, f.n_fp8_linears, E4M3, r, m->stream);
     fp8_update_scales(f.metas, f.delayed_ids + f.n_fp8_linears, f.n_fp8_linears, E5M2, r, m->stream);
 }
@@ -1014,14 +1117,22 @@ inline Fp8StatsSummary model_fp8_stats_write(Model* m, int step, FILE* csv) {
 }
 #endif
 
-inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8Options& fp8 = Fp8Options()) {
+// tp: this rank's tensor-parallel group (nullptr: the whole model on this GPU). Only rank 0 prints.
+inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8Options& fp8 = Fp8Options(),
+                         const TpGroup* tp = nullptr) {
     model_config_validate(c);
     if (B < 1 || T < 1) fail("model_create: B=%d and T=%d must be at least 1", B, T);
     if (T > c.max_seq_len) fail("model_create: T=%d is longer than max_seq_len %d: lower T or raise max_seq_len", T, c.max_seq_len);
     if ((B * T) % 16 != 0) fail("model_create: B*T = %d*%d must be a multiple of 16 (the GEMM rule): change B or T", B, T);
     m->config = c;
     m->fp8_options = fp8;
-    m->params = model_param_specs(c);
+    m->tp = tp;
+    m->tp_size = tp ? tp->size : 1;
+    m->tp_rank = tp ? tp->rank : 0;
+    m->n_heads = c.n_heads / m->tp_size;
+    m->n_kv_heads = c.n_kv_heads / m->tp_size;
+    m->ffn_dim = c.ffn_dim / m->tp_size;
+    m->params = model_param_specs(c, m->tp_size);
     m->num_params = m->params.back().offset + m->params.back().numel;
     m->B = B;
     m->T = T;
@@ -1049,16 +1160,19 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     cudaCheck(cudaMemcpy(m->rope_cos, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(m->rope_sin, sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
 
-    const double MiB = 1048576.0;
-    printf("model: %zu parameters (dim %d, %d layers, %d heads, %d KV heads, ffn %d, vocab %d), B=%d T=%d\n",
-           m->num_params, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, B, T);
-    printf("model memory: weights %.1f MiB (BF16), gradients %.1f MiB (FP32), activations %.1f MiB\n",
-           m->num_params * sizeof(bf16) / MiB, m->num_params * sizeof(float) / MiB, bytes / MiB);
 #if defined(PRECISION_FP8)
     model_fp8_create(m);   // W8 is made when weights arrive (model_upload_weights, model_weights_changed)
+#endif
+    if (m->tp_rank != 0) return;
+    const double MiB = 1048576.0;
+    printf("model: %zu parameters (dim %d, %d layers, %d heads, %d KV heads, ffn %d, vocab %d), B=%d T=%d\n",
+           model_num_params(c), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, B, T);
+    printf("model memory%s: weights %.1f MiB (BF16), gradients %.1f MiB (FP32), activations %.1f MiB\n",
+           m->tp_size > 1 ? " per rank" : "", m->num_params * sizeof(bf16) / MiB, m->num_params * sizeof(float) / MiB, bytes / MiB);
+#if defined(PRECISION_FP8)
     // What the same model keeps in the BF16 build: every layer's attn_norm, ffn_norm and swiglu, no X8^T.
     const int fp8_layers = c.n_layers - model_num_bf16_layers(m);
-    const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + c.ffn_dim) * sizeof(bf16);
+    const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + m->ffn_dim) * sizeof(bf16);
     printf("model FP8: %d of %d decoder layers in FP8 (%s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, scratch %.1f MiB\n",
            fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16", m->fp8.weight_bytes / MiB,
            m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
@@ -1066,7 +1180,7 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
            (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
 #endif
     printf("model FLOPs per token: %.3f GFLOP (6 x %zu matmul parameters + 12 x L x D x T attention)\n",
-           model_flops_per_token(c, T) / 1e9, m->num_params - (size_t)c.vocab_size * c.dim);
+           model_flops_per_token(c, T) / 1e9, model_num_params(c) - (size_t)c.vocab_size * c.dim);
 }
 
 inline void model_destroy(Model* m) {
@@ -1108,16 +1222,16 @@ struct LayerActs {
 };
 inline LayerActs model_layer_acts(Model* m, int l) {
     const ModelConfig& c = m->config;
-    const size_t N = (size_t)m->B * m->T, D = c.dim, F = c.ffn_dim;
+    const size_t N = (size_t)m->B * m->T, D = c.dim, F = m->ffn_dim, A = (size_t)m->n_heads * c.head_dim;
     ModelActivations& a = m->acts;
     const size_t slot = model_linear_input_slot(m, l);
     LayerActs la;
     la.resid_attn = a.resid_attn + l * N * D;
     la.attn_norm = a.attn_norm + slot * N * D;
     la.attn_rstd = a.attn_rstd + l * N;
-    la.qkv = a.qkv + l * N * model_qkv_dim(c);
-    la.att = a.att + l * N * D;
-    la.lse = a.lse + l * N * c.n_heads;
+    la.qkv = a.qkv + l * N * model_local_qkv_dim(m);
+    la.att = a.att + l * N * A;
+    la.lse = a.lse + l * N * m->n_heads;
     la.resid_ffn = a.resid_ffn + l * N * D;
     la.ffn_norm = a.ffn_norm + slot * N * D;
     la.ffn_rstd = a.ffn_rstd + l * N;
@@ -1147,15 +1261,17 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
         LayerActs la = model_layer_acts(m, l);
         // attention block (resid_attn and attn_norm were written by the previous layer's last step)
         linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
-        rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, c.n_heads, c.n_kv_heads, c.head_dim, s);
-        attention_forward(la.att, la.lse, la.qkv, B, T, c.n_heads, c.n_kv_heads, c.head_dim, s);
+        rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         linear_forward(m, a.branch, la.att, param_layer(l, WO), N);
+        model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' heads
         rmsnorm_forward(la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch,
                         model_weight(m, param_layer(l, FFN_NORM)), N, D, c.norm_eps, s);
         // feed-forward block
         linear_forward(m, la.gate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
-        swiglu_forward(la.swiglu, la.gate_up, N, c.ffn_dim, s);
+        swiglu_forward(la.swiglu, la.gate_up, N, m->ffn_dim, s);
         linear_forward(m, a.branch, la.swiglu, param_layer(l, W_DOWN), N);
+        model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' FFN slices
         // the residual add, fused with the next norm: the next layer's attn_norm, or the final norm
         if (l + 1 < L) {
             LayerActs next = model_layer_acts(m, l + 1);
@@ -1184,7 +1300,7 @@ inline float model_loss_mean(Model* m, int N) {
 inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
-    const int B = m->B, T = m->T, N = B * T, D = c.dim, F = c.ffn_dim;
+    const int B = m->B, T = m->T, N = B * T, D = c.dim, F = m->ffn_dim;
     cudaStream_t s = m->stream;
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
@@ -1200,14 +1316,16 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
         linear_backward(m, a.dswiglu, a.dresid, la.swiglu, param_layer(l, W_DOWN), N);
         swiglu_backward(a.dgate_up, a.dswiglu, la.gate_up, N, F, s);
         linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
+        model_tp_all_reduce(m, a.dnorm, (size_t)N * D);   // column-parallel: every rank's slice fed this input
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
                          la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s);
         // attention block
         linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
-        attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, c.n_heads, c.n_kv_heads,
+        attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
                            c.head_dim, s);
-        rope_backward(a.dqkv, m->rope_cos, m->rope_sin, B, T, c.n_heads, c.n_kv_heads, c.head_dim, s);
+        rope_backward(a.dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
+        model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
                          la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s);
     }
@@ -1235,4 +1353,71 @@ inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_l
     matmul(&m->matmul, d_logits, DT_FP32, {m->acts.final_norm, DT_BF16}, {model_weight(m, param_lm_head(c)), DT_BF16},
            B * T, c.vocab_size, c.dim, false, false, m->stream);
     cudaCheck(cudaStreamSynchronize(m->stream));
+}
+
+// ----------------------------------------------------------------------------------------------
+// 7. Tensor parallelism over NCCL: one process, one host thread per GPU (train_fp8.cu), one communicator per
+// GPU from ncclCommInitAll. The parameters are split as section 2 says; per layer and micro-batch:
+//   forward   all-reduce (sum, BF16) of the outputs of wo and w_down (row-parallel) before the residual add
+//   backward  all-reduce (sum, BF16) of the input gradients of w_gate_up and wqkv (column-parallel)
+// After these every rank holds the same bits of the residual stream, the norms, lm_head's logits, the loss and
+// the residual stream's gradient, and so of the gradients of the replicated tensors (embedding, norms,
+// lm_head): those are not all-reduced; the optimizer makes the same update of the same numbers on every rank,
+// which keeps the replicated weights identical. The gradient norm counts them once (adamw_fp8.cuh).
+// FP8: every rank scales its own shards (its own Fp8Meta); --tp-amax-sync takes the MAX of the sharded
+// tensors' amaxes over the group instead (model_amax_group), so that every rank uses the scale the unsharded
+// tensor would get.
+
+inline void tp_nccl_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) {
+    ncclCheck(ncclAllReduce(buf, buf, count, type, op, g->comm, s));
+}
+
+// The groups of GPUs 0..n-1 (group r on GPU r), after the start-up checks: n GPUs present; every pair able to
+// reach each other directly (peer access over NVLink or PCIe). Without peer access NCCL still works, through
+// host memory (its SHM transport) at a fraction of the bandwidth: a warning, not an error, because such a
+// machine trains correctly, only slower, and some PCIe topologies (GPUs on two CPU sockets) have nothing better.
+inline std::vector<TpGroup> tp_groups_create(int n) {
+    int count = 0;
+    cudaCheck(cudaGetDeviceCount(&count));
+    if (n > count) fail("--tp %d needs %d GPUs; this machine has %d: lower --tp (CUDA_VISIBLE_DEVICES may hide some)", n, n, count);
+    for (int a = 0; a < n; a++)
+        for (int b = 0; b < n; b++) {
+            int ok = 1;
+            if (a != b) cudaCheck(cudaDeviceCanAccessPeer(&ok, a, b));
+            if (!ok)
+                printf("warning: GPU %d cannot access GPU %d directly (no peer access): NCCL will go through host memory, "
+                       "and the all-reduces of --tp %d will be slow\n", a, b, n);
+        }
+    std::vector<ncclComm_t> comms(n);
+    std::vector<int> devices(n);
+    for (int r = 0; r < n; r++) devices[r] = r;
+    ncclCheck(ncclCommInitAll(comms.data(), n, devices.data()));
+    std::vector<TpGroup> groups(n);
+    for (int r = 0; r < n; r++) {
+        groups[r].size = n;
+        groups[r].rank = r;
+        groups[r].comm = comms[r];
+        groups[r].all_reduce = tp_nccl_all_reduce;
+    }
+    return groups;
+}
+inline void tp_groups_destroy(std::vector<TpGroup>* groups) {
+    for (TpGroup& g : *groups) ncclCheck(ncclCommDestroy(g.comm));
+    groups->clear();
+}
+
+// The layout of tp_size ranks, one line per rank, for the start-up print.
+inline std::string model_tp_layout(const ModelConfig& c, int tp_size) {
+    const int nh = c.n_heads / tp_size, nkv = c.n_kv_heads / tp_size, f = c.ffn_dim / tp_size;
+    std::vector<TensorSpec> specs = model_param_specs(c, tp_size);
+    size_t total = model_num_params(c, tp_size), replicated = 0;
+    for (size_t i = 0; i < specs.size(); i++)
+        if (!model_param_sharded(c, (int)i)) replicated += specs[i].numel;
+    std::string s = strprintf("tensor parallel: %d rank%s through NCCL (GPU r = rank r); wqkv, w_gate_up column-parallel, wo, "
+                              "w_down row-parallel; embedding, norms, lm_head replicated (%zu parameters on every rank)\n",
+                              tp_size, tp_size > 1 ? "s" : "", replicated);
+    for (int r = 0; r < tp_size; r++)
+        s += strprintf("  rank %d: query heads [%d, %d), KV heads [%d, %d), FFN [%d, %d), %zu parameters (%zu sharded)\n", r,
+                       r * nh, (r + 1) * nh, r * nkv, (r + 1) * nkv, r * f, (r + 1) * f, total, total - replicated);
+    return s;
 }

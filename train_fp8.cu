@@ -1,4 +1,5 @@
-// train_fp8.cu: the training program. LLaMA-2 pretraining on one GPU, FP8 or BF16 by build.
+// train_fp8.cu: the training program. LLaMA-2 pretraining on one GPU or tensor-parallel over the GPUs of one
+// machine (--tp N: one host thread per GPU, NCCL), FP8 or BF16 by build.
 //   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%)
 //   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults)
 // Sections:
@@ -6,7 +7,7 @@
 //   2. the checkpoint header   the format, written and checked
 //   3. checkpoint files        save (to a temporary name, then renamed) and load
 //   4. evaluation, sampling
-//   5. the run                 train(): data, model, AdamW, the loop, logging, checkpoints
+//   5. the run                 train(): data, the ranks (model and AdamW per GPU), the loop, logging, checkpoints
 //   6. main
 // test_fp8.cu includes this file with TESTING defined (no main), and calls parse_args, the checkpoint
 // functions and train() directly.
@@ -17,6 +18,8 @@
 #include "adamw_fp8.cuh"
 #include "dataloader.h"
 #include <chrono>
+#include <functional>
+#include <thread>
 #include <cctype>
 #include <cerrno>
 #include <sys/stat.h>
@@ -69,6 +72,9 @@ struct TrainOptions {
     int quant_interval = 1;                  // delayed scaling: recompute the scales every this many steps
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
     int fp8_stats = 0;                       // every this many steps: DIR/fp8_stats.csv and a summary line; 0 = off
+    // tensor parallelism (llama2.cuh, section 7)
+    int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
+    bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
@@ -133,6 +139,8 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
         flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
+        flag_int("--tp", "N", "tensor parallelism over GPUs 0..N-1: NCCL, one thread per GPU, heads and FFN split (1 = one GPU through NCCL; 0 = one GPU without NCCL)", &o->tp, 0, 1024),
+        flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
     };
 }
 
@@ -237,9 +245,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (!m_ok) return strprintf("--m-dtype %s: the first moment can be e4m3, bf16 or fp32", o->m_dtype.c_str());
     if (!v_ok) return strprintf("--v-dtype %s: the second moment can be bf16, e4m3, e5m2 or fp32", o->v_dtype.c_str());
 #if !defined(PRECISION_FP8)
-    if (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 || o->fp8_stats != 0)
-        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum and --fp8-stats are FP8 options; this is "
-               "the PRECISION=BF16 build (build with make PRECISION=FP8)";
+    if (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 || o->fp8_stats != 0 ||
+        o->tp_amax_sync)
+        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats and --tp-amax-sync are FP8 "
+               "options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
 #endif
     long bt = (long)o->batch * o->seq;
     if (o->total_batch == 0) o->total_batch = bt;
@@ -256,6 +265,11 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         for (auto& ov : overrides) if (ov.second > 0) given += strprintf(" %s %d", ov.first, ov.second);
         return strprintf("%s: %s", given.c_str(), problem.c_str());
     }
+    problem = model_tp_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp));
+    if (!problem.empty()) return strprintf("--tp %d: %s", o->tp, problem.c_str());
+    if (o->tp > 1 && o->update_clip)
+        return strprintf("--update-clip with --tp %d: update clipping divides by each tensor's update RMS, which a rank "
+                         "sees only for its shard; drop one of the two", o->tp);
     if (o->out.empty()) o->out = o->resume;
     return "";
 }
@@ -277,13 +291,29 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 //   120  u64  sampling RNG state (splitmix64)        128  u64  number of parameters N
 //   136  i32 x 3  FP8 recipe: amax history length, quantization interval, FP8 in all layers (0/1)
 //   148  u32  bytes of one Fp8Meta                   152  u64  number K of model Fp8Meta (FP8 build 12 L, BF16 0)
-//   160..255  zero
+//   160  u32  P, the tensor-parallel size that wrote the file (1 without TP; 0, from before TP existed, reads as 1)
+//   164..255  zero
+// P = 1:
 //   256..  the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
 //          version, m and v types, tensor count, optimizer step, N, a hash of the tensor layout), then the
-//          FP32 master weights (N x f32, in the order of model_param_specs, CONTRACTS.md), m, v, and the
+//          FP32 master weights (N x f32, in the order of model_param_specs), m, v, and the
 //          per-tensor Fp8Meta of each FP8 moment.
 //   then   K x Fp8Meta: the scales of the model's FP8 linears (X, W, dY of wqkv, wo, w_gate_up, w_down of each
 //          layer, llama2.cuh's ModelFp8::metas; the amax histories of delayed scaling); the file ends there.
+// P > 1 (tensor parallelism):
+//   256..  the whole FP32 master weights, N x f32 in the order of model_param_specs (the shards put back)
+//   then   P optimizer states as adamw_save writes them, rank 0 first: each rank's shard (its master weights
+//          again, m, v and their per-shard FP8 scales), in model_param_specs(c, P) order
+//   then   P x K Fp8Meta: each rank's FP8 scales, rank 0 first; the file ends there.
+// Resuming at the same P restores every rank's state exactly (the resumed run equals the uninterrupted one).
+// Resuming at another P (a P = 1 file included) reads the whole master weights and cuts them for the new
+// shards, exactly; the moments and the FP8 scale records are per shard (an FP8 moment's scale belongs to the
+// shard's amax, and the new shards cut across the old ones) and start over, with a warning: moments zero,
+// Adam's bias correction from step 1, FP8 scales from the first casts. The alternative, whole FP32 moments in
+// the file, would reshard exactly too but costs 8 more bytes per parameter in every checkpoint and still loses
+// the FP8 moments' own rounding; a change of TP size is rare, so it pays the warm restart instead. The P > 1
+// layout stores the master weights twice (whole for resharding, per rank for an exact same-P resume):
+// 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
 // build precision, model config, B, T, total batch and seed; --steps, --lr and the schedule may change
 // (the schedule is a function of the step), though changing them breaks the equality with an
@@ -310,7 +340,8 @@ struct CheckpointHeader {
     int32_t amax_history, quant_interval, fp8_all_layers;
     uint32_t fp8_meta_bytes;
     uint64_t fp8_meta_count;
-    uint8_t reserved[96];
+    uint32_t tp_size;
+    uint8_t reserved[92];
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
               offsetof(CheckpointHeader, norm_eps) == 48 && offsetof(CheckpointHeader, batch) == 56 &&
@@ -318,7 +349,7 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, loader_epoch) == 104 && offsetof(CheckpointHeader, sample_rng) == 120 &&
               offsetof(CheckpointHeader, num_params) == 128 && offsetof(CheckpointHeader, amax_history) == 136 &&
               offsetof(CheckpointHeader, fp8_meta_bytes) == 148 && offsetof(CheckpointHeader, fp8_meta_count) == 152 &&
-              offsetof(CheckpointHeader, reserved) == 160,
+              offsetof(CheckpointHeader, tp_size) == 160 && offsetof(CheckpointHeader, reserved) == 164,
               "the checkpoint header's layout is the one documented above");
 
 // The header this build and these options would write (run-state fields zero).
@@ -338,7 +369,8 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.quant_interval = o.quant_interval;
     h.fp8_all_layers = o.fp8_all_layers ? 1 : 0;
     h.fp8_meta_bytes = sizeof(Fp8Meta);
-    h.fp8_meta_count = BUILD_PRECISION == 8 ? (uint64_t)c.n_layers * 4 * 3 : 0;   // 4 linears per layer, X W dY each
+    h.fp8_meta_count = BUILD_PRECISION == 8 ? (uint64_t)c.n_layers * 4 * 3 : 0;   // 4 linears per layer, X W dY each (per rank)
+    h.tp_size = (uint32_t)std::max(1, o.tp);
     return h;
 }
 
@@ -403,14 +435,36 @@ inline Fp8Meta* model_fp8_metas(Model* m) {
 #endif
 }
 
-inline void checkpoint_save(const std::string& dir, const CheckpointHeader& h, const AdamW* opt, Model* model) {
+// Bytes of one optimizer state as adamw_save writes it.
+inline size_t adamw_saved_bytes(const AdamW* opt) {
+    size_t bytes = sizeof(AdamWFileHeader);
+    for (const AdamWPart& part : adamw_state_parts(opt)) bytes += part.bytes;
+    return bytes;
+}
+
+// opts[r] and models[r] are rank r's (one of each without TP), their streams idle; h.tp_size == opts.size().
+inline void checkpoint_save(const std::string& dir, const CheckpointHeader& h, const std::vector<const AdamW*>& opts,
+                            const std::vector<Model*>& models) {
+    const int P = (int)opts.size();
+    if ((int)h.tp_size != P) fail("checkpoint_save: the header says tp_size %u, %d ranks given", h.tp_size, P);
     std::string path = checkpoint_path(dir), tmp = path + ".tmp";
     FILE* f = fopen(tmp.c_str(), "wb");
     if (!f) fail("cannot write checkpoint %s: %s", tmp.c_str(), strerror(errno));
     if (fwrite(&h, sizeof(h), 1, f) != 1) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
-    adamw_save(opt, f);
+    if (P > 1) {   // the whole master weights: every rank's shard put back in its place
+        const ModelConfig& c = models[0]->config;
+        std::vector<float> whole(h.num_params), shard(opts[0]->num_params);
+        for (int r = 0; r < P; r++) {
+            cudaCheck(cudaMemcpy(shard.data(), opts[r]->master, shard.size() * sizeof(float), cudaMemcpyDeviceToHost));
+            model_copy_shard(c, P, r, whole.data(), shard.data(), false);
+        }
+        if (fwrite(whole.data(), sizeof(float), whole.size(), f) != whole.size())
+            fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
+    }
+    for (const AdamW* opt : opts) adamw_save(opt, f);
     std::vector<Fp8Meta> metas(h.fp8_meta_count);
-    if (!metas.empty()) {
+    for (Model* model : models) {
+        if (metas.empty()) break;
         cudaCheck(cudaMemcpy(metas.data(), model_fp8_metas(model), metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
         if (fwrite(metas.data(), sizeof(Fp8Meta), metas.size(), f) != metas.size())
             fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
@@ -420,25 +474,49 @@ inline void checkpoint_save(const std::string& dir, const CheckpointHeader& h, c
     if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
 }
 
-// The optimizer state of checkpoint `path` (header `h`, already checked) into opt, the model's weights from its
-// master weights, then the saved FP8 scales over the ones that rebuilding the FP8 weight copies just wrote, so
-// that every scale, amax history and counter is the uninterrupted run's.
-inline void checkpoint_load_state(const std::string& path, const CheckpointHeader& h, AdamW* opt, Model* model) {
+// Resume at the TP size that wrote the file (header h, already checked): rank `rank` of the model's tp_size
+// reads its optimizer state into opt, sets the model's weights from its master weights, then puts its saved
+// FP8 scales over the ones that rebuilding the FP8 weight copies just wrote, so that every scale, amax history
+// and counter is the uninterrupted run's. Runs on the rank's thread (its GPU current).
+inline void checkpoint_load_rank(const std::string& path, const CheckpointHeader& h, AdamW* opt, Model* model, int rank) {
+    const int P = model->tp_size;
+    const long whole = P > 1 ? (long)(h.num_params * sizeof(float)) : 0L, state = (long)adamw_saved_bytes(opt);
+    const long metas_bytes = (long)(h.fp8_meta_count * sizeof(Fp8Meta)), start = (long)sizeof(CheckpointHeader) + whole;
     FILE* f = fopen(path.c_str(), "rb");
     if (!f) fail("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
-    if (fseek(f, sizeof(CheckpointHeader), SEEK_SET) != 0) fail("%s: cannot seek past the header", path.c_str());
+    if (fseek(f, start + rank * state, SEEK_SET) != 0) fail("%s: cannot seek to rank %d's optimizer state", path.c_str(), rank);
     adamw_load(opt, f, path.c_str());
     adamw_export_weights(opt, model->weights, model->stream);
     model_weights_changed(model);
     cudaCheck(cudaStreamSynchronize(model->stream));
     std::vector<Fp8Meta> metas(h.fp8_meta_count);
+    if (fseek(f, start + P * state + rank * metas_bytes, SEEK_SET) != 0) fail("%s: cannot seek to rank %d's FP8 scales", path.c_str(), rank);
     if (!metas.empty()) {
         if (fread(metas.data(), sizeof(Fp8Meta), metas.size(), f) != metas.size())
             fail("%s: the FP8 scales end early (truncated file)", path.c_str());
         cudaCheck(cudaMemcpy(model_fp8_metas(model), metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
     }
-    if (fgetc(f) != EOF) fail("%s: bytes after the FP8 scales: damaged file, or written by another version", path.c_str());
+    if (rank == P - 1 && fgetc(f) != EOF)
+        fail("%s: bytes after the FP8 scales: damaged file, or written by another version", path.c_str());
     fclose(f);
+}
+
+// The whole FP32 master weights of checkpoint `path` (header h, already checked), whatever TP size wrote it:
+// for resuming at another TP size (the caller cuts them into the new shards).
+inline std::vector<float> checkpoint_read_master(const std::string& path, const CheckpointHeader& h) {
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) fail("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
+    if (fseek(f, sizeof(CheckpointHeader), SEEK_SET) != 0) fail("%s: cannot seek past the header", path.c_str());
+    if (h.tp_size <= 1) {   // the master weights are the first part of the optimizer state
+        AdamWFileHeader a;
+        if (fread(&a, sizeof(a), 1, f) != 1 || a.magic != ADAMW_MAGIC || a.num_params != h.num_params)
+            fail("%s: no AdamW state of %llu parameters after the header: damaged file", path.c_str(), (unsigned long long)h.num_params);
+    }
+    std::vector<float> master(h.num_params);
+    if (fread(master.data(), sizeof(float), master.size(), f) != master.size())
+        fail("%s: the master weights end early (truncated file)", path.c_str());
+    fclose(f);
+    return master;
 }
 
 // mkdir -p
@@ -530,6 +608,39 @@ inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     return a;
 }
 
+// One GPU of the run (tensor parallelism: one rank of the group; --tp 0: the only one, without a group): its
+// model shard and optimizer shard, its batch buffers, and its own validation loader and sampling RNG, so that
+// every rank evaluates and samples exactly as the others (the logits are the same bits on every rank).
+struct TrainRank {
+    int device = 0;
+    const TpGroup* tp = nullptr;
+    Model model;
+    AdamW opt;
+    DataLoader val_data;
+    int *d_inputs = nullptr, *d_targets = nullptr;
+    float* d_logits = nullptr;
+    float loss = 0.0f, grad_norm = 0.0f, val_loss = 0.0f;
+    uint64_t sample_rng = 0;
+    std::vector<int> sample;
+};
+
+// Runs fn on every rank at once, each on a host thread of its own with its GPU current (one rank: on this
+// thread); returns when all are done. Each rank issues its collectives in the same order, from its thread.
+inline void on_ranks(std::vector<TrainRank>& ranks, const std::function<void(TrainRank&)>& fn) {
+    if (ranks.size() == 1) {
+        cudaCheck(cudaSetDevice(ranks[0].device));
+        fn(ranks[0]);
+        return;
+    }
+    std::vector<std::thread> threads;
+    for (TrainRank& r : ranks)
+        threads.emplace_back([&fn, &r] {
+            cudaCheck(cudaSetDevice(r.device));
+            fn(r);
+        });
+    for (std::thread& t : threads) t.join();
+}
+
 struct TrainResult {
     int first_step = 0, last_step = 0;    // the steps this call ran (1-based, inclusive)
     std::vector<float> losses, grad_norms, lrs;   // one per step run
@@ -567,9 +678,9 @@ inline TrainResult train(const TrainOptions& o) {
     int first_step = 1;
     long bad_in_row = 0;
     uint64_t sample_rng = (uint64_t)o.seed;
+    CheckpointHeader saved = {};   // the resumed checkpoint's header
     if (!o.resume.empty()) {
         std::string path = checkpoint_path(o.resume);
-        CheckpointHeader saved;
         err = checkpoint_read_header(path.c_str(), &saved);
         if (err.empty()) err = checkpoint_header_check(saved, run, path.c_str());
         if (err.empty()) err = dataloader_set_state(&train_data, {saved.loader_epoch, saved.loader_position});
@@ -582,36 +693,75 @@ inline TrainResult train(const TrainOptions& o) {
     }
     if (!o.out.empty()) make_dirs(o.out);
 
-    // ---- the model and the optimizer
-    cudaCheck(cudaSetDevice(0));
-    cudaDeviceProp prop;
-    cudaCheck(cudaGetDeviceProperties(&prop, 0));
-    printf("device: %s (sm_%d%d), build PRECISION=%s\n", prop.name, prop.major, prop.minor, BUILD_PRECISION == 8 ? "FP8" : "BF16");
+    // ---- the ranks: GPU r holds rank r's shard of the model and of the optimizer (--tp 0: GPU 0, no NCCL)
+    const int P = std::max(1, o.tp);
+    std::vector<TpGroup> groups;
+    if (o.tp >= 1) groups = tp_groups_create(o.tp);   // the start-up checks: the GPUs are there, and can talk
+    std::vector<TrainRank> ranks(P);
+    for (int r = 0; r < P; r++) {
+        ranks[r].device = r;
+        ranks[r].tp = o.tp >= 1 ? &groups[r] : nullptr;
+        err = dataloader_open(&ranks[r].val_data, o.val_data.c_str(), B, T, 0, 1, V, false, 0);
+        if (!err.empty()) fail("--val-data %s: %s", o.val_data.c_str(), err.c_str());
+    }
+    for (int r = 0; r < P; r++) {
+        cudaDeviceProp prop;
+        cudaCheck(cudaGetDeviceProperties(&prop, r));
+        printf("device %d: %s (sm_%d%d), build PRECISION=%s\n", r, prop.name, prop.major, prop.minor, BUILD_PRECISION == 8 ? "FP8" : "BF16");
+    }
+    cudaCheck(cudaSetDevice(0));   // this thread's GPU: rank 0's
     printf("batch: %d x %d tokens x %d micro-batches = %ld tokens per step; steps %d (warm-up %d), lr %g -> %g\n",
            B, T, accum, o.total_batch, o.steps, o.warmup, o.lr, o.lr * o.final_lr_frac);
+    if (o.tp == 0) printf("tensor parallel: off (--tp 0): one GPU, no NCCL\n");
+    else printf("%s", model_tp_layout(config, P).c_str());
     Fp8Options fp8;
     fp8.recipe.history_len = o.amax_history;
     fp8.recipe.interval = o.quant_interval;
     fp8.all_layers = o.fp8_all_layers;
     fp8.fast_accum = o.fp8_fast_accum == 1;
-    Model model;
-    model_create(&model, config, B, T, fp8);
-    std::vector<float> init = model_init_weights(config, (uint64_t)o.seed);
-    AdamW opt;
-    adamw_create(&opt, model.params, model.num_params, init.data(), adamw_config);
-    adamw_print_memory(&opt);
-    if (!o.resume.empty()) {
-        checkpoint_load_state(checkpoint_path(o.resume), run, &opt, &model);
+    fp8.tp_amax_sync = o.tp_amax_sync;
+    // Every rank cuts its shard out of the same whole weights: the init, or a checkpoint written at another TP size.
+    const bool reshard = !o.resume.empty() && std::max(1u, saved.tp_size) != (uint32_t)P;
+    std::vector<float> whole;
+    if (reshard) {
+        whole = checkpoint_read_master(checkpoint_path(o.resume), saved);
+        printf("warning: %s was written with --tp %u and this run has --tp %d: the master weights are cut into the new "
+               "shards exactly, but the AdamW moments and the FP8 scale records are per shard and start over (moments "
+               "zero, bias correction from step 1, FP8 scales from the first casts), so the next steps differ from an "
+               "uninterrupted run\n", checkpoint_path(o.resume).c_str(), std::max(1u, saved.tp_size), P);
     } else {
-        adamw_export_weights(&opt, model.weights, model.stream);   // BF16 weights (and FP8 copies) of the init
-        model_weights_changed(&model);
+        whole = model_init_weights(config, (uint64_t)o.seed);
     }
-
-    int *d_inputs, *d_targets;
-    float* d_logits = nullptr;
-    cudaCheck(cudaMalloc(&d_inputs, (size_t)B * T * sizeof(int)));
-    cudaCheck(cudaMalloc(&d_targets, (size_t)B * T * sizeof(int)));
-    if (o.sample_every > 0) cudaCheck(cudaMalloc(&d_logits, (size_t)T * V * sizeof(float)));
+    on_ranks(ranks, [&](TrainRank& r) {
+        const int rank = r.tp ? r.tp->rank : 0;
+        model_create(&r.model, config, B, T, fp8, r.tp);
+        std::vector<float> shard;
+        if (P > 1) {
+            shard.resize(r.model.num_params);
+            model_copy_shard(config, P, rank, whole.data(), shard.data(), true);
+        }
+        std::vector<float> norm_weights;   // replicated tensors count once in the global gradient norm
+        for (size_t i = 0; i < r.model.params.size(); i++) norm_weights.push_back(model_param_sharded(config, (int)i) ? 1.0f : 1.0f / P);
+        adamw_create(&r.opt, r.model.params, r.model.num_params, P > 1 ? shard.data() : whole.data(), adamw_config, norm_weights);
+        if (!o.resume.empty() && !reshard) {
+            checkpoint_load_rank(checkpoint_path(o.resume), saved, &r.opt, &r.model, rank);
+        } else {
+            adamw_export_weights(&r.opt, r.model.weights, r.model.stream);   // BF16 weights (and FP8 copies)
+            model_weights_changed(&r.model);
+        }
+        cudaCheck(cudaMalloc(&r.d_inputs, (size_t)B * T * sizeof(int)));
+        cudaCheck(cudaMalloc(&r.d_targets, (size_t)B * T * sizeof(int)));
+        if (o.sample_every > 0) cudaCheck(cudaMalloc(&r.d_logits, (size_t)T * V * sizeof(float)));
+        cudaCheck(cudaStreamSynchronize(r.model.stream));
+    });
+    whole = std::vector<float>();
+    adamw_print_memory(&ranks[0].opt);
+    {   // every buffer of a step is allocated by now (activations, workspaces): this is the step's footprint
+        size_t free_b, total_b;
+        cudaCheck(cudaSetDevice(0));
+        cudaCheck(cudaMemGetInfo(&free_b, &total_b));
+        printf("GPU 0 memory in use: %.1f GiB of %.1f GiB\n", (total_b - free_b) / 1073741824.0, total_b / 1073741824.0);
+    }
     std::vector<int> prompt;
     if (V == BYTE_VOCAB) {
         for (const char* p = "In the beginning"; *p; p++) prompt.push_back((unsigned char)*p);
@@ -641,11 +791,15 @@ inline TrainResult train(const TrainOptions& o) {
         if (fresh) fprintf(fp8_csv, "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac\n");
     }
 #endif
-    const double flops_per_token = model_flops_per_token(config, T);
+    const double flops_per_token = model_flops_per_token(config, T);   // the whole model's: TFLOP/s of all GPUs together
     const double tokens_per_step = (double)o.total_batch;
     const float grad_scale = 1.0f / ((float)B * T * accum);
+    auto evaluate = [&]() {   // the same loss on every rank
+        on_ranks(ranks, [&](TrainRank& r) { r.val_loss = evaluate_val_loss(&r.model, &r.val_data, eval_batches, r.d_inputs, r.d_targets); });
+        return ranks[0].val_loss;
+    };
     if (first_step == 1 && o.eval_every > 0) {
-        float val = evaluate_val_loss(&model, &val_data, eval_batches, d_inputs, d_targets);
+        float val = evaluate();
         result.val_losses.push_back({0, val});
         printf("step %5d | val loss %.4f\n", 0, val);
         if (log) fprintf(log, "0,,%.6f,,,,,,\n", val);
@@ -660,36 +814,42 @@ inline TrainResult train(const TrainOptions& o) {
         auto t0 = std::chrono::steady_clock::now();
 #if defined(PRECISION_FP8)
         const bool fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
-        if (fp8_stats_step) model_fp8_stats_begin(&model);
+        if (fp8_stats_step) model_fp8_stats_begin(&ranks[0].model);   // under --tp: rank 0's shards
 #endif
-        model_zero_grads(&model);
         double loss_sum = 0.0;
         for (int k = 0; k < accum; k++) {
             dataloader_next_batch(&train_data);
-            cudaCheck(cudaMemcpy(d_inputs, train_data.inputs.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
-            cudaCheck(cudaMemcpy(d_targets, train_data.targets.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
-            loss_sum += model_forward_backward(&model, d_inputs, d_targets, grad_scale);
+            on_ranks(ranks, [&](TrainRank& r) {   // every rank gets the whole batch
+                if (k == 0) model_zero_grads(&r.model);
+                cudaCheck(cudaMemcpy(r.d_inputs, train_data.inputs.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
+                cudaCheck(cudaMemcpy(r.d_targets, train_data.targets.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
+                r.loss = model_forward_backward(&r.model, r.d_inputs, r.d_targets, grad_scale);
+            });
+            loss_sum += ranks[0].loss;   // the same on every rank
         }
         float loss = (float)(loss_sum / accum);
-        float grad_norm = adamw_grad_norm(&opt, model.grads, model.stream);
+        on_ranks(ranks, [&](TrainRank& r) { r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp); });
+        float grad_norm = ranks[0].grad_norm;   // all-reduced: the same on every rank
         float lr = lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
         bool bad = !std::isfinite(loss) || !std::isfinite(grad_norm);
         if (bad) {   // skip the update: the weights and moments stay as they were
             result.bad_steps++;
             bad_in_row++;
         } else {
-            adamw_step(&opt, model.grads, model.weights, lr, grad_norm, model.stream);
-            model_weights_changed(&model);   // the FP8 build's W8 and W8^T
+            on_ranks(ranks, [&](TrainRank& r) {
+                adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
+                model_weights_changed(&r.model);   // the FP8 build's W8 and W8^T
+            });
             bad_in_row = 0;
         }
 #if defined(PRECISION_FP8)
         Fp8StatsSummary fp8_summary = {0, 0, "", ""};
         if (fp8_stats_step) {   // counted over this step's casts, W after its update
-            fp8_summary = model_fp8_stats_write(&model, step, fp8_csv);
-            model_fp8_stats_end(&model);
+            fp8_summary = model_fp8_stats_write(&ranks[0].model, step, fp8_csv);
+            model_fp8_stats_end(&ranks[0].model);
         }
 #endif
-        cudaCheck(cudaStreamSynchronize(model.stream));
+        on_ranks(ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         double tokens_per_s = tokens_per_step / (ms / 1000.0);
         double tflops = flops_per_token * tokens_per_s / 1e12;
@@ -710,7 +870,7 @@ inline TrainResult train(const TrainOptions& o) {
         bool last = step == last_step;
         float val = NAN;
         if ((o.eval_every > 0 && step % o.eval_every == 0) || last) {
-            val = evaluate_val_loss(&model, &val_data, eval_batches, d_inputs, d_targets);
+            val = evaluate();
             result.val_losses.push_back({step, val});
             printf("step %5d | val loss %.4f\n", step, val);
         }
@@ -720,9 +880,13 @@ inline TrainResult train(const TrainOptions& o) {
             fflush(log);
         }
         if (o.sample_every > 0 && (step % o.sample_every == 0 || last)) {
-            std::vector<int> out = sample_text(&model, prompt, o.sample_tokens, o.temperature, &sample_rng, d_inputs, d_logits);
+            on_ranks(ranks, [&](TrainRank& r) {   // every rank draws the same tokens from its own copy of the RNG
+                r.sample_rng = sample_rng;
+                r.sample = sample_text(&r.model, prompt, o.sample_tokens, o.temperature, &r.sample_rng, r.d_inputs, r.d_logits);
+            });
+            sample_rng = ranks[0].sample_rng;
             printf("---- sample at step %d ----\n%s%s\n-------------------------\n", step, tokens_to_text(prompt, V).c_str(),
-                   tokens_to_text(out, V).c_str());
+                   tokens_to_text(ranks[0].sample, V).c_str());
         }
         if (bad_in_row >= o.max_bad_steps) {
             // No checkpoint now: the last one holds the weights from before the trouble (skipped steps change
@@ -742,7 +906,13 @@ inline TrainResult train(const TrainOptions& o) {
             run.loader_epoch = s.epoch;
             run.loader_position = s.position;
             run.sample_rng = sample_rng;
-            checkpoint_save(o.out, run, &opt, &model);
+            std::vector<const AdamW*> opts;
+            std::vector<Model*> models;
+            for (TrainRank& r : ranks) {
+                opts.push_back(&r.opt);
+                models.push_back(&r.model);
+            }
+            checkpoint_save(o.out, run, opts, models);
             printf("checkpoint: %s (step %d)\n", checkpoint_path(o.out).c_str(), step);
         }
     }
@@ -753,11 +923,16 @@ inline TrainResult train(const TrainOptions& o) {
 #if defined(PRECISION_FP8)
     if (fp8_csv) fclose(fp8_csv);
 #endif
-    cudaCheck(cudaFree(d_inputs));
-    cudaCheck(cudaFree(d_targets));
-    if (d_logits) cudaCheck(cudaFree(d_logits));
-    adamw_destroy(&opt);
-    model_destroy(&model);
+    on_ranks(ranks, [&](TrainRank& r) {
+        cudaCheck(cudaFree(r.d_inputs));
+        cudaCheck(cudaFree(r.d_targets));
+        if (r.d_logits) cudaCheck(cudaFree(r.d_logits));
+        adamw_destroy(&r.opt);
+        model_destroy(&r.model);
+        dataloader_free(&r.val_data);
+    });
+    if (!groups.empty()) tp_groups_destroy(&groups);
+    cudaCheck(cudaSetDevice(0));
     dataloader_free(&train_data);
     dataloader_free(&val_data);
     return result;
