@@ -44,6 +44,10 @@ NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
 	-gencode arch=compute_$(ARCH_NUM),code=$(GPU_ARCH) \
 	-Xcompiler -Wall,-Wextra,-Wno-unused-parameter -Werror all-warnings \
 	-DPRECISION_$(PRECISION) -I$(dir $(NCCL_H))
+# The Hopper attention kernels (wgmma, TMA) need the arch-specific sm_90a target.
+ifeq ($(GPU_ARCH),sm_90a)
+NVCCFLAGS += -DATTENTION_HOPPER
+endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
 HEADERS := fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h

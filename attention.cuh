@@ -14,6 +14,9 @@
 // every intermediate (scores, probabilities, accumulators) stays in registers.
 #pragma once
 #include "fp8_kernels.cuh"
+#include <atomic>
+#include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
+#include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 
 constexpr int ATTN_TILE = 64;                        // query rows / key rows per tile
 constexpr int ATTN_WARPS = 4;
@@ -467,7 +470,583 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
 }
 
 // ----------------------------------------------------------------------------------------------
-// Launchers.
+// Hopper (sm_90a): the same attention on warpgroup MMA, with tiles brought by the tensor memory accelerator.
+// PTX ISA: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (wgmma), "cp.async.bulk.tensor",
+// "mbarrier". A block has 3 warpgroups of 128 threads: warpgroup 0 is the producer (one thread issues the
+// TMA copies; the warpgroup gives most of its registers to the others with setmaxnreg), warpgroups 1 and 2
+// are consumers, each owning 64 rows of every product. Tiles wait in shared memory in the layout that the
+// TMA's 128-byte swizzle writes and wgmma reads: rows of 64 bf16 (128 bytes), 16-byte chunk c of row r
+// stored at chunk c ^ (r % 8), so that 8 rows x 128 bytes form one 1024-byte swizzle atom. A head of 128
+// columns is two such tiles side by side ("chunks" of 64 columns). Stages are handed over by mbarriers:
+// `full` completes when the TMA bytes have landed, `empty` when every consumer thread is done reading.
+//
+// Register layouts (PTX: "Matrix fragments for wgmma .m64nNk16"): in warp w (0-3) of a warpgroup, lane with
+// g = lane / 4, t = lane % 4 holds, of an accumulator D [64 x N] (floats), for every 8-column block j,
+// D[16w + g][8j + 2t, +1] and D[16w + g + 8][8j + 2t, +1]: the m16n8 C fragment of mma.sync, once per
+// block - so float acc[N/8][4] here is laid out exactly as the strips of the mma.sync kernels above, and the
+// same helpers pack, rescale and store it. An A operand from registers (16 x 16 per warp) is the mma.sync A
+// fragment: attention_pack_a turns a 64-column accumulator into the A operands of 4 k-steps.
+
+constexpr int HATTN_CONSUMERS = 2;                               // consumer warpgroups per block
+constexpr int HATTN_THREADS = 128 * (1 + HATTN_CONSUMERS);
+constexpr int HATTN_PRODUCER_REGS = 24, HATTN_CONSUMER_REGS = 240;   // setmaxnreg: 128*24 + 256*240 <= 65536
+constexpr int HATTN_STAGES = 2;
+constexpr int HATTN_FWD_BM = 64 * HATTN_CONSUMERS;               // forward: query rows per block
+constexpr int HATTN_FWD_BN = 128;                                // forward: keys per K/V tile
+constexpr int HATTN_BWD_BM = 64;                                 // backward: query rows per step
+constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: keys per block
+
+// Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
+// Tiles are [rows x 64 columns] bf16 = rows * 128 bytes, one per 64-column chunk of the head.
+template <int HD> struct HattnSmem {
+    static constexpr int CH = HD / 64;
+    static constexpr int chunk(int rows) { return rows * 128; }
+    // forward: Q (both consumers), K and V stages, barriers
+    static constexpr int FWD_Q = 0;
+    static constexpr int FWD_Q_BYTES = CH * chunk(HATTN_FWD_BM);
+    static constexpr int FWD_KV_BYTES = CH * chunk(HATTN_FWD_BN);
+    static constexpr int FWD_K = FWD_Q + FWD_Q_BYTES;
+    static constexpr int FWD_V = FWD_K + HATTN_STAGES * FWD_KV_BYTES;
+    static constexpr int FWD_BAR = FWD_V + HATTN_STAGES * FWD_KV_BYTES;
+    static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
+    // backward: K, V of the block; Q, dO, lse, D stages; dS^T twice; barriers
+    static constexpr int BWD_KV_BYTES = CH * chunk(HATTN_BWD_BN);
+    static constexpr int BWD_Q_BYTES = CH * chunk(HATTN_BWD_BM);
+    static constexpr int BWD_ROWS_BYTES = 2 * HATTN_BWD_BM * 4;  // lse * log2(e) and D of the step's rows
+    static constexpr int BWD_STAGE_BYTES = 2 * BWD_Q_BYTES + BWD_ROWS_BYTES;   // Q, dO, rows
+    static constexpr int BWD_DS_BYTES = HATTN_BWD_BN * HATTN_BWD_BM * 2;       // dS^T, bf16
+    static constexpr int BWD_K = 0;
+    static constexpr int BWD_V = BWD_K + BWD_KV_BYTES;
+    static constexpr int BWD_STAGE = BWD_V + BWD_KV_BYTES;
+    static constexpr int BWD_DS = BWD_STAGE + ((HATTN_STAGES * BWD_STAGE_BYTES + 1023) / 1024) * 1024;
+    static constexpr int BWD_BAR = BWD_DS + 2 * BWD_DS_BYTES;
+    static constexpr int BWD_BYTES = BWD_BAR + 128 + 1024;
+    static_assert(FWD_BYTES <= 227 * 1024 && BWD_BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
+};
+
+// The backward's per-row values and dQ accumulator, padded to whole query tiles: Tp = ceil(T / 64) * 64.
+__host__ __device__ inline int attention_padded_T(int T) { return (T + HATTN_BWD_BM - 1) / HATTN_BWD_BM * HATTN_BWD_BM; }
+
+#if defined(__CUDA_ARCH__)
+// mbarrier: a phase completes when `count` arrivals and all expected transaction bytes have come.
+__device__ inline void hattn_bar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(attention_smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ inline void hattn_bar_expect(uint64_t* bar, uint32_t bytes) {   // an arrival that also expects bytes
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(attention_smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ inline void hattn_bar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(attention_smem_addr(bar)) : "memory");
+}
+__device__ inline void hattn_bar_wait(uint64_t* bar, uint32_t parity) {   // until phase `parity` has completed
+    uint32_t done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(attention_smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+// TMA: box (x = column, y = row, z = batch) of `map` into shared memory; completes bytes on `bar`.
+__device__ inline void hattn_tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int x, int y, int z) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(attention_smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z),
+                   "r"(attention_smem_addr(bar)) : "memory");
+}
+// Plain bulk copy of `bytes` (a multiple of 16) from global to shared memory; completes bytes on `bar`.
+__device__ inline void hattn_bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(attention_smem_addr(dst)), "l"(src), "r"(bytes), "r"(attention_smem_addr(bar)) : "memory");
+}
+// Named barrier over `count` threads (id 0 is __syncthreads).
+__device__ inline void hattn_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+
+// Shared-memory matrix descriptor (PTX: "Matrix Descriptor Format"): start address, leading and stride byte
+// offsets (all >> 4), swizzle mode in bits 62-63 (1 = 128-byte, 2 = 64-byte). With a swizzle, K-major
+// operands ignore the leading offset and step 8 rows by the stride offset; MN-major operands step 8 rows
+// of K by the stride offset and the next 64 (or 32) MN elements by the leading offset.
+constexpr uint32_t HATTN_SW128 = 1, HATTN_SW64 = 2;
+__device__ inline uint64_t hattn_desc(const void* smem, uint32_t sbo_bytes, uint32_t swizzle) {
+    const uint64_t addr = attention_smem_addr(smem);
+    return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo_bytes >> 4) << 32) | ((uint64_t)swizzle << 62);
+}
+
+__device__ inline void hattn_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ inline void hattn_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ inline void hattn_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// After a wait: the compiler must not move reads of the accumulators above it.
+template <int R>
+__device__ inline void hattn_fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define HATTN_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define HATTN_F16(d, i) HATTN_F4(d, i), HATTN_F4(d, i + 4), HATTN_F4(d, i + 8), HATTN_F4(d, i + 12)
+#define HATTN_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define HATTN_R32 HATTN_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define HATTN_R64 HATTN_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+// d[64 x N] (+)= A[64 x 16] B[16 x N], BF16 in, FP32 accumulate; A and B from shared memory (descriptors).
+// TA / TB: 0 = K-major (rows of the operand run along K), 1 = MN-major (transposed). accumulate = 0 overwrites d.
+template <int N, int TA, int TB>
+__device__ inline void hattn_wgmma_ss(float* d, uint64_t a, uint64_t b, int accumulate) {
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma widths used here");
+    if constexpr (N == 32) {
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" HATTN_R16 "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+                     : HATTN_F16(d, 0) : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+    } else if constexpr (N == 64) {
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" HATTN_R32 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+                     : HATTN_F16(d, 0), HATTN_F16(d, 16) : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+    } else {
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" HATTN_R64 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+                     : HATTN_F16(d, 0), HATTN_F16(d, 16), HATTN_F16(d, 32), HATTN_F16(d, 48)
+                     : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+    }
+}
+// d[64 x 64] += A[64 x 16] B[16 x 64]; A from registers (the mma.sync A fragment of each warp's 16 rows).
+template <int TB>
+__device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" HATTN_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                 : HATTN_F16(d, 0), HATTN_F16(d, 16) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
+}
+#endif   // __CUDA_ARCH__
+
+// ---- Hopper forward. One block per (128-row query tile, query head, batch), longest rows first over the
+// whole grid; heads of one KV group are neighbours in the grid, so their K/V tiles come from L2. Consumer c
+// owns query rows 64c..64c+63 of the tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major), online
+// softmax in registers exactly as the mma.sync kernel (base 2, masked only on the diagonal tile), then
+// O += P V (P from registers, V MN-major). K's stage is released as soon as S is done.
+template <int HD>
+__global__ void __launch_bounds__(HATTN_THREADS, 1)
+attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
+                                const __grid_constant__ CUtensorMap kv_map, int B, int T, int NH, int NKV) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef HattnSmem<HD> S;
+    constexpr int CH = S::CH, BN = HATTN_FWD_BN;
+    extern __shared__ unsigned char hattn_smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(hattn_smem_raw) + 1023) & ~uintptr_t(1023));
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::FWD_BAR);
+    uint64_t* q_full = bars;                                  // then per stage: K full, K empty, V full, V empty
+    uint64_t* k_full = bars + 1;
+    uint64_t* k_empty = k_full + HATTN_STAGES;
+    uint64_t* v_full = k_empty + HATTN_STAGES;
+    uint64_t* v_empty = v_full + HATTN_STAGES;
+
+    const int ntiles = gridDim.x / (NH * B);
+    const int qt = ntiles - 1 - (int)blockIdx.x / (NH * B);
+    const int h = (int)blockIdx.x % NH, b = ((int)blockIdx.x / NH) % B;
+    const int kvh = h / (NH / NKV);
+    const int q0 = qt * HATTN_FWD_BM;
+    const int nkv = (min(q0 + HATTN_FWD_BM, T) + BN - 1) / BN;   // K/V tiles holding keys <= the last row
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        hattn_bar_init(q_full, 1);
+        for (int s = 0; s < HATTN_STAGES; s++) {
+            hattn_bar_init(k_full + s, 1);
+            hattn_bar_init(v_full + s, 1);
+            hattn_bar_init(k_empty + s, 128 * HATTN_CONSUMERS);
+            hattn_bar_init(v_empty + s, 128 * HATTN_CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {   // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(HATTN_PRODUCER_REGS));
+        if (threadIdx.x == 0) {
+            hattn_bar_expect(q_full, S::FWD_Q_BYTES);
+            for (int ch = 0; ch < CH; ch++)
+                hattn_tma_load(smem + S::FWD_Q + ch * S::chunk(HATTN_FWD_BM), &q_map, q_full, h * HD + 64 * ch, q0, b);
+            for (int j = 0; j < nkv; j++) {
+                const int s = j % HATTN_STAGES;
+                const uint32_t empty_parity = ((j / HATTN_STAGES) + 1) & 1;   // the release of use j - STAGES
+                if (j >= HATTN_STAGES) hattn_bar_wait(k_empty + s, empty_parity);
+                hattn_bar_expect(k_full + s, S::FWD_KV_BYTES);
+                for (int ch = 0; ch < CH; ch++)
+                    hattn_tma_load(smem + S::FWD_K + s * S::FWD_KV_BYTES + ch * S::chunk(BN), &kv_map, k_full + s,
+                                   (NH + kvh) * HD + 64 * ch, j * BN, b);
+                if (j >= HATTN_STAGES) hattn_bar_wait(v_empty + s, empty_parity);
+                hattn_bar_expect(v_full + s, S::FWD_KV_BYTES);
+                for (int ch = 0; ch < CH; ch++)
+                    hattn_tma_load(smem + S::FWD_V + s * S::FWD_KV_BYTES + ch * S::chunk(BN), &kv_map, v_full + s,
+                                   (NH + NKV + kvh) * HD + 64 * ch, j * BN, b);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(HATTN_CONSUMER_REGS));
+    const int c = wg - 1;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row_base = q0 + 64 * c + 16 * warp;           // this warp's first query row
+    const float scale_log2 = rsqrtf((float)HD) * ATTN_LOG2E;
+    const unsigned char* q_tile = smem + S::FWD_Q + 64 * c * 128;   // this consumer's rows of chunk 0
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    hattn_bar_wait(q_full, 0);
+
+    for (int j = 0; j < nkv; j++) {
+        const int s = j % HATTN_STAGES;
+        const uint32_t parity = (j / HATTN_STAGES) & 1;
+        const unsigned char* k_tile = smem + S::FWD_K + s * S::FWD_KV_BYTES;
+        const unsigned char* v_tile = smem + S::FWD_V + s * S::FWD_KV_BYTES;
+        float sc[BN / 8][4];
+        hattn_bar_wait(k_full + s, parity);
+        hattn_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
+            const int ch = kk / 4, off = (kk % 4) * 32;
+            hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], hattn_desc(q_tile + ch * S::chunk(HATTN_FWD_BM) + off, 1024, HATTN_SW128),
+                                     hattn_desc(k_tile + ch * S::chunk(BN) + off, 1024, HATTN_SW128), kk > 0);
+        }
+        hattn_wgmma_commit();
+        hattn_wgmma_wait<0>();
+        hattn_fence_regs<BN / 2>(&sc[0][0]);
+        hattn_bar_arrive(k_empty + s);
+
+        const int k0 = j * BN;
+        const bool diagonal = k0 + BN > row_base - 16 * warp + 1;   // some key of the tile is past some row of the consumer
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int qi = row_base + g + 8 * (i / 2), key = k0 + n * 8 + 2 * t + i % 2;
+                sc[n][i] = (!diagonal || key <= qi) ? sc[n][i] * scale_log2 : -INFINITY;
+                mx[i / 2] = fmaxf(mx[i / 2], sc[n][i]);
+            }
+        }
+        float m_use[2], alpha[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+            const float m_new = fmaxf(m[hr], mx[hr]);
+            m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;   // key 0 is in every row's first tile: finite in practice
+            alpha[hr] = exp2f(m[hr] - m_use[hr]);
+            m[hr] = m_new;
+            l[hr] *= alpha[hr];
+        }
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                sc[n][i] = exp2f(sc[n][i] - m_use[i / 2]);
+                l[i / 2] += sc[n][i];
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+        uint32_t pa[BN / 16][4];
+        attention_pack_a(pa, sc);
+        attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
+        hattn_bar_wait(v_full + s, parity);
+        hattn_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
+#pragma unroll
+            for (int ch = 0; ch < CH; ch++)
+                hattn_wgmma_rs64<1>(&o[8 * ch][0], pa[kk], hattn_desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128));
+        hattn_wgmma_commit();
+        hattn_wgmma_wait<0>();
+        hattn_fence_regs<HD / 2>(&o[0][0]);
+        hattn_bar_arrive(v_empty + s);
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+        const float inv_l = 1.0f / l[hr];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
+        const int qi = row_base + g + 8 * hr;
+        if (t == 0 && qi < T) lse[((size_t)b * NH + h) * T + qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
+    }
+    attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, row_base, T, o, 1.0f, lane);
+#endif
+}
+
+// ---- Hopper backward, preparation: per (batch, head, padded row) the row's lse in base-2 units and
+// D = rowsum(dO * O); padded rows (t >= T) get lse = +inf, so their P = exp2(s - inf) = 0 and dS = 0
+// without a mask. One warp per row.
+template <int HD>
+__global__ void attention_backward_rows_kernel(float* lse2, float* delta, const float* lse, const bf16* dout, const bf16* out,
+                                               int B, int T, int Tp, int NH) {
+    const long row = (long)blockIdx.x * (ATTN_DELTA_THREADS / 32) + threadIdx.x / 32;   // (b, h, t) with t < Tp
+    const int lane = threadIdx.x % 32;
+    if (row >= (long)B * NH * Tp) return;
+    const int t = (int)(row % Tp);
+    const long bh = row / Tp;
+    const int h = (int)(bh % NH), b = (int)(bh / NH);
+    float sum = 0.0f;
+    if (t < T) {
+        const size_t at = ((size_t)b * T + t) * NH * HD + (size_t)h * HD;
+        for (int c = lane; c < HD; c += 32) sum += to_float(out[at + c]) * to_float(dout[at + c]);
+        sum = attention_warp_sum(sum);
+    }
+    if (lane == 0) {
+        delta[row] = sum;
+        lse2[row] = t < T ? lse[bh * T + t] * ATTN_LOG2E : INFINITY;
+    }
+}
+
+// ---- Hopper backward. One block per (128-key tile, KV head, batch), ordered by key tile over the whole
+// grid (the first key tiles see the most query tiles: longest first). Consumer w owns keys 64w..64w+63 of
+// the tile and keeps their dK, dV in registers. The block walks the query heads of its group and, for each,
+// the query tiles at or after its keys from the last to the first; per (key tile, query tile):
+//   S^T = K Q^T, dP^T = V dO^T                (both operands K-major)
+//   P^T = exp2(S^T log2(e)/sqrt(HD) - lse2), dS^T = P^T * (dP^T - D)      (registers)
+//   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
+//   dS^T -> shared memory; dQ^T = K^T dS^T    (A = K MN-major, B = dS^T MN-major; consumer w takes query
+//                                              columns 32w..32w+31 of the step, all HD rows)
+// That is the 5-GEMM algorithm: nothing is recomputed.
+//
+// dQ is summed over key tiles in a fixed order: deterministic without an extra pass over S and dP. Every
+// (batch, head, query tile) has a counter; the block of key tile kt adds its dQ^T to the FP32 accumulator
+// only when the counter reaches 2 kt (both consumers of the previous key tile have added), then each
+// consumer adds 1. Key tile 0 stores instead of adding, so the accumulator needs no clearing. A block waits
+// only for blocks of lower key tiles, which the grid order launches before it (and which never wait for it),
+// so a waiting block never blocks the block it waits for. All blocks of one (batch, KV head) walk the query
+// tiles in the same order at about the same time, so the counters mostly find their turn ready; the
+// alternatives cost more: recomputing S and dP in a dQ kernel (7 GEMMs instead of 5, the mma.sync path) or
+// per-key-tile partials reduced by a later pass (T/128 times the accumulator's memory and traffic).
+// The FP32 accumulator is [B, NH, HD, Tp] (query index fastest: the dQ^T fragments add pairs of floats),
+// turned into the BF16 dQ (times 1/sqrt(HD)) by attention_backward_dq_kernel.
+template <int HD>
+__global__ void __launch_bounds__(HATTN_THREADS, 1)
+attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const float* lse2, const float* delta,
+                                 const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
+                                 const __grid_constant__ CUtensorMap do_map, int B, int T, int NH, int NKV) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef HattnSmem<HD> S;
+    constexpr int CH = S::CH, BM = HATTN_BWD_BM, BN = HATTN_BWD_BN;
+    extern __shared__ unsigned char hattn_smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(hattn_smem_raw) + 1023) & ~uintptr_t(1023));
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BWD_BAR);
+    uint64_t* kv_full = bars;                                 // then per stage: full, empty
+    uint64_t* st_full = bars + 1;
+    uint64_t* st_empty = st_full + HATTN_STAGES;
+
+    const int Tp = attention_padded_T(T), nq = Tp / BM;
+    const int kt = (int)blockIdx.x / (NKV * B);
+    const int kvh = (int)blockIdx.x % NKV, b = ((int)blockIdx.x / NKV) % B;
+    const int group = NH / NKV;
+    const int k0 = kt * BN, first_qt = k0 / BM;              // query tiles first_qt..nq-1 see keys of this tile
+    const int per_head = nq - first_qt, steps = group * per_head;
+    const int wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        hattn_bar_init(kv_full, 1);
+        for (int s = 0; s < HATTN_STAGES; s++) {
+            hattn_bar_init(st_full + s, 1);
+            hattn_bar_init(st_empty + s, 128 * HATTN_CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {   // producer: K and V once, then (Q, dO, lse2, D) of every step
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(HATTN_PRODUCER_REGS));
+        if (threadIdx.x == 0) {
+            hattn_bar_expect(kv_full, 2 * S::BWD_KV_BYTES);
+            for (int ch = 0; ch < CH; ch++) {
+                hattn_tma_load(smem + S::BWD_K + ch * S::chunk(BN), &kv_map, kv_full, (NH + kvh) * HD + 64 * ch, k0, b);
+                hattn_tma_load(smem + S::BWD_V + ch * S::chunk(BN), &kv_map, kv_full, (NH + NKV + kvh) * HD + 64 * ch, k0, b);
+            }
+            for (int i = 0; i < steps; i++) {
+                const int s = i % HATTN_STAGES;
+                const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
+                if (i >= HATTN_STAGES) hattn_bar_wait(st_empty + s, ((i / HATTN_STAGES) + 1) & 1);
+                unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
+                hattn_bar_expect(st_full + s, S::BWD_STAGE_BYTES);
+                for (int ch = 0; ch < CH; ch++) {
+                    hattn_tma_load(stage + ch * S::chunk(BM), &q_map, st_full + s, h * HD + 64 * ch, qt * BM, b);
+                    hattn_tma_load(stage + S::BWD_Q_BYTES + ch * S::chunk(BM), &do_map, st_full + s, h * HD + 64 * ch, qt * BM, b);
+                }
+                const size_t row0 = ((size_t)b * NH + h) * Tp + (size_t)qt * BM;
+                hattn_bulk_load(stage + 2 * S::BWD_Q_BYTES, lse2 + row0, BM * 4, st_full + s);
+                hattn_bulk_load(stage + 2 * S::BWD_Q_BYTES + BM * 4, delta + row0, BM * 4, st_full + s);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(HATTN_CONSUMER_REGS));
+    const int w = wg - 1;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int key_base = k0 + 64 * w + 16 * warp;            // this warp's first key row
+    const float scale = rsqrtf((float)HD), scale_log2 = scale * ATTN_LOG2E;
+    const unsigned char* k_tile = smem + S::BWD_K;
+    const unsigned char* v_tile = smem + S::BWD_V;
+
+    float dk[HD / 8][4], dv[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
+    hattn_bar_wait(kv_full, 0);
+
+    for (int i = 0; i < steps; i++) {
+        const int s = i % HATTN_STAGES;
+        const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
+        const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
+        const unsigned char* q_tile = stage;
+        const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
+        const float* lse_q = reinterpret_cast<const float*>(stage + 2 * S::BWD_Q_BYTES);
+        const float* delta_q = lse_q + BM;
+        hattn_bar_wait(st_full + s, (i / HATTN_STAGES) & 1);
+
+        float st[BM / 8][4], dpt[BM / 8][4];
+        hattn_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const int ch = kk / 4, off = (kk % 4) * 32;
+            const int krow = ch * S::chunk(BN) + 64 * w * 128 + off;
+            hattn_wgmma_ss<BM, 0, 0>(&st[0][0], hattn_desc(k_tile + krow, 1024, HATTN_SW128),
+                                     hattn_desc(q_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+            hattn_wgmma_ss<BM, 0, 0>(&dpt[0][0], hattn_desc(v_tile + krow, 1024, HATTN_SW128),
+                                     hattn_desc(do_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+        }
+        hattn_wgmma_commit();
+        hattn_wgmma_wait<0>();
+        hattn_fence_regs<BM / 2>(&st[0][0]);
+        hattn_fence_regs<BM / 2>(&dpt[0][0]);
+
+        const bool diagonal = qt * BM < key_base - 16 * warp + 64;   // some query row of the step precedes a key
+#pragma unroll
+        for (int n = 0; n < BM / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = key_base + g + 8 * (e / 2), col = n * 8 + 2 * t + e % 2;
+                const float p = (!diagonal || key <= qt * BM + col) ? exp2f(st[n][e] * scale_log2 - lse_q[col]) : 0.0f;
+                st[n][e] = p;                                    // P^T
+                dpt[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
+            }
+        }
+        uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+        attention_pack_a(pa, st);
+        attention_pack_a(dsa, dpt);
+        hattn_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) {   // 16 query rows per step
+#pragma unroll
+            for (int ch = 0; ch < CH; ch++) {
+                const int qrow = ch * S::chunk(BM) + kk * 16 * 128;
+                hattn_wgmma_rs64<1>(&dv[8 * ch][0], pa[kk], hattn_desc(do_tile + qrow, 1024, HATTN_SW128));
+                hattn_wgmma_rs64<1>(&dk[8 * ch][0], dsa[kk], hattn_desc(q_tile + qrow, 1024, HATTN_SW128));
+            }
+        }
+        hattn_wgmma_commit();
+
+        // dS^T (bf16) into shared memory while those run: two blocks of 32 query columns, each [128 keys x 64
+        // bytes] with the 64-byte swizzle (chunk c of row r at c ^ ((r / 2) % 4)), the layout wgmma reads below.
+        unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
+#pragma unroll
+        for (int n = 0; n < BM / 8; n++) {
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
+                const int blk = n / 4, chunk = n % 4;                            // 32-column block, 16-byte chunk
+                unsigned char* p = ds + blk * (BN * 64) + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) + 4 * t;
+                *reinterpret_cast<uint32_t*>(p) = attention_pack_bf16(dpt[n][2 * half], dpt[n][2 * half + 1]);
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
+        hattn_wgmma_wait<0>();
+        hattn_fence_regs<HD / 2>(&dv[0][0]);
+        hattn_fence_regs<HD / 2>(&dk[0][0]);
+        hattn_bar_arrive(st_empty + s);                          // Q and dO of this stage are no longer read
+        hattn_sync(1, 128 * HATTN_CONSUMERS);                    // both halves of dS^T are written
+
+        float dq[CH][4][4];                                      // dQ^T: rows HD (per chunk 64), columns 32 queries
+        hattn_wgmma_fence();
+#pragma unroll
+        for (int ch = 0; ch < CH; ch++)
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)                 // 16 keys per step
+                hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], hattn_desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128),
+                                         hattn_desc(ds + w * (BN * 64) + kk * 16 * 64, 512, HATTN_SW64), kk > 0);
+        hattn_wgmma_commit();
+        hattn_wgmma_wait<0>();
+        hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+
+        // Add this key tile's dQ^T in turn (see above).
+        int* turn = dq_turn + ((size_t)b * NH + h) * nq + qt;
+        const int wtid = threadIdx.x % 128;
+        if (wtid == 0) {
+            int seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+            } while (seen < 2 * kt);
+        }
+        hattn_sync(2 + w, 128);
+        float* acc = dq_acc + ((size_t)b * NH + h) * HD * Tp + (size_t)qt * BM + 32 * w;
+#pragma unroll
+        for (int ch = 0; ch < CH; ch++) {
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int d = 64 * ch + 16 * warp + g + 8 * half, col = n * 8 + 2 * t;
+                    float2* p = reinterpret_cast<float2*>(acc + (size_t)d * Tp + col);
+                    const float2 v = make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]);
+                    if (kt == 0) *p = v;
+                    else atomicAdd(p, v);                        // ordered by the turn counter: deterministic
+                }
+            }
+        }
+        __threadfence();
+        hattn_sync(2 + w, 128);
+        if (wtid == 0) atomicAdd(turn, 1);
+    }
+    bf16* drows = dqkv + (size_t)b * T * (NH + 2 * NKV) * HD;
+    const int C3 = (NH + 2 * NKV) * HD;
+    attention_store_strip<HD>(drows + (NH + kvh) * HD, C3, key_base, T, dk, scale, lane);
+    attention_store_strip<HD>(drows + (NH + NKV + kvh) * HD, C3, key_base, T, dv, 1.0f, lane);
+#endif
+}
+
+// dQ = dq_acc^T / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x head column) tile per block,
+// transposed through shared memory so that both the reads and the writes are coalesced.
+template <int HD>
+__global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_acc, int B, int T, int NH, int NKV) {
+    __shared__ float tile[64][65];
+    const int Tp = attention_padded_T(T);
+    const int q0 = blockIdx.x * 64, d0 = blockIdx.y * 64 % HD, h = blockIdx.y * 64 / HD, b = blockIdx.z;
+    const float scale = rsqrtf((float)HD);
+    const float* src = dq_acc + ((size_t)b * NH + h) * HD * Tp;
+    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
+        const int d = i / 64, q = i % 64;
+        tile[d][q] = src[(size_t)(d0 + d) * Tp + q0 + q];
+    }
+    __syncthreads();
+    const int C3 = (NH + 2 * NKV) * HD;
+    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
+        const int q = i / 32, d = 2 * (i % 32);
+        if (q0 + q < T)
+            *reinterpret_cast<__nv_bfloat162*>(dqkv + ((size_t)b * T + q0 + q) * C3 + h * HD + d0 + d) =
+                __floats2bfloat162_rn(tile[d][q] * scale, tile[d + 1][q] * scale);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Launchers. attention_forward / attention_backward take the Hopper kernels when the build has them
+// (GPU_ARCH=sm_90a defines ATTENTION_HOPPER) and the GPU is compute capability 9.0, else the mma.sync
+// kernels; `path` forces one (the tests and the benchmark run both).
+
+enum AttentionPath { ATTN_PATH_AUTO, ATTN_PATH_MMA, ATTN_PATH_HOPPER };
 
 inline void attention_check(const char* who, int B, int T, int NH, int NKV, int HD, std::initializer_list<const void*> ptrs) {
     if (B < 1 || T < 1) fail("%s: B=%d and T=%d must be at least 1", who, B, T);
@@ -475,55 +1054,164 @@ inline void attention_check(const char* who, int B, int T, int NH, int NKV, int 
         fail("%s: n_heads=%d must be a positive multiple of n_kv_heads=%d", who, NH, NKV);
     if (HD != 64 && HD != 128)
         fail("%s: head_dim=%d is not supported; the attention kernels are built for 64 and 128 (choose dim / n_heads = 64 or 128)", who, HD);
-    if (NH > 65535 || B > 65535) fail("%s: n_heads=%d and B=%d must be at most 65535 (grid limits)", who, NH, B);
+    if ((long)ceil_div(T, ATTN_TILE) * NH * B > INT32_MAX || NH > 65535 || B > 65535)
+        fail("%s: B=%d x n_heads=%d x T=%d is past the grid limits (B and n_heads at most 65535; B x n_heads x T/64 below 2^31)", who, B, NH, T);
     for (const void* ptr : ptrs)
         if (!is_aligned16(ptr)) fail("%s: every tensor must be 16-byte aligned (got %p)", who, ptr);
 }
 
-// Kernels that need more than 48 KB of shared memory must opt in; the attribute belongs to the current
-// device, so it is set at every launch (a host-side call of a microsecond).
-template <class Kernel>
-inline void attention_set_smem(Kernel kernel, size_t bytes) {
+// Kernels that need more than 48 KB of shared memory must opt in, once per device: `done` holds a bit per
+// device of the call site (a static of each launcher), so a launch makes no host call for it after the first.
+inline void attention_set_smem(const void* kernel, size_t bytes, std::atomic<uint64_t>* done) {
+    int dev = 0;
+    cudaCheck(cudaGetDevice(&dev));
+    const uint64_t bit = 1ull << (dev & 63);
+    if (done->load(std::memory_order_relaxed) & bit) return;
     cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    done->fetch_or(bit);
+}
+
+// The Hopper kernels exist in builds for sm_90a (the Makefile defines ATTENTION_HOPPER), and such a binary
+// runs only on compute capability 9.0, so there they always run.
+#if defined(ATTENTION_HOPPER)
+constexpr bool attention_hopper_available = true;
+#else
+constexpr bool attention_hopper_available = false;
+#endif
+
+inline bool attention_use_hopper(AttentionPath path, const char* who) {
+    if (path == ATTN_PATH_MMA) return false;
+    if (path == ATTN_PATH_HOPPER && !attention_hopper_available)
+        fail("%s: the Hopper attention kernels need a build for GPU_ARCH=sm_90a", who);
+    return attention_hopper_available;
+}
+
+#if defined(ATTENTION_HOPPER)
+// A [B, T, cols] bf16 tensor (row pitch `cols`) for the TMA: boxes of 64 columns x box_rows rows with the
+// 128-byte swizzle; rows past T are outside the tensor and arrive as zeros.
+inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B, int box_rows) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || !fn)
+            fail("attention: the driver has no cuTensorMapEncodeTiled (a CUDA 12+ driver is needed for the Hopper kernels)");
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    CUtensorMap map;
+    cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)T, (cuuint64_t)B};
+    cuuint64_t strides[2] = {(cuuint64_t)cols * sizeof(bf16), (cuuint64_t)cols * sizeof(bf16) * T};
+    cuuint32_t box[3] = {64, (cuuint32_t)box_rows, 1};
+    cuuint32_t elem_strides[3] = {1, 1, 1};
+    CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        fail("attention: cuTensorMapEncodeTiled refused a [%d, %d, %d] bf16 tensor at %p (CUresult %d)", B, T, cols, (const void*)base, (int)r);
+    return map;
 }
 
 template <int HD>
-inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, cudaStream_t s) {
-    size_t smem = AttnDims<HD>::FORWARD_SMEM;
-    attention_set_smem(attention_forward_kernel<HD>, smem);
+inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, cudaStream_t s) {
+    static std::atomic<uint64_t> smem_set{0};
+    const size_t smem = HattnSmem<HD>::FWD_BYTES;
+    attention_set_smem((const void*)attention_forward_hopper_kernel<HD>, smem, &smem_set);
+    const int C3 = (NH + 2 * NKV) * HD;
+    const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BM);
+    const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BN);
+    const int blocks = ceil_div(T, HATTN_FWD_BM) * NH * B;
+    attention_forward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(out, lse, q_map, kv_map, B, T, NH, NKV);
+    cudaCheckLaunch();
+}
+
+template <int HD>
+inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* dout, const bf16* qkv, const bf16* out,
+                                      const float* lse, int B, int T, int NH, int NKV, cudaStream_t s) {
+    const int Tp = attention_padded_T(T), nq = Tp / HATTN_BWD_BM;
+    const size_t rows = (size_t)B * NH * Tp;
+    float* lse2 = scratch;
+    float* delta = lse2 + rows;
+    float* dq_acc = delta + rows;
+    int* dq_turn = reinterpret_cast<int*>(dq_acc + rows * HD);
+    cudaCheck(cudaMemsetAsync(dq_turn, 0, (size_t)B * NH * nq * sizeof(int), s));
+    attention_backward_rows_kernel<HD><<<ceil_div(rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
+        lse2, delta, lse, dout, out, B, T, Tp, NH);
+    cudaCheckLaunch();
+    static std::atomic<uint64_t> smem_set{0};
+    const size_t smem = HattnSmem<HD>::BWD_BYTES;
+    attention_set_smem((const void*)attention_backward_hopper_kernel<HD>, smem, &smem_set);
+    const int C3 = (NH + 2 * NKV) * HD;
+    const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HATTN_BWD_BM);
+    const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_BWD_BN);
+    const CUtensorMap do_map = attention_tensor_map(dout, NH * HD, T, B, HATTN_BWD_BM);
+    const int blocks = ceil_div(T, HATTN_BWD_BN) * NKV * B;
+    attention_backward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(dqkv, dq_acc, dq_turn, lse2, delta, q_map, kv_map,
+                                                                              do_map, B, T, NH, NKV);
+    cudaCheckLaunch();
+    attention_backward_dq_kernel_hopper<HD><<<dim3(nq, NH * HD / 64, B), 256, 0, s>>>(dqkv, dq_acc, B, T, NH, NKV);
+    cudaCheckLaunch();
+}
+#endif
+
+template <int HD>
+inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, bool hopper, cudaStream_t s) {
+#if defined(ATTENTION_HOPPER)
+    if (hopper) return attention_forward_hopper<HD>(out, lse, qkv, B, T, NH, NKV, s);
+#endif
+    static std::atomic<uint64_t> smem_set{0};
+    const size_t smem = AttnDims<HD>::FORWARD_SMEM;
+    attention_set_smem((const void*)attention_forward_kernel<HD>, smem, &smem_set);
     dim3 grid(ceil_div(T, ATTN_TILE), NH, B);
     attention_forward_kernel<HD><<<grid, ATTN_THREADS, smem, s>>>(out, lse, qkv, T, NH, NKV);
     cudaCheckLaunch();
 }
 
 // qkv: [B*T, (NH+2*NKV)*HD] bf16, RoPE already applied to Q and K. out: [B*T, NH*HD] bf16. lse: [B*NH*T] float.
-inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HD, cudaStream_t s) {
+inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HD, cudaStream_t s,
+                              AttentionPath path = ATTN_PATH_AUTO) {
     attention_check("attention_forward", B, T, NH, NKV, HD, {out, lse, qkv});
-    if (HD == 64) attention_forward_launch<64>(out, lse, qkv, B, T, NH, NKV, s);
-    else attention_forward_launch<128>(out, lse, qkv, B, T, NH, NKV, s);
+    const bool hopper = attention_use_hopper(path, "attention_forward");
+    if (HD == 64) attention_forward_launch<64>(out, lse, qkv, B, T, NH, NKV, hopper, s);
+    else attention_forward_launch<128>(out, lse, qkv, B, T, NH, NKV, hopper, s);
+}
+
+// Floats of scratch attention_backward needs: the mma.sync kernels use B*NH*T (D); the Hopper kernels the
+// padded lse and D rows, the FP32 dQ accumulator and the dQ turn counters.
+inline size_t attention_backward_scratch_floats(int B, int T, int NH, int HD) {
+    const size_t mma = (size_t)B * NH * T;
+    if (!attention_hopper_available) return mma;
+    const int Tp = attention_padded_T(T);
+    const size_t rows = (size_t)B * NH * Tp;
+    return std::max(mma, rows * (2 + HD) + (size_t)B * NH * (Tp / HATTN_BWD_BM));
 }
 
 template <int HD>
 inline void attention_backward_launch(bf16* dqkv, float* delta, const bf16* dout, const bf16* qkv, const bf16* out,
-                                      const float* lse, int B, int T, int NH, int NKV, cudaStream_t s) {
+                                      const float* lse, int B, int T, int NH, int NKV, bool hopper, cudaStream_t s) {
+#if defined(ATTENTION_HOPPER)
+    if (hopper) return attention_backward_hopper<HD>(dqkv, delta, dout, qkv, out, lse, B, T, NH, NKV, s);
+#endif
     long delta_rows = (long)B * T * NH;
     attention_backward_delta_kernel<HD><<<ceil_div(delta_rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
         delta, dout, out, B, T, NH);
     cudaCheckLaunch();
     int ntiles = ceil_div(T, ATTN_TILE);
-    size_t smem_dkdv = AttnDims<HD>::DKDV_SMEM, smem_dq = AttnDims<HD>::DQ_SMEM;
-    attention_set_smem(attention_backward_dkdv_kernel<HD>, smem_dkdv);
+    static std::atomic<uint64_t> dkdv_set{0}, dq_set{0};
+    const size_t smem_dkdv = AttnDims<HD>::DKDV_SMEM, smem_dq = AttnDims<HD>::DQ_SMEM;
+    attention_set_smem((const void*)attention_backward_dkdv_kernel<HD>, smem_dkdv, &dkdv_set);
     attention_backward_dkdv_kernel<HD><<<dim3(ntiles, NKV, B), ATTN_THREADS, smem_dkdv, s>>>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
     cudaCheckLaunch();
-    attention_set_smem(attention_backward_dq_kernel<HD>, smem_dq);
+    attention_set_smem((const void*)attention_backward_dq_kernel<HD>, smem_dq, &dq_set);
     attention_backward_dq_kernel<HD><<<dim3(ntiles, NH, B), ATTN_THREADS, smem_dq, s>>>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
     cudaCheckLaunch();
 }
 
-// dout: [B*T, NH*HD]. Writes (overwrites) dqkv [B*T, (NH+2NKV)*HD]. scratch: at least B*NH*T floats (holds D).
+// dout: [B*T, NH*HD]. Writes (overwrites) dqkv [B*T, (NH+2NKV)*HD]. scratch: attention_backward_scratch_floats() floats.
 inline void attention_backward(bf16* dqkv, float* scratch, const bf16* dout, const bf16* qkv, const bf16* out,
-                               const float* lse, int B, int T, int NH, int NKV, int HD, cudaStream_t s) {
+                               const float* lse, int B, int T, int NH, int NKV, int HD, cudaStream_t s,
+                               AttentionPath path = ATTN_PATH_AUTO) {
     attention_check("attention_backward", B, T, NH, NKV, HD, {dqkv, scratch, dout, qkv, out, lse});
-    if (HD == 64) attention_backward_launch<64>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, s);
-    else attention_backward_launch<128>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, s);
+    const bool hopper = attention_use_hopper(path, "attention_backward");
+    if (HD == 64) attention_backward_launch<64>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, hopper, s);
+    else attention_backward_launch<128>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, hopper, s);
 }

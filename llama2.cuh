@@ -730,7 +730,7 @@ struct ModelActivations {
     bf16* dqkv;            // [N,QKV]
     bf16* dgate_up;        // [N,2F]
     bf16* dswiglu;         // [N,F]
-    float* att_scratch;    // [B*NH*T]   FP32, attention_backward's scratch
+    float* att_scratch;    // FP32, attention_backward's scratch (attention_backward_scratch_floats)
     float* norm_scratch;   // [ceil(N/32),D] FP32, rmsnorm_backward's partial dw rows
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
     bf16* dlogits;         // [chunk,V]
@@ -985,7 +985,7 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
         {"dqkv", DT_BF16, N * QKV, (void**)&a.dqkv},
         {"dgate_up", DT_BF16, N * 2 * F, (void**)&a.dgate_up},
         {"dswiglu", DT_BF16, N * F, (void**)&a.dswiglu},
-        {"att_scratch", DT_FP32, LSE, (void**)&a.att_scratch},
+        {"att_scratch", DT_FP32, attention_backward_scratch_floats(m->B, m->T, m->n_heads, c.head_dim), (void**)&a.att_scratch},
         {"norm_scratch", DT_FP32, rmsnorm_backward_scratch((int)N, (int)D), (void**)&a.norm_scratch},
         {"logits", DT_FP32, chunk * V, (void**)&a.logits},
         {"dlogits", DT_BF16, chunk * V, (void**)&a.dlogits},

@@ -3,7 +3,7 @@
 // there is no GPU. The last line is "N passed, N failed, N skipped"; any failure exits non-zero.
 //   ./test_fp8                 all tests
 //   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs
-//   ./test_fp8 --bench [gemm] [cast] [model] [tp]   the benchmark tables (GPU): all, or those named
+//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [attention]   the benchmark tables (GPU): all, or those named
 #define TESTING            // train_fp8.cu without main: the tests call its functions
 #include "train_fp8.cu"     // and with it every header of the project
 #include <vector>
@@ -1753,23 +1753,32 @@ static std::vector<T> attention_columns(const std::vector<T>& m, int rows, int c
     return out;
 }
 
-// (B, T, NH, NKV, HD): head dims 64 and 128, GQA ratios 1, 2, 4, 8, T = 1, 17, 64, 100, 257 (one row, partial
-// tiles, exactly one tile, several tiles with a ragged last one).
+// (B, T, NH, NKV, HD): head dims 64 and 128, GQA ratios 1, 2, 4, 8, T = 1, 17, 64, 100, 257, 2049 (one row,
+// partial tiles, exactly one tile, several tiles with a ragged last one, many tiles: the Hopper backward's
+// dQ turn order over 17 key tiles).
 struct AttentionShape { int B, T, NH, NKV, HD; };
 static const AttentionShape attention_test_shapes[] = {
     {1, 1, 2, 1, 64}, {2, 17, 4, 2, 64}, {1, 64, 2, 2, 128}, {2, 100, 4, 1, 64},
-    {1, 257, 4, 2, 128}, {1, 257, 8, 1, 64}, {1, 100, 8, 2, 128},
+    {1, 257, 4, 2, 128}, {1, 257, 8, 1, 64}, {1, 100, 8, 2, 128}, {1, 2049, 4, 1, 64}, {2, 2049, 2, 2, 128},
 };
+// Both kernel paths where the build has both: mma.sync everywhere, the Hopper kernels in sm_90a builds.
+static std::vector<AttentionPath> attention_test_paths() {
+    std::vector<AttentionPath> paths = {ATTN_PATH_MMA};
+    if (attention_hopper_available) paths.push_back(ATTN_PATH_HOPPER);
+    return paths;
+}
+static const char* attention_path_name(AttentionPath p) { return p == ATTN_PATH_HOPPER ? "hopper (wgmma)" : "mma.sync"; }
 
 // One shape's inputs (random, rounded to BF16) and the GPU forward and backward outputs. The outputs are
 // poisoned (NaN) before the kernels run, so an element a kernel failed to write shows up as NaN, which
 // expect_close never passes.
 struct AttentionRun {
     AttentionShape sh;
+    AttentionPath path;
     int C3;
     std::vector<bf16> qkv, dout, out, dqkv;
     std::vector<float> lse;
-    explicit AttentionRun(const AttentionShape& shape) : sh(shape), C3((shape.NH + 2 * shape.NKV) * shape.HD) {
+    AttentionRun(const AttentionShape& shape, AttentionPath p) : sh(shape), path(p), C3((shape.NH + 2 * shape.NKV) * shape.HD) {
         size_t N = (size_t)sh.B * sh.T;
         qkv = to_bf16(random_normal(N * C3, 1.0f));
         dout = to_bf16(random_normal(N * sh.NH * sh.HD, 1.0f));
@@ -1780,18 +1789,18 @@ struct AttentionRun {
         DeviceBuffer<float> d_lse((size_t)sh.B * sh.NH * sh.T);
         d_out.poison();
         d_lse.poison();
-        attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+        attention_forward(d_out.ptr, d_lse.ptr, d_qkv.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0, path);
         out = d_out.download();
         lse = d_lse.download();
     }
     void run_backward() {   // needs run_forward first (the backward reads its out and lse)
         size_t N = (size_t)sh.B * sh.T;
         DeviceBuffer<bf16> d_qkv(qkv), d_out(out), d_dout(dout), d_dqkv(N * C3);
-        DeviceBuffer<float> d_lse(lse), d_scratch((size_t)sh.B * sh.NH * sh.T);
+        DeviceBuffer<float> d_lse(lse), d_scratch(attention_backward_scratch_floats(sh.B, sh.T, sh.NH, sh.HD));
         d_dqkv.poison();
         d_scratch.poison();
         attention_backward(d_dqkv.ptr, d_scratch.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, sh.B, sh.T, sh.NH,
-                           sh.NKV, sh.HD, 0);
+                           sh.NKV, sh.HD, 0, path);
         dqkv = d_dqkv.download();
     }
     std::vector<double> block(const std::vector<bf16>& m, int head0, int nheads) const {
@@ -1810,55 +1819,65 @@ static const double ATTN_LSE_TOL = 1e-5;
 
 GPU_TEST(attention_forward_matches_reference) {
     for (const AttentionShape& sh : attention_test_shapes) {
-        printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
-        AttentionRun run(sh);
-        run.run_forward();
+        AttentionRun run(sh, ATTN_PATH_MMA);
         std::vector<double> q = run.block(run.qkv, 0, sh.NH), k = run.block(run.qkv, sh.NH, sh.NKV),
                             v = run.block(run.qkv, sh.NH + sh.NKV, sh.NKV);
-        std::vector<double> out_ref(run.out.size()), lse_ref(run.lse.size());
+        std::vector<double> out_ref((size_t)sh.B * sh.T * sh.NH * sh.HD), lse_ref((size_t)sh.B * sh.NH * sh.T);
         ref_attention_forward(out_ref.data(), q.data(), k.data(), v.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
         ref_attention_lse(lse_ref.data(), q.data(), k.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
-        expect_close("out", run.out.data(), out_ref.data(), out_ref.size(), ATTN_BF16_TOL);
-        expect_close("lse", run.lse.data(), lse_ref.data(), lse_ref.size(), ATTN_LSE_TOL);
+        for (AttentionPath path : attention_test_paths()) {
+            printf("  B=%d T=%d NH=%d NKV=%d HD=%d, %s\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD, attention_path_name(path));
+            run.path = path;
+            run.run_forward();
+            expect_close("out", run.out.data(), out_ref.data(), out_ref.size(), ATTN_BF16_TOL);
+            expect_close("lse", run.lse.data(), lse_ref.data(), lse_ref.size(), ATTN_LSE_TOL);
+        }
     }
 }
 
 GPU_TEST(attention_backward_matches_reference) {
     for (const AttentionShape& sh : attention_test_shapes) {
-        printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
-        AttentionRun run(sh);
-        run.run_forward();
-        run.run_backward();
+        AttentionRun run(sh, ATTN_PATH_MMA);
         std::vector<double> q = run.block(run.qkv, 0, sh.NH), k = run.block(run.qkv, sh.NH, sh.NKV),
                             v = run.block(run.qkv, sh.NH + sh.NKV, sh.NKV), dout = to_double(run.dout);
         std::vector<double> dq_ref(q.size()), dk_ref(k.size()), dv_ref(v.size());
         ref_attention_backward(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(), q.data(), k.data(), v.data(),
                                sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
         int N = sh.B * sh.T;
-        std::vector<bf16> dq = attention_columns(run.dqkv, N, run.C3, 0, sh.NH * sh.HD),
-                          dk = attention_columns(run.dqkv, N, run.C3, sh.NH * sh.HD, sh.NKV * sh.HD),
-                          dv = attention_columns(run.dqkv, N, run.C3, (sh.NH + sh.NKV) * sh.HD, sh.NKV * sh.HD);
-        expect_close("dq", dq.data(), dq_ref.data(), dq_ref.size(), ATTN_BF16_TOL);
-        expect_close("dk", dk.data(), dk_ref.data(), dk_ref.size(), ATTN_BF16_TOL);
-        expect_close("dv", dv.data(), dv_ref.data(), dv_ref.size(), ATTN_BF16_TOL);
+        for (AttentionPath path : attention_test_paths()) {
+            printf("  B=%d T=%d NH=%d NKV=%d HD=%d, %s\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD, attention_path_name(path));
+            run.path = path;
+            run.run_forward();
+            run.run_backward();
+            std::vector<bf16> dq = attention_columns(run.dqkv, N, run.C3, 0, sh.NH * sh.HD),
+                              dk = attention_columns(run.dqkv, N, run.C3, sh.NH * sh.HD, sh.NKV * sh.HD),
+                              dv = attention_columns(run.dqkv, N, run.C3, (sh.NH + sh.NKV) * sh.HD, sh.NKV * sh.HD);
+            expect_close("dq", dq.data(), dq_ref.data(), dq_ref.size(), ATTN_BF16_TOL);
+            expect_close("dk", dk.data(), dk_ref.data(), dk_ref.size(), ATTN_BF16_TOL);
+            expect_close("dv", dv.data(), dv_ref.data(), dv_ref.size(), ATTN_BF16_TOL);
+        }
     }
 }
 
-// No atomics: the same inputs give bit-identical outputs (GQA 8 and GQA 2, ragged tiles).
+// No order-dependent atomics: the same inputs give bit-identical outputs (GQA 8 and 2 with ragged tiles, and
+// 17 key tiles of turn-ordered dQ additions on the Hopper path), on every path.
 GPU_TEST(attention_is_deterministic) {
-    for (const AttentionShape& sh : {attention_test_shapes[4], attention_test_shapes[5]}) {
-        AttentionRun first(sh);
-        first.run_forward();
-        first.run_backward();
-        AttentionRun second = first;
-        second.run_forward();
-        second.run_backward();
-        expect(memcmp(first.out.data(), second.out.data(), first.out.size() * sizeof(bf16)) == 0,
-               "T=%d NH=%d NKV=%d HD=%d: two forward runs differ in out", sh.T, sh.NH, sh.NKV, sh.HD);
-        expect(memcmp(first.lse.data(), second.lse.data(), first.lse.size() * sizeof(float)) == 0,
-               "T=%d NH=%d NKV=%d HD=%d: two forward runs differ in lse", sh.T, sh.NH, sh.NKV, sh.HD);
-        expect(memcmp(first.dqkv.data(), second.dqkv.data(), first.dqkv.size() * sizeof(bf16)) == 0,
-               "T=%d NH=%d NKV=%d HD=%d: two backward runs differ in dqkv", sh.T, sh.NH, sh.NKV, sh.HD);
+    for (const AttentionShape& sh : {attention_test_shapes[4], attention_test_shapes[5], attention_test_shapes[8]}) {
+        for (AttentionPath path : attention_test_paths()) {
+            AttentionRun first(sh, path);
+            first.run_forward();
+            first.run_backward();
+            AttentionRun second = first;
+            second.run_forward();
+            second.run_backward();
+            const char* name = attention_path_name(path);
+            expect(memcmp(first.out.data(), second.out.data(), first.out.size() * sizeof(bf16)) == 0,
+                   "%s T=%d NH=%d NKV=%d HD=%d: two forward runs differ in out", name, sh.T, sh.NH, sh.NKV, sh.HD);
+            expect(memcmp(first.lse.data(), second.lse.data(), first.lse.size() * sizeof(float)) == 0,
+                   "%s T=%d NH=%d NKV=%d HD=%d: two forward runs differ in lse", name, sh.T, sh.NH, sh.NKV, sh.HD);
+            expect(memcmp(first.dqkv.data(), second.dqkv.data(), first.dqkv.size() * sizeof(bf16)) == 0,
+                   "%s T=%d NH=%d NKV=%d HD=%d: two backward runs differ in dqkv", name, sh.T, sh.NH, sh.NKV, sh.HD);
+        }
     }
 }
 
@@ -4133,7 +4152,50 @@ static void bench_tp() {
     if (devices < 2) printf("TP = 2 and more: need more GPUs (this machine has %d)\n", devices);
 }
 
-// ./test_fp8 --bench [gemm] [cast] [model] [tp]: all the tables, or the ones named.
+// Attention, forward and backward, both kernel paths in one run. Causal FLOPs: forward 2 B H T^2 D (Q K^T and
+// P V, 2 T^2 D each, halved by the mask), backward 2.5 x that (five products instead of two). The floor is
+// those FLOPs at the BF16 tensor-core rate (~790 TFLOP/s measured for a large BF16 GEMM on the H200).
+static void bench_attention() {
+    struct Shape { const char* name; int B, T, NH, NKV, HD; };
+    const Shape shapes[] = {
+        {"1b", 8, 2048, 32, 4, 64}, {"d128", 8, 2048, 16, 16, 128}, {"d128 long", 4, 4096, 16, 16, 128}, {"d12", 32, 512, 12, 12, 64},
+    };
+    printf("\nAttention, causal, BF16 (TFLOP/s: forward 2*B*H*T^2*D, backward 2.5x that, per second)\n");
+    printf("%-10s %2s %5s %3s %3s %3s | %-14s | %8s %8s | %8s %8s | %6s %6s\n", "shape", "B", "T", "H", "KV", "D", "kernels",
+           "fwd ms", "TFLOP/s", "bwd ms", "TFLOP/s", "fwd/pk", "bwd/pk");
+    for (const Shape& sh : shapes) {
+        const size_t N = (size_t)sh.B * sh.T, C3 = (size_t)(sh.NH + 2 * sh.NKV) * sh.HD, A = (size_t)sh.NH * sh.HD;
+        bf16 *qkv, *out, *dout, *dqkv;
+        float *lse, *scratch;
+        cudaCheck(cudaMalloc(&qkv, N * C3 * sizeof(bf16)));
+        cudaCheck(cudaMalloc(&dqkv, N * C3 * sizeof(bf16)));
+        cudaCheck(cudaMalloc(&out, N * A * sizeof(bf16)));
+        cudaCheck(cudaMalloc(&dout, N * A * sizeof(bf16)));
+        cudaCheck(cudaMalloc(&lse, (size_t)sh.B * sh.NH * sh.T * sizeof(float)));
+        cudaCheck(cudaMalloc(&scratch, attention_backward_scratch_floats(sh.B, sh.T, sh.NH, sh.HD) * sizeof(float)));
+        fill_random_device(qkv, N * C3 * sizeof(bf16), DT_BF16);
+        fill_random_device(dout, N * A * sizeof(bf16), DT_BF16);
+        const double fwd_flops = 2.0 * sh.B * sh.NH * (double)sh.T * sh.T * sh.HD, bwd_flops = 2.5 * fwd_flops;
+        float fwd_ms[2] = {0, 0}, bwd_ms[2] = {0, 0};
+        std::vector<AttentionPath> paths = attention_test_paths();
+        for (size_t p = 0; p < paths.size(); p++) {
+            AttentionPath path = paths[p];
+            fwd_ms[p] = bench_median_ms([&] { attention_forward(out, lse, qkv, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0, path); });
+            bwd_ms[p] = bench_median_ms([&] {
+                attention_backward(dqkv, scratch, dout, qkv, out, lse, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0, path);
+            });
+            printf("%-10s %2d %5d %3d %3d %3d | %-14s | %8.3f %8.1f | %8.3f %8.1f | %5.0f%% %5.0f%%\n", sh.name, sh.B, sh.T, sh.NH,
+                   sh.NKV, sh.HD, attention_path_name(path), fwd_ms[p], fwd_flops / fwd_ms[p] / 1e9, bwd_ms[p],
+                   bwd_flops / bwd_ms[p] / 1e9, 100.0 * fwd_flops / fwd_ms[p] / 1e9 / 790.0,
+                   100.0 * bwd_flops / bwd_ms[p] / 1e9 / 790.0);
+        }
+        if (paths.size() == 2)
+            printf("%-10s %34s | %17.2fx | %17.2fx |\n", "", "hopper / mma.sync speed", fwd_ms[0] / fwd_ms[1], bwd_ms[0] / bwd_ms[1]);
+        for (void* ptr : {(void*)qkv, (void*)dqkv, (void*)out, (void*)dout, (void*)lse, (void*)scratch}) cudaCheck(cudaFree(ptr));
+    }
+}
+
+// ./test_fp8 --bench [gemm] [cast] [model] [tp] [attention]: all the tables, or the ones named.
 static void run_benchmarks(const std::vector<std::string>& which) {
     auto want = [&](const char* name) { return which.empty() || std::find(which.begin(), which.end(), name) != which.end(); };
     MatmulContext ctx;
@@ -4146,6 +4208,7 @@ static void run_benchmarks(const std::vector<std::string>& which) {
         bench_model("1b", 16, 2048);
     }
     if (want("tp")) bench_tp();
+    if (want("attention")) bench_attention();
     matmul_context_destroy(&ctx);
 }
 
@@ -4161,7 +4224,7 @@ int main(int argc, char** argv) {
         if (a == "--bench") bench = true;
         else if (a == "--help" || a == "-h") {
             printf("usage: %s [NAME...]          run the tests (only those whose names contain a NAME)\n"
-                   "       %s --bench [gemm] [cast] [model] [tp]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
+                   "       %s --bench [gemm] [cast] [model] [tp] [attention]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
             return 0;
         } else filters.push_back(a);
     }
