@@ -509,23 +509,30 @@ template <int HD> struct HattnSmem {
     static constexpr int FWD_V = FWD_K + HATTN_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BAR = FWD_V + HATTN_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
-    // backward: K, V of the block; Q, dO, lse, D stages; dS^T twice; barriers
+    // backward: K, V of the block; Q and dO stages; dS^T twice; lse and D rows of each stage; barriers. Every
+    // tile starts on a 1024-byte boundary.
     static constexpr int BWD_KV_BYTES = CH * chunk(HATTN_BWD_BN);
     static constexpr int BWD_Q_BYTES = CH * chunk(HATTN_BWD_BM);
-    static constexpr int BWD_ROWS_BYTES = 2 * HATTN_BWD_BM * 4;  // lse * log2(e) and D of the step's rows
-    static constexpr int BWD_STAGE_BYTES = 2 * BWD_Q_BYTES + BWD_ROWS_BYTES;   // Q, dO, rows
+    static constexpr int BWD_STAGE_BYTES = 2 * BWD_Q_BYTES;                    // Q, dO
+    static constexpr int BWD_ROWS_BYTES = 2 * HATTN_BWD_BM * 4;                // lse * log2(e) and D of the step's rows
     static constexpr int BWD_DS_BYTES = HATTN_BWD_BN * HATTN_BWD_BM * 2;       // dS^T, bf16
     static constexpr int BWD_K = 0;
     static constexpr int BWD_V = BWD_K + BWD_KV_BYTES;
     static constexpr int BWD_STAGE = BWD_V + BWD_KV_BYTES;
-    static constexpr int BWD_DS = BWD_STAGE + ((HATTN_STAGES * BWD_STAGE_BYTES + 1023) / 1024) * 1024;
-    static constexpr int BWD_BAR = BWD_DS + 2 * BWD_DS_BYTES;
+    static constexpr int BWD_DS = BWD_STAGE + HATTN_STAGES * BWD_STAGE_BYTES;
+    static constexpr int BWD_ROWS = BWD_DS + 2 * BWD_DS_BYTES;
+    static constexpr int BWD_BAR = BWD_ROWS + HATTN_STAGES * BWD_ROWS_BYTES;
     static constexpr int BWD_BYTES = BWD_BAR + 128 + 1024;
     static_assert(FWD_BYTES <= 227 * 1024 && BWD_BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
 };
 
 // The backward's per-row values and dQ accumulator, padded to whole query tiles: Tp = ceil(T / 64) * 64.
 __host__ __device__ inline int attention_padded_T(int T) { return (T + HATTN_BWD_BM - 1) / HATTN_BWD_BM * HATTN_BWD_BM; }
+// The backward's dQ partials: query tile qt receives one [HD x 64] FP32 tile from each key tile kt <= qt / 2
+// (keys 128 kt.. reach queries 64 qt.. only then). Tiles of query tile qt start at slot
+// sum_{q < qt} (q / 2 + 1) = floor(qt / 2) * floor((qt - 1) / 2) + qt, key tile kt at slot + kt.
+__host__ __device__ inline int attention_dq_slot(int qt, int kt) { return (qt / 2) * ((qt - 1) / 2) + qt + kt; }
+__host__ __device__ inline int attention_dq_slots(int nq) { return attention_dq_slot(nq, 0); }
 
 #if defined(__CUDA_ARCH__)
 // mbarrier: a phase completes when `count` arrivals and all expected transaction bytes have come.
@@ -558,6 +565,7 @@ __device__ inline void hattn_bulk_load(void* dst, const void* src, uint32_t byte
 }
 // Named barrier over `count` threads (id 0 is __syncthreads).
 __device__ inline void hattn_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ inline void hattn_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
 // Shared-memory matrix descriptor (PTX: "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets (all >> 4), swizzle mode in bits 62-63 (1 = 128-byte, 2 = 64-byte). With a swizzle, K-major
@@ -567,6 +575,13 @@ constexpr uint32_t HATTN_SW128 = 1, HATTN_SW64 = 2;
 __device__ inline uint64_t hattn_desc(const void* smem, uint32_t sbo_bytes, uint32_t swizzle) {
     const uint64_t addr = attention_smem_addr(smem);
     return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo_bytes >> 4) << 32) | ((uint64_t)swizzle << 62);
+}
+
+// 2^x on the special-function unit (the softmax's exponentials; -inf gives +0).
+__device__ inline float hattn_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 __device__ inline void hattn_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -692,16 +707,13 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     for (int n = 0; n < HD / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    hattn_bar_wait(q_full, 0);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};   // running max (scaled, base 2) and sum of rows g, g+8
 
-    for (int j = 0; j < nkv; j++) {
-        const int s = j % HATTN_STAGES;
-        const uint32_t parity = (j / HATTN_STAGES) & 1;
-        const unsigned char* k_tile = smem + S::FWD_K + s * S::FWD_KV_BYTES;
-        const unsigned char* v_tile = smem + S::FWD_V + s * S::FWD_KV_BYTES;
-        float sc[BN / 8][4];
-        hattn_bar_wait(k_full + s, parity);
+    // S = Q K^T of tile j into sc (issued, not awaited).
+    float sc[BN / 8][4];
+    auto issue_scores = [&](int j) {
+        const unsigned char* k_tile = smem + S::FWD_K + (j % HATTN_STAGES) * S::FWD_KV_BYTES;
+        hattn_bar_wait(k_full + j % HATTN_STAGES, (j / HATTN_STAGES) & 1);
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
@@ -710,10 +722,10 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
                                      hattn_desc(k_tile + ch * S::chunk(BN) + off, 1024, HATTN_SW128), kk > 0);
         }
         hattn_wgmma_commit();
-        hattn_wgmma_wait<0>();
-        hattn_fence_regs<BN / 2>(&sc[0][0]);
-        hattn_bar_arrive(k_empty + s);
-
+    };
+    // Online softmax of tile j's scores (complete in sc): mask the diagonal tile, new row maxima m, the factor
+    // alpha that rescales O and l, P = exp2(S scale - m) in place, l += rowsum P.
+    auto softmax = [&](int j, float* alpha) {
         const int k0 = j * BN;
         const bool diagonal = k0 + BN > row_base - 16 * warp + 1;   // some key of the tile is past some row of the consumer
         float mx[2] = {-INFINITY, -INFINITY};
@@ -722,18 +734,18 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int qi = row_base + g + 8 * (i / 2), key = k0 + n * 8 + 2 * t + i % 2;
-                sc[n][i] = (!diagonal || key <= qi) ? sc[n][i] * scale_log2 : -INFINITY;
+                if (diagonal && key > qi) sc[n][i] = -INFINITY;
                 mx[i / 2] = fmaxf(mx[i / 2], sc[n][i]);
             }
         }
-        float m_use[2], alpha[2];
+        float m_use[2];
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
             mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-            const float m_new = fmaxf(m[hr], mx[hr]);
+            const float m_new = fmaxf(m[hr], mx[hr] * scale_log2);   // scale_log2 > 0: the max commutes with it
             m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;   // key 0 is in every row's first tile: finite in practice
-            alpha[hr] = exp2f(m[hr] - m_use[hr]);
+            alpha[hr] = hattn_exp2(m[hr] - m_use[hr]);
             m[hr] = m_new;
             l[hr] *= alpha[hr];
         }
@@ -741,19 +753,43 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         for (int n = 0; n < BN / 8; n++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                sc[n][i] = exp2f(sc[n][i] - m_use[i / 2]);
+                sc[n][i] = hattn_exp2(fmaf(sc[n][i], scale_log2, -m_use[i / 2]));
                 l[i / 2] += sc[n][i];
             }
         }
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-        }
-        uint32_t pa[BN / 16][4];
-        attention_pack_a(pa, sc);
-        attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
-        hattn_bar_wait(v_full + s, parity);
+    };
+
+    // The loop keeps the tensor cores fed while the exponentials run: for K/V tile j, P_j (bf16, registers)
+    // is ready, S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs
+    // while P_j V_j is still on the tensor cores. O is rescaled and P_{j+1} converted only after that product
+    // has finished: no register of an unfinished wgmma is written (ptxas would serialize them, C7515).
+    // The two consumers take turns at the tensor cores (named barriers 4 and 5): one issues its products while
+    // the other runs its softmax. Each has nkv + 1 issue points; consumer 1 opens with an arrival for consumer
+    // 0 and skips its last one, so every bar.sync meets exactly one matching arrival.
+    // (H200: 1b shape 268 -> 301 TFLOP/s, D = 128 T = 2048 375 -> 395.)
+    int turns_left = nkv + 1;
+    auto turn_begin = [&] { hattn_sync(4 + c, 128 * HATTN_CONSUMERS); };
+    auto turn_end = [&] {
+        if (--turns_left > 0 || c == 0) hattn_arrive(5 - c, 128 * HATTN_CONSUMERS);
+    };
+    if (c == 1) hattn_arrive(4, 128 * HATTN_CONSUMERS);
+    hattn_bar_wait(q_full, 0);
+    float alpha[2];
+    uint32_t pa[BN / 16][4];
+    turn_begin();
+    issue_scores(0);
+    turn_end();
+    hattn_wgmma_wait<0>();
+    hattn_fence_regs<BN / 2>(&sc[0][0]);
+    hattn_bar_arrive(k_empty);
+    softmax(0, alpha);
+    attention_pack_a(pa, sc);
+    attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
+    // O += P_j V_j (issued, not awaited).
+    auto issue_pv = [&](int j) {
+        const int s = j % HATTN_STAGES;
+        const unsigned char* v_tile = smem + S::FWD_V + s * S::FWD_KV_BYTES;
+        hattn_bar_wait(v_full + s, (j / HATTN_STAGES) & 1);
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
@@ -761,10 +797,32 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             for (int ch = 0; ch < CH; ch++)
                 hattn_wgmma_rs64<1>(&o[8 * ch][0], pa[kk], hattn_desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128));
         hattn_wgmma_commit();
+    };
+    for (int j = 0; j + 1 < nkv; j++) {
+        turn_begin();
+        issue_scores(j + 1);
+        issue_pv(j);
+        turn_end();
+        hattn_wgmma_wait<1>();                     // groups complete in order: the scores first
+        hattn_fence_regs<BN / 2>(&sc[0][0]);
+        hattn_bar_arrive(k_empty + (j + 1) % HATTN_STAGES);
+        softmax(j + 1, alpha);
         hattn_wgmma_wait<0>();
         hattn_fence_regs<HD / 2>(&o[0][0]);
-        hattn_bar_arrive(v_empty + s);
+        hattn_bar_arrive(v_empty + j % HATTN_STAGES);
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+        attention_pack_a(pa, sc);
+        attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
     }
+    turn_begin();
+    issue_pv(nkv - 1);
+    turn_end();
+    hattn_wgmma_wait<0>();
+    hattn_fence_regs<HD / 2>(&o[0][0]);
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
         l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
@@ -814,20 +872,18 @@ __global__ void attention_backward_rows_kernel(float* lse2, float* delta, const 
 //                                              columns 32w..32w+31 of the step, all HD rows)
 // That is the 5-GEMM algorithm: nothing is recomputed.
 //
-// dQ is summed over key tiles in a fixed order: deterministic without an extra pass over S and dP. Every
-// (batch, head, query tile) has a counter; the block of key tile kt adds its dQ^T to the FP32 accumulator
-// only when the counter reaches 2 kt (both consumers of the previous key tile have added), then each
-// consumer adds 1. Key tile 0 stores instead of adding, so the accumulator needs no clearing. A block waits
-// only for blocks of lower key tiles, which the grid order launches before it (and which never wait for it),
-// so a waiting block never blocks the block it waits for. All blocks of one (batch, KV head) walk the query
-// tiles in the same order at about the same time, so the counters mostly find their turn ready; the
-// alternatives cost more: recomputing S and dP in a dQ kernel (7 GEMMs instead of 5, the mma.sync path) or
-// per-key-tile partials reduced by a later pass (T/128 times the accumulator's memory and traffic).
-// The FP32 accumulator is [B, NH, HD, Tp] (query index fastest: the dQ^T fragments add pairs of floats),
-// turned into the BF16 dQ (times 1/sqrt(HD)) by attention_backward_dq_kernel.
+// dQ is summed over key tiles in a fixed order, without atomics: each step stores its [HD x 64] dQ^T tile
+// (FP32, plain coalesced stores that overlap the products) in its own slot (attention_dq_slot), and
+// attention_backward_dq_kernel_hopper adds the slots of each query tile in key-tile order. Deterministic by
+// construction; the price is memory: sum over query tiles of their key tiles, B*NH*HD*64*(about nq^2/4)
+// floats (1.1 GB for the 1b preset at B = 8, T = 2048), written once and read once - about 0.3 ms of H200
+// bandwidth there, against ~3 ms of products. Measured on this kernel, the alternatives cost more: adding
+// each tile to one FP32 accumulator in key-tile order (turn counters, FP32 atomics) ran at 93 TFLOP/s on the
+// 1b shape, bound by L2 atomics; recomputing S and dP in a separate dQ kernel costs 7 products instead of 5
+// (the mma.sync path).
 template <int HD>
 __global__ void __launch_bounds__(HATTN_THREADS, 1)
-attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const float* lse2, const float* delta,
+attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, const float* delta,
                                  const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
                                  const __grid_constant__ CUtensorMap do_map, int B, int T, int NH, int NKV) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -871,14 +927,15 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
                 const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
                 if (i >= HATTN_STAGES) hattn_bar_wait(st_empty + s, ((i / HATTN_STAGES) + 1) & 1);
                 unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
-                hattn_bar_expect(st_full + s, S::BWD_STAGE_BYTES);
+                unsigned char* rows = smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES;
+                hattn_bar_expect(st_full + s, S::BWD_STAGE_BYTES + S::BWD_ROWS_BYTES);
                 for (int ch = 0; ch < CH; ch++) {
                     hattn_tma_load(stage + ch * S::chunk(BM), &q_map, st_full + s, h * HD + 64 * ch, qt * BM, b);
                     hattn_tma_load(stage + S::BWD_Q_BYTES + ch * S::chunk(BM), &do_map, st_full + s, h * HD + 64 * ch, qt * BM, b);
                 }
                 const size_t row0 = ((size_t)b * NH + h) * Tp + (size_t)qt * BM;
-                hattn_bulk_load(stage + 2 * S::BWD_Q_BYTES, lse2 + row0, BM * 4, st_full + s);
-                hattn_bulk_load(stage + 2 * S::BWD_Q_BYTES + BM * 4, delta + row0, BM * 4, st_full + s);
+                hattn_bulk_load(rows, lse2 + row0, BM * 4, st_full + s);
+                hattn_bulk_load(rows + BM * 4, delta + row0, BM * 4, st_full + s);
             }
         }
         return;
@@ -904,7 +961,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
         const unsigned char* q_tile = stage;
         const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
-        const float* lse_q = reinterpret_cast<const float*>(stage + 2 * S::BWD_Q_BYTES);
+        const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
         const float* delta_q = lse_q + BM;
         hattn_bar_wait(st_full + s, (i / HATTN_STAGES) & 1);
 
@@ -930,7 +987,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = key_base + g + 8 * (e / 2), col = n * 8 + 2 * t + e % 2;
-                const float p = (!diagonal || key <= qt * BM + col) ? exp2f(st[n][e] * scale_log2 - lse_q[col]) : 0.0f;
+                const float p = (!diagonal || key <= qt * BM + col) ? hattn_exp2(fmaf(st[n][e], scale_log2, -lse_q[col])) : 0.0f;
                 st[n][e] = p;                                    // P^T
                 dpt[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
             }
@@ -960,7 +1017,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
                 const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
                 const int blk = n / 4, chunk = n % 4;                            // 32-column block, 16-byte chunk
                 unsigned char* p = ds + blk * (BN * 64) + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) + 4 * t;
-                *reinterpret_cast<uint32_t*>(p) = attention_pack_bf16(dpt[n][2 * half], dpt[n][2 * half + 1]);
+                *reinterpret_cast<uint32_t*>(p) = dsa[n / 2][2 * (n % 2) + half];   // the A fragment holds these bf16 pairs
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
@@ -982,34 +1039,16 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         hattn_wgmma_wait<0>();
         hattn_fence_regs<CH * 16>(&dq[0][0][0]);
 
-        // Add this key tile's dQ^T in turn (see above).
-        int* turn = dq_turn + ((size_t)b * NH + h) * nq + qt;
-        const int wtid = threadIdx.x % 128;
-        if (wtid == 0) {
-            int seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
-            } while (seen < 2 * kt);
-        }
-        hattn_sync(2 + w, 128);
-        float* acc = dq_acc + ((size_t)b * NH + h) * HD * Tp + (size_t)qt * BM + 32 * w;
+        // This key tile's dQ^T tile into its slot: rows of 64 floats (the step's queries), streaming stores.
+        float* part = dq_part + (((size_t)b * NH + h) * attention_dq_slots(nq) + attention_dq_slot(qt, kt)) * HD * BM;
 #pragma unroll
-        for (int ch = 0; ch < CH; ch++) {
+        for (int ch = 0; ch < CH; ch++)
 #pragma unroll
-            for (int n = 0; n < 4; n++) {
+            for (int n = 0; n < 4; n++)
 #pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const int d = 64 * ch + 16 * warp + g + 8 * half, col = n * 8 + 2 * t;
-                    float2* p = reinterpret_cast<float2*>(acc + (size_t)d * Tp + col);
-                    const float2 v = make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]);
-                    if (kt == 0) *p = v;
-                    else atomicAdd(p, v);                        // ordered by the turn counter: deterministic
-                }
-            }
-        }
-        __threadfence();
-        hattn_sync(2 + w, 128);
-        if (wtid == 0) atomicAdd(turn, 1);
+                for (int half = 0; half < 2; half++)
+                    __stcs(reinterpret_cast<float2*>(part + (64 * ch + 16 * warp + g + 8 * half) * BM + 32 * w + n * 8 + 2 * t),
+                           make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]));
     }
     bf16* drows = dqkv + (size_t)b * T * (NH + 2 * NKV) * HD;
     const int C3 = (NH + 2 * NKV) * HD;
@@ -1018,26 +1057,36 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
 #endif
 }
 
-// dQ = dq_acc^T / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x head column) tile per block,
-// transposed through shared memory so that both the reads and the writes are coalesced.
+// dQ = (sum over key tiles kt <= qt / 2, in order, of the dQ^T partials) / sqrt(HD) into the Q columns of
+// dqkv: a 64 x 64 (query x head column) tile per block, summed in registers and transposed through shared
+// memory so that both the reads and the writes are coalesced.
 template <int HD>
-__global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_acc, int B, int T, int NH, int NKV) {
+__global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_part, int B, int T, int NH, int NKV) {
+    constexpr int THREADS = 256, PER = 64 * 64 / THREADS;
     __shared__ float tile[64][65];
-    const int Tp = attention_padded_T(T);
-    const int q0 = blockIdx.x * 64, d0 = blockIdx.y * 64 % HD, h = blockIdx.y * 64 / HD, b = blockIdx.z;
+    const int nq = attention_padded_T(T) / HATTN_BWD_BM;
+    const int qt = blockIdx.x, d0 = blockIdx.y * 64 % HD, h = blockIdx.y * 64 / HD, b = blockIdx.z;
+    const float* src = dq_part + (((size_t)b * NH + h) * attention_dq_slots(nq) + attention_dq_slot(qt, 0)) * HD * HATTN_BWD_BM +
+                       (size_t)d0 * HATTN_BWD_BM;
+    float sum[PER];
+#pragma unroll
+    for (int e = 0; e < PER; e++) sum[e] = 0.0f;
+    for (int kt = 0; kt <= qt / 2; kt++, src += (size_t)HD * HATTN_BWD_BM)
+#pragma unroll
+        for (int e = 0; e < PER; e++) sum[e] += __ldcs(src + e * THREADS + threadIdx.x);   // element (d, q) = (i / 64, i % 64)
     const float scale = rsqrtf((float)HD);
-    const float* src = dq_acc + ((size_t)b * NH + h) * HD * Tp;
-    for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
-        const int d = i / 64, q = i % 64;
-        tile[d][q] = src[(size_t)(d0 + d) * Tp + q0 + q];
+#pragma unroll
+    for (int e = 0; e < PER; e++) {
+        const int i = e * THREADS + threadIdx.x;
+        tile[i / 64][i % 64] = sum[e] * scale;
     }
     __syncthreads();
-    const int C3 = (NH + 2 * NKV) * HD;
-    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) {
+    const int C3 = (NH + 2 * NKV) * HD, q0 = qt * HATTN_BWD_BM;
+    for (int i = threadIdx.x; i < 64 * 32; i += THREADS) {
         const int q = i / 32, d = 2 * (i % 32);
         if (q0 + q < T)
             *reinterpret_cast<__nv_bfloat162*>(dqkv + ((size_t)b * T + q0 + q) * C3 + h * HD + d0 + d) =
-                __floats2bfloat162_rn(tile[d][q] * scale, tile[d + 1][q] * scale);
+                __floats2bfloat162_rn(tile[d][q], tile[d + 1][q]);
     }
 }
 
@@ -1131,9 +1180,7 @@ inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* do
     const size_t rows = (size_t)B * NH * Tp;
     float* lse2 = scratch;
     float* delta = lse2 + rows;
-    float* dq_acc = delta + rows;
-    int* dq_turn = reinterpret_cast<int*>(dq_acc + rows * HD);
-    cudaCheck(cudaMemsetAsync(dq_turn, 0, (size_t)B * NH * nq * sizeof(int), s));
+    float* dq_part = delta + rows;
     attention_backward_rows_kernel<HD><<<ceil_div(rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
         lse2, delta, lse, dout, out, B, T, Tp, NH);
     cudaCheckLaunch();
@@ -1145,10 +1192,10 @@ inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* do
     const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_BWD_BN);
     const CUtensorMap do_map = attention_tensor_map(dout, NH * HD, T, B, HATTN_BWD_BM);
     const int blocks = ceil_div(T, HATTN_BWD_BN) * NKV * B;
-    attention_backward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(dqkv, dq_acc, dq_turn, lse2, delta, q_map, kv_map,
+    attention_backward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(dqkv, dq_part, lse2, delta, q_map, kv_map,
                                                                               do_map, B, T, NH, NKV);
     cudaCheckLaunch();
-    attention_backward_dq_kernel_hopper<HD><<<dim3(nq, NH * HD / 64, B), 256, 0, s>>>(dqkv, dq_acc, B, T, NH, NKV);
+    attention_backward_dq_kernel_hopper<HD><<<dim3(nq, NH * HD / 64, B), 256, 0, s>>>(dqkv, dq_part, B, T, NH, NKV);
     cudaCheckLaunch();
 }
 #endif
@@ -1176,13 +1223,13 @@ inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int
 }
 
 // Floats of scratch attention_backward needs: the mma.sync kernels use B*NH*T (D); the Hopper kernels the
-// padded lse and D rows, the FP32 dQ accumulator and the dQ turn counters.
+// padded lse and D rows and the FP32 dQ partials.
 inline size_t attention_backward_scratch_floats(int B, int T, int NH, int HD) {
     const size_t mma = (size_t)B * NH * T;
     if (!attention_hopper_available) return mma;
     const int Tp = attention_padded_T(T);
     const size_t rows = (size_t)B * NH * Tp;
-    return std::max(mma, rows * (2 + HD) + (size_t)B * NH * (Tp / HATTN_BWD_BM));
+    return std::max(mma, rows * 2 + (size_t)B * NH * attention_dq_slots(Tp / HATTN_BWD_BM) * HD * HATTN_BWD_BM);
 }
 
 template <int HD>
