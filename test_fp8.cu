@@ -2503,11 +2503,14 @@ GPU_TEST(fp8_model_vs_reference) {
 // AdamW (adamw_fp8.cuh): host references first (a float64 AdamW, and the kernel's float32 arithmetic
 // replayed on the host from a stored state), then the tests.
 
-// The test tensors: 2-D and 1-D, odd sizes; w_big spans three update blocks and w_c two; a 1 x 77 tensor
-// counts as 1-D; three parameters between bias and w_c belong to no tensor (the optimizer must leave them).
+// The test tensors: 2-D and 1-D, odd sizes and offsets (the kernels move whole groups of 16 elements and do
+// the ends of a tensor off that grid one by one); w_big spans three update blocks and w_c two; a 1 x 77
+// tensor counts as 1-D; "tiny" lies inside one group of 16; the parameters between bias and w_c and between
+// row and tiny belong to no tensor (the optimizer must leave them).
 static std::vector<TensorSpec> adamw_test_specs(size_t* num_params) {
     const struct { const char* name; int rows, cols; size_t gap_before; } shapes[] = {
-        {"w_a", 37, 53, 0}, {"norm_a", 53, 1, 0}, {"w_big", 97, 211, 0}, {"bias", 301, 1, 0}, {"w_c", 129, 70, 3}, {"row", 1, 77, 0}};
+        {"w_a", 37, 53, 0}, {"norm_a", 53, 1, 0}, {"w_big", 97, 211, 0}, {"bias", 301, 1, 0}, {"w_c", 129, 70, 3}, {"row", 1, 77, 0},
+        {"tiny", 7, 1, 5}};
     std::vector<TensorSpec> specs;
     size_t offset = 0;
     for (auto& s : shapes) {
@@ -2520,7 +2523,7 @@ static std::vector<TensorSpec> adamw_test_specs(size_t* num_params) {
 }
 // Gradient scale per tensor, 1e-3..1e-1: the global norm of the test gradients is 1.2..1.5, so the default
 // clipping at 1.0 is active but mild, as early in training.
-static const float ADAMW_TEST_GRAD_SCALE[] = {1e-2f, 1e-1f, 3e-3f, 3e-2f, 1e-3f, 5e-2f};
+static const float ADAMW_TEST_GRAD_SCALE[] = {1e-2f, 1e-1f, 3e-3f, 3e-2f, 1e-3f, 5e-2f, 2e-2f};
 
 // Initial weights: N(0, 0.02) for all, plus 1 for the norm weights; the gap holds a marker value.
 static std::vector<float> adamw_test_init(const std::vector<TensorSpec>& specs, size_t n) {
@@ -2766,8 +2769,9 @@ static AdamWTrace adamw_compare_float64(const AdamWConfig& c, int steps, float (
                 weights_ok &= memcmp(&w[t.offset + i], &want, sizeof(bf16)) == 0;
             }
     }
-    // The norm: FP32 squares summed in FP32 per thread (<= 32 terms) and over the block (8 levels), then the
-    // partials in double: <= 41 roundings of 2^-24 on the sum of squares, half that on the norm: 1.2e-6.
+    // The norm: FP32 squares summed in FP32 per thread (<= 33 terms: two groups of 16 and one end element) and
+    // over the block (8 levels), then the partials in double: <= 41 roundings of 2^-24 on the sum of squares,
+    // half that on the norm: 1.2e-6.
     expect(worst_norm_err <= 1.5e-6, "global gradient norm: worst relative error %.3e over %d steps (tol 1.5e-6)", worst_norm_err, steps);
     printf("    gradient norm: worst relative error %.3e over %d steps\n", worst_norm_err, steps);
     expect(weights_ok, "BF16 weights differ from the master weights rounded to BF16");
@@ -2787,14 +2791,16 @@ static AdamWTrace adamw_compare_float64(const AdamWConfig& c, int steps, float (
 // format (the arithmetic is the same, so they should be identical too: the exact count is printed).
 // `inspect` (optional) sees the GPU's states before and after each step.
 typedef std::function<void(int step, float lr, const AdamWHostState& before, const AdamWHostState& after)> AdamWInspect;
-static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec>& specs, size_t n, const std::vector<float>& init,
-                              int steps, const std::function<std::vector<float>(int)>& make_grads, const AdamWInspect& inspect) {
+// Returns how many steps had their gradients clipped.
+static int adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec>& specs, size_t n, const std::vector<float>& init,
+                             int steps, const std::function<std::vector<float>(int)>& make_grads, const AdamWInspect& inspect) {
     AdamW opt;
     adamw_create(&opt, specs, n, init.data(), c);
     DeviceBuffer<float> grads(n);
     DeviceBuffer<bf16> weights(n);
     bool m8 = dtype_is_fp8(c.m_dtype), v8 = dtype_is_fp8(c.v_dtype);
     size_t values = 0, master_exact = 0, master_off = 0, m_off = 0, v_off = 0, weight_off = 0, scale_off = 0;
+    int clipped = 0;
     for (int step = 0; step < steps; step++) {
         std::vector<float> g = make_grads(step);
         float lr = adamw_test_lr(step);
@@ -2802,6 +2808,7 @@ static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec
         grads.upload(g);
         weights.poison();
         float norm = adamw_grad_norm(&opt, grads.ptr, 0);
+        clipped += c.grad_clip > 0.0f && norm > c.grad_clip;
         adamw_step(&opt, grads.ptr, weights.ptr, lr, norm, 0);
         AdamWHostState after = adamw_download_state(&opt), want = before;
         std::vector<bf16> w = weights.download();
@@ -2824,8 +2831,8 @@ static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec
         }
         if (inspect) inspect(step, lr, before, after);
     }
-    printf("    m %s, v %s: %d steps x %zu values: master identical %zu, off by > 1 ulp %zu; m off %zu, v off %zu (%s); scales off %zu\n",
-           dtype_name(c.m_dtype), dtype_name(c.v_dtype), steps, values / steps, master_exact, master_off, m_off, v_off,
+    printf("    m %s, v %s: %d steps (%d clipped) x %zu values: master identical %zu, off by > 1 ulp %zu; m off %zu, v off %zu (%s); scales off %zu\n",
+           dtype_name(c.m_dtype), dtype_name(c.v_dtype), steps, clipped, values / steps, master_exact, master_off, m_off, v_off,
            m8 || v8 ? "FP8 codes must be identical" : "1 ulp", scale_off);
     expect(master_off == 0, "m %s v %s: %zu master weights differ from the host replay by more than 1 FP32 ulp",
            dtype_name(c.m_dtype), dtype_name(c.v_dtype), master_off);
@@ -2834,6 +2841,7 @@ static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec
     expect(scale_off == 0, "%zu per-tensor FP8 scales (or amaxes) differ from the host replay", scale_off);
     expect(weight_off == 0, "%zu BF16 weights are not the master weights rounded", weight_off);
     adamw_destroy(&opt);
+    return clipped;
 }
 
 static float adamw_grow_late(int step, int tensor) { return (tensor % 2 == 0 && step >= 25) ? 10.0f : 1.0f; }
@@ -2921,16 +2929,58 @@ GPU_TEST(adamw_fp32_moments_vs_float64) {
 }
 
 // Every moment format against the host replay, step by step, bit for bit (FP8 codes and scales) - the
-// recipe's configurations (m E4M3 with v BF16, E4M3 or E5M2) and the FP32/BF16 ones.
+// recipe's configurations (m E4M3 with v BF16, E4M3 or E5M2) and the FP32/BF16 ones. Twice: with every step
+// clipped (the test gradients' norm is 1.2..1.5: the stats pass computes the new moments' amax), and with
+// two steps in three unclipped (norm ~0.4: the update takes the amax that the norm pass computed).
 GPU_TEST(adamw_fp8_moments_exact_vs_host) {
     size_t n;
     std::vector<TensorSpec> specs = adamw_test_specs(&n);
     std::vector<float> init = adamw_test_init(specs, n), direction = random_normal(n, 1.0f);
     const DType configs[][2] = {{DT_E4M3, DT_BF16}, {DT_E4M3, DT_E4M3}, {DT_E4M3, DT_E5M2}, {DT_BF16, DT_BF16}, {DT_FP32, DT_FP32}};
-    for (auto& mv : configs) {
-        auto grads = [&](int step) { return adamw_test_grads(specs, n, direction, step, nullptr); };
-        adamw_check_exact(adamw_test_config(mv[0], mv[1]), specs, n, init, 50, grads, nullptr);
+    for (auto multiplier : {(float (*)(int, int))nullptr, adamw_clip_some_steps})
+        for (auto& mv : configs) {
+            auto grads = [&](int step) { return adamw_test_grads(specs, n, direction, step, multiplier); };
+            int clipped = adamw_check_exact(adamw_test_config(mv[0], mv[1]), specs, n, init, 50, grads, nullptr);
+            if (multiplier) expect(clipped >= 10 && clipped <= 40, "the test needs clipped and unclipped steps (%d of 50 clipped)", clipped);
+            else expect(clipped == 50, "every step of this test is clipped (%d of 50 were)", clipped);
+        }
+}
+
+// The statistics that adamw_grad_norm computes along the norm (as if unclipped) serve only the update of the
+// same gradients: a step on other gradients (here 1/16 of them: the new m's amax 4 binades lower) must
+// compute its own. Bit for bit against the host replay on the gradients that were stepped.
+GPU_TEST(adamw_norm_statistics_only_for_their_gradients) {
+    size_t n;
+    std::vector<TensorSpec> specs = adamw_test_specs(&n);
+    std::vector<float> init = adamw_test_init(specs, n), direction = random_normal(n, 1.0f);
+    AdamWConfig c = adamw_test_config(DT_E4M3, DT_E4M3);
+    AdamW opt;
+    adamw_create(&opt, specs, n, init.data(), c);
+    std::vector<float> big = adamw_test_grads(specs, n, direction, 1, adamw_clip_some_steps), small = big;   // norm ~0.4
+    for (float& g : small) g /= 16.0f;
+    DeviceBuffer<float> d_big(big), d_small(small);
+    DeviceBuffer<bf16> weights(n);
+    for (int step = 0; step < 3; step++) {
+        AdamWHostState want = adamw_download_state(&opt);
+        float norm_big = adamw_grad_norm(&opt, d_big.ptr, 0);
+        expect(norm_big < c.grad_clip, "the test wants unclipped gradients (norm %g)", norm_big);
+        float norm_small = norm_big / 16.0f;
+        adamw_step(&opt, d_small.ptr, weights.ptr, adamw_test_lr(step), norm_small, 0);
+        mirror_adamw_step(&want, step + 1, specs, small, c, adamw_test_lr(step), norm_small);
+        AdamWHostState got = adamw_download_state(&opt);
+        size_t m_off = 0, v_off = 0, scale_off = 0;
+        for (size_t k = 0; k < specs.size(); k++) {
+            scale_off += got.m_meta[k].scale != want.m_meta[k].scale || got.m_meta[k].amax != want.m_meta[k].amax;
+            scale_off += got.v_meta[k].scale != want.v_meta[k].scale || got.v_meta[k].amax != want.v_meta[k].amax;
+            for (size_t i = 0; i < specs[k].numel; i++) {
+                m_off += got.m[specs[k].offset + i] != want.m[specs[k].offset + i];
+                v_off += got.v[specs[k].offset + i] != want.v[specs[k].offset + i];
+            }
+        }
+        printf("    step %d: m codes off %zu, v codes off %zu, scales off %zu\n", step + 1, m_off, v_off, scale_off);
+        expect(m_off == 0 && v_off == 0 && scale_off == 0, "step %d used statistics of other gradients", step + 1);
     }
+    adamw_destroy(&opt);
 }
 
 // Global-norm clipping: every third step's gradients are 4x (norm ~5, clipped to 1), the others 0.3x (~0.4,
@@ -2995,6 +3045,21 @@ GPU_TEST(adamw_update_clipping_vs_float64) {
         for (double x : f) { smallest = std::min(smallest, x); clipped += x < 1.0; }
     printf("    %d tensor-steps clipped, smallest factor %.3f\n", clipped, smallest);
     expect(clipped >= 5 && smallest < 0.9, "the test must clip updates noticeably (%d clipped, smallest factor %.3f)", clipped, smallest);
+    // With global clipping as well: the norm is ~0.6 before the jump (the update's RMS comes from the norm
+    // pass) and ~3 after it (clipped: from the stats pass), and the updates still get clipped after the jump.
+    c.grad_clip = 1.0f;
+    trace = adamw_compare_float64(c, 50, adamw_grow_late, 0.1f, 1e-6, 1e-6);
+    int grad_clipped = 0, update_clipped_then = 0;
+    for (size_t step = 0; step < trace.norms.size(); step++) {
+        bool clip_step = trace.norms[step] > c.grad_clip;
+        grad_clipped += clip_step;
+        for (double x : trace.factors[step]) update_clipped_then += clip_step && x < 1.0;
+    }
+    printf("    with global clipping: %d of 50 steps clipped, %d tensor-steps of those with clipped updates\n", grad_clipped,
+           update_clipped_then);
+    expect(grad_clipped >= 10 && grad_clipped <= 40 && update_clipped_then >= 3,
+           "the test needs clipped and unclipped steps and clipped updates among the former (%d steps, %d tensor-steps)", grad_clipped,
+           update_clipped_then);
 }
 
 // Adam-atan2 (no eps) against float64. atan2f is within 2 ulp on the GPU, so the tolerance is the FP32 one.
