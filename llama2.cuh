@@ -771,7 +771,9 @@ struct ModelFp8 {
     Fp8Health* health = nullptr;      // [L*4*3] device: --fp8-stats counts
     fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
+    int* weight_ids = nullptr;        // device: meta indices of W of the FP8 linears (n)
     int n_fp8_linears = 0;
+    bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
 };
 #endif
 
@@ -821,13 +823,24 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 //             dX = dY8 * W8                            A = dY8 [N,out],   B = W8^T [in,out]
 //             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
 // Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
-// transposed copies. W8 and W8^T are made once per optimizer step (fp8_weight_update), not per micro-batch.
+// transposed copies. W8 and W8^T are made once per optimizer step (model_weights_changed), not per micro-batch.
 
 
-// After each optimizer step: W (BF16) -> W8 and W8^T with current scaling (the weights just changed).
+// W [out, in] (BF16) -> W8 and W8^T with the scale already in meta[FP8_W] (current scaling: set from this W's
+// amax), and W's health counts when they are on. Reads 2 bytes a parameter, writes 2.
+inline void fp8_weight_cast(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
+    check_cast_pointers("fp8_weight_cast", lin->w8, lin->w8_t, w);
+    dim3 grid(ceil_div(in, CT_TILE), ceil_div(out, CT_TILE));
+    cast_transpose_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(lin->w8, lin->w8_t, w, out, in, &lin->meta[FP8_W], nullptr);
+    cudaCheckLaunch();
+    if (lin->health) fp8_health(&lin->health[FP8_W], w, (size_t)out * in, E4M3, &lin->meta[FP8_W], stream);
+}
+// W (BF16) -> W8 and W8^T with current scaling: amax, scale, cast (one layer on its own; the model rebuilds
+// all of its layers in model_weights_changed).
 inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
-    fp8_cast_transpose_counted(lin->w8, lin->w8_t, w, out, in, E4M3, &lin->meta[FP8_W], lin->health ? &lin->health[FP8_W] : nullptr,
-                               Fp8Recipe(), stream);
+    fp8_amax(&lin->meta[FP8_W], w, (size_t)out * in, stream);
+    fp8_update_scale(&lin->meta[FP8_W], E4M3, Fp8Recipe(), stream);
+    fp8_weight_cast(lin, w, out, in, stream);
 }
 
 // x8 is scratch [N,in]; x8_t [in,N] is kept for backward.
@@ -917,18 +930,45 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
            false, m->stream);
 }
 
-// The weights changed (optimizer step, upload): the FP8 build rebuilds W8 and W8^T of its FP8 layers.
-inline void model_weights_changed(Model* m) {
+// The weights changed (optimizer step, upload, load): the FP8 build rebuilds W8 and W8^T of its FP8 layers
+// with current scaling: each W's amax, all their scales in one launch, one cast+transpose per layer.
+// after_step: the change was an optimizer step whose update pass gathered each W's amax into its meta
+// (adamw_gather_weight_amax with model_weight_amax_slots), so no amax pass runs (2 bytes a parameter
+// less); the codes and scales are the same bits as with the amax pass.
+inline void model_weights_changed(Model* m, bool after_step = false) {
+#if defined(PRECISION_FP8)
+    ModelFp8& f = m->fp8;
+    if (after_step && !f.amax_from_optimizer)
+        fail("model_weights_changed after a step: the optimizer does not gather the weights' amax; hand it "
+             "model_weight_amax_slots (adamw_gather_weight_amax) or rebuild with after_step = false");
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) fp8_update_scales(f.metas, f.weight_ids, f.n_fp8_linears, E4M3, Fp8Recipe(), m->stream);
+        for (int l = 0; l < m->config.n_layers; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+                if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
+                    const TensorSpec& w = m->params[param_layer(l, p)];
+                    const bf16* wb = model_weight(m, param_layer(l, p));
+                    if (pass == 0 && !after_step) fp8_amax(&lin->meta[FP8_W], wb, w.numel, m->stream);
+                    if (pass == 1) fp8_weight_cast(lin, wb, w.rows, w.cols, m->stream);
+                }
+    }
+#else
+    (void)m, (void)after_step;
+#endif
+}
+
+// Per parameter tensor (Model::params order): where the optimizer's update pass should gather the amax of the
+// new BF16 weights - W's Fp8Meta::amax_pending for the FP8 linears, nullptr for the others (all of them in the
+// BF16 build). Hand it to adamw_gather_weight_amax; then model_weights_changed(m, true) after each step.
+inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
+    std::vector<unsigned int*> slots(m->params.size(), nullptr);
 #if defined(PRECISION_FP8)
     for (int l = 0; l < m->config.n_layers; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
-                const TensorSpec& w = m->params[param_layer(l, p)];
-                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream);
-            }
-#else
-    (void)m;
+            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
+    m->fp8.amax_from_optimizer = true;
 #endif
+    return slots;
 }
 
 // Tensor parallelism: the in-place BF16 sum over the group of a row-parallel layer's output (forward) or of a
@@ -1037,7 +1077,7 @@ inline void model_fp8_create(Model* m) {
     cudaCheck(cudaMalloc(&f.health, n_meta * sizeof(Fp8Health)));
     std::vector<Fp8Meta> init(n_meta, fp8_meta_initial());
     cudaCheck(cudaMemcpy(f.metas, init.data(), n_meta * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
-    std::vector<int> x_ids, dy_ids;
+    std::vector<int> x_ids, dy_ids, w_ids;
     for (int l = 0; l < L; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
             if (!model_layer_fp8(m, l)) continue;
@@ -1045,6 +1085,7 @@ inline void model_fp8_create(Model* m) {
             int i = model_linear_index(param_layer(l, p));
             x_ids.push_back(3 * i + FP8_X);
             dy_ids.push_back(3 * i + FP8_DY);
+            w_ids.push_back(3 * i + FP8_W);
             f.linears[i].w8 = (fp8*)(base + w_off[i]);
             f.linears[i].w8_t = f.linears[i].w8 + round256((size_t)w.rows * w.cols);
             f.linears[i].meta = f.metas + 3 * i;
@@ -1054,6 +1095,8 @@ inline void model_fp8_create(Model* m) {
     x_ids.insert(x_ids.end(), dy_ids.begin(), dy_ids.end());
     cudaCheck(cudaMalloc(&f.delayed_ids, std::max<size_t>(1, x_ids.size()) * sizeof(int)));
     cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMalloc(&f.weight_ids, std::max<size_t>(1, w_ids.size()) * sizeof(int)));
+    cudaCheck(cudaMemcpy(f.weight_ids, w_ids.data(), w_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
 }
 
 // Delayed scaling: after a training step's backward, every GEMM that read the X and dY scales has run;
@@ -1189,6 +1232,7 @@ inline void model_destroy(Model* m) {
     cudaCheck(cudaFree(m->fp8.metas));
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
+    cudaCheck(cudaFree(m->fp8.weight_ids));
 #endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));

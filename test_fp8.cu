@@ -2497,6 +2497,88 @@ GPU_TEST(fp8_model_vs_reference) {
     split.fast_accum = false;
     check_fp8_model(2, split, "all layers FP8, split accumulation in forward");
 }
+
+// W8 and W8^T after an optimizer step take W's amax from the update pass (adamw_gather_weight_amax with
+// model_weight_amax_slots; model_weights_changed(m, true) runs no amax pass). Three AdamW steps with a large
+// learning rate (the weights' amax moves every step) on a 3-layer model, the recipe (layer 1 FP8) and all
+// layers FP8: after each step every FP8 linear's W8, W8^T and W scale must be, bit for bit, the host's
+// current-scaling cast of the BF16 weights the step wrote, and its amax theirs exactly; at the end the
+// rebuild with its own amax pass must give the same codes.
+GPU_TEST(fp8_weights_rebuilt_after_step_exact) {
+    for (bool all_layers : {false, true}) {
+        Fp8Options options;
+        options.all_layers = all_layers;
+        Model m;
+        std::vector<float> w;
+        model_test_setup(&m, 2, 16, &w, 3, options);
+        AdamW opt;
+        adamw_create(&opt, m.params, m.num_params, w.data(), AdamWConfig());
+        adamw_gather_weight_amax(&opt, model_weight_amax_slots(&m));
+        const size_t n_meta = m.fp8.linears.size() * 3;
+        auto download_metas = [&]() {
+            std::vector<Fp8Meta> metas(n_meta);
+            cudaCheck(cudaDeviceSynchronize());
+            cudaCheck(cudaMemcpy(metas.data(), m.fp8.metas, n_meta * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
+            return metas;
+        };
+        auto download_codes = [&](const fp8* p, size_t n) {   // W8 or W8^T
+            std::vector<uint8_t> codes(n);
+            cudaCheck(cudaMemcpy(codes.data(), p, n, cudaMemcpyDeviceToHost));
+            return codes;
+        };
+        int checked = 0;
+        size_t code_off = 0, meta_off = 0;
+        for (int step = 0; step < 3; step++) {
+            std::vector<Fp8Meta> before = download_metas();
+            std::vector<float> g = random_normal(m.num_params, 1e-2f);
+            cudaCheck(cudaMemcpy(m.grads, g.data(), g.size() * sizeof(float), cudaMemcpyHostToDevice));
+            float norm = adamw_grad_norm(&opt, m.grads, m.stream);
+            adamw_step(&opt, m.grads, m.weights, 0.02f, norm, m.stream);
+            model_weights_changed(&m, true);
+            std::vector<Fp8Meta> after = download_metas();
+            std::vector<bf16> weights(m.num_params);
+            cudaCheck(cudaMemcpy(weights.data(), m.weights, weights.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+            for (int l = 0; l < m.config.n_layers; l++)
+                for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+                    const Fp8Linear* lin = model_fp8_linear(&m, param_layer(l, p));
+                    if (!lin) continue;
+                    const int i = model_linear_index(param_layer(l, p));
+                    const TensorSpec& t = m.params[param_layer(l, p)];
+                    std::vector<bf16> wt(weights.begin() + t.offset, weights.begin() + t.offset + t.numel);
+                    Fp8Meta want = before[3 * i + FP8_W];
+                    std::vector<uint8_t> codes = host_quantize(wt, E4M3, &want, Fp8Recipe());
+                    std::vector<uint8_t> w8 = download_codes(lin->w8, t.numel), w8_t = download_codes(lin->w8_t, t.numel);
+                    for (int r = 0; r < t.rows; r++)
+                        for (int c = 0; c < t.cols; c++) {
+                            code_off += w8[(size_t)r * t.cols + c] != codes[(size_t)r * t.cols + c];
+                            code_off += w8_t[(size_t)c * t.rows + r] != codes[(size_t)r * t.cols + c];
+                        }
+                    const Fp8Meta& got = after[3 * i + FP8_W];
+                    meta_off += !same_meta(got, want) || !same_bits(got.amax, want.amax) ||
+                                !same_bits(float_from_bits(got.amax_pending), want.amax);
+                    checked++;
+                }
+            printf("    %s, step %d: W amax of layer 1 wqkv %.6g\n", all_layers ? "all layers FP8" : "the recipe", step + 1,
+                   after[3 * model_linear_index(param_layer(1, WQKV)) + FP8_W].amax);
+        }
+        printf("    %d linear-steps: %zu W8/W8^T codes and %zu W scales/amaxes differ from the host\n", checked, code_off, meta_off);
+        expect(checked == 3 * 4 * (all_layers ? 3 : 1), "%d linear-steps checked", checked);
+        expect(code_off == 0 && meta_off == 0, "W8 rebuilt after a step differs from the host's cast (%zu codes, %zu metas)", code_off,
+               meta_off);
+        // The rebuild that makes W's amax itself (upload, load) gives the same codes.
+        std::vector<std::vector<uint8_t>> from_step;
+        for (const Fp8Linear& lin : m.fp8.linears)
+            if (lin.w8) from_step.push_back(download_codes(lin.w8, 2 * (size_t)(lin.w8_t - lin.w8)));
+        model_weights_changed(&m, false);
+        size_t k = 0, differ = 0;
+        cudaCheck(cudaDeviceSynchronize());
+        for (const Fp8Linear& lin : m.fp8.linears)
+            if (lin.w8) differ += download_codes(lin.w8, 2 * (size_t)(lin.w8_t - lin.w8)) != from_step[k++];
+        expect(differ == 0, "%zu linears: W8/W8^T after a step differ from the rebuild with its own amax pass", differ);
+        adamw_destroy(&opt);
+        model_destroy(&m);
+    }
+}
 #endif
 
 // ----------------------------------------------------------------------------------------------
