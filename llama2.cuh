@@ -459,12 +459,12 @@ __global__ void rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const b
     }
 }
 
-__global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int blocks, int D) {
+__global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int blocks, int D, bool accumulate) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= D) return;
     float s = 0.0f;
     for (int b = 0; b < blocks; b++) s += dw_partial[(size_t)b * D + j];
-    dw[j] += s;
+    dw[j] = accumulate ? dw[j] + s : s;
 }
 
 // resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add).
@@ -479,14 +479,15 @@ inline void rmsnorm_forward(bf16* resid_out, bf16* y, float* rstd, const bf16* r
 }
 // Floats of scratch that rmsnorm_backward needs: one partial dw row per block of rows.
 inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * D; }
-// dresid += dx (BF16, in place); dw += dw of these rows (FP32). x is the forward's input (resid_out when fused).
+// dresid += dx (BF16, in place); dw += dw of these rows (FP32; accumulate false: dw = that). x is the forward's
+// input (resid_out when fused).
 inline void rmsnorm_backward(bf16* dresid, float* dw, float* scratch, const bf16* dy, const bf16* x, const float* rstd,
-                             const bf16* w, int N, int D, cudaStream_t s) {
+                             const bf16* w, int N, int D, cudaStream_t s, bool accumulate = true) {
     check_rows("rmsnorm_backward", D, {dresid, dw, scratch, dy, x, w});
     int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
     rmsnorm_backward_kernel<<<blocks, RMSNORM_THREADS, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
     cudaCheckLaunch();
-    rmsnorm_dw_reduce_kernel<<<ceil_div(D, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, D);
+    rmsnorm_dw_reduce_kernel<<<ceil_div(D, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, D, accumulate);
     cudaCheckLaunch();
 }
 
@@ -667,9 +668,10 @@ inline void cross_entropy_forward_backward(float* losses, bf16* dlogits, const f
 //   losses, and dlogits_chunk [chunk,V] BF16 (written in the same pass that computes the loss)
 //   dx_chunk = dlogits_chunk lm_head;  dlm_head += dlogits_chunk^T x_chunk
 // dx null: the loss only (dlm_head and dlogits_chunk unused). chunk and N: multiples of 16.
+// accumulate false: the first chunk writes dlm_head instead of adding to it.
 inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, float* dlm_head, float* logits_chunk,
                                   bf16* dlogits_chunk, const bf16* x, const bf16* lm_head, const int* targets, int N,
-                                  int D, int V, int chunk, float grad_scale, cudaStream_t s) {
+                                  int D, int V, int chunk, float grad_scale, cudaStream_t s, bool accumulate = true) {
     if (chunk < 16 || chunk % 16 != 0 || N % 16 != 0)
         fail("lm_head_cross_entropy: chunk %d and N %d must be positive multiples of 16 (the GEMM rule)", chunk, N);
     for (int c0 = 0; c0 < N; c0 += chunk) {
@@ -683,7 +685,7 @@ inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, fl
         matmul(mm, dx + (size_t)c0 * D, DT_BF16, {dlogits_chunk, DT_BF16}, {lm_head, DT_BF16, true}, rows, D, V, false,
                false, s);
         // dlm_head [V,D] += dlogits^T x: both operands are stored [K=rows, .]
-        matmul(mm, dlm_head, DT_FP32, {dlogits_chunk, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, true, false, s);
+        matmul(mm, dlm_head, DT_FP32, {dlogits_chunk, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, accumulate || c0 > 0, false, s);
     }
 }
 
@@ -783,6 +785,7 @@ struct Model {
     size_t num_params = 0;
     bf16* weights = nullptr;   // [num_params] BF16, written by the optimizer after each step
     float* grads = nullptr;    // [num_params] FP32, accumulated over micro-batches
+    bool accumulate_grads = true;   // false after model_zero_grads: the next backward writes what it would add
     int B = 0, T = 0;          // the allocated batch shape
     ModelActivations acts = {};
     void* act_memory = nullptr;
@@ -854,17 +857,18 @@ inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, c
            N, out, in, false, fast_accum, stream);
 }
 
-// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches).
+// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches), or is written
+// when accumulate is false.
 // amax_group: take the MAX of dY's amax over this group (--tp-amax-sync; nullptr = this rank's own).
 inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
                                 Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream,
-                                const TpGroup* amax_group = nullptr) {
+                                const TpGroup* amax_group = nullptr, bool accumulate = true) {
     fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
                                recipe, stream, amax_group);
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
-           out, in, N, true, false, stream);
+           out, in, N, accumulate, false, stream);
 }
 
 // Whether decoder layer l runs its linears in FP8: never in the BF16 build; in the FP8 build all layers
@@ -920,14 +924,14 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
         fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, dout,
                             m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream,
-                            model_amax_group(m, param, true));
+                            model_amax_group(m, param, true), m->accumulate_grads);
         return;
     }
 #endif
     matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
            false, m->stream);
-    matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, true,
-           false, m->stream);
+    matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N,
+           m->accumulate_grads, false, m->stream);
 }
 
 // The weights changed (optimizer step, upload, load): the FP8 build rebuilds W8 and W8^T of its FP8 layers
@@ -1255,8 +1259,13 @@ inline void model_upload_weights(Model* m, const float* host_fp32) {
     model_weights_changed(m);
 }
 
+// Start a step's gradients: the next model_forward_backward writes them instead of adding to them (the first
+// weight-gradient GEMM of each linear and of lm_head with beta = 0, the norms' dw reduce with "="), so only
+// the embedding's gradient, which the backward scatters into, is zeroed here: V x D floats, not all of them.
 inline void model_zero_grads(Model* m) {
-    cudaCheck(cudaMemsetAsync(m->grads, 0, m->num_params * sizeof(float), m->stream));
+    const TensorSpec& emb = m->params[PARAM_TOK_EMBEDDING];
+    cudaCheck(cudaMemsetAsync(m->grads + emb.offset, 0, emb.numel * sizeof(float), m->stream));
+    m->accumulate_grads = false;
 }
 
 // Layer l's saved activations.
@@ -1339,8 +1348,8 @@ inline float model_loss_mean(Model* m, int N) {
 }
 
 // Forward + backward of one micro-batch of B x T tokens (device int arrays). Accumulates into m->grads
-// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean). Returns the
-// mean loss of this micro-batch.
+// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean), or writes them
+// after model_zero_grads. Returns the mean loss of this micro-batch.
 inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
@@ -1349,11 +1358,11 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
                           a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
-                          grad_scale, s);
+                          grad_scale, s, m->accumulate_grads);
     // dresid: the gradient of the residual stream, from the top down
     cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
     rmsnorm_backward(a.dresid, model_grad(m, param_final_norm(c)), a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd,
-                     model_weight(m, param_final_norm(c)), N, D, s);
+                     model_weight(m, param_final_norm(c)), N, D, s, m->accumulate_grads);
     for (int l = c.n_layers - 1; l >= 0; l--) {
         LayerActs la = model_layer_acts(m, l);
         // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
@@ -1362,7 +1371,7 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
         linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);   // column-parallel: every rank's slice fed this input
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
-                         la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s);
+                         la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s, m->accumulate_grads);
         // attention block
         linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
         attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
@@ -1371,9 +1380,10 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
-                         la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s);
+                         la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s, m->accumulate_grads);
     }
     embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
+    m->accumulate_grads = true;   // every gradient has been written: the next micro-batch adds
 #if defined(PRECISION_FP8)
     model_fp8_record_amax(m);
 #endif
