@@ -3,7 +3,7 @@
 // there is no GPU. The last line is "N passed, N failed, N skipped"; any failure exits non-zero.
 //   ./test_fp8                 all tests
 //   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs
-//   ./test_fp8 --bench [gemm] [cast] [model] [tp]   the benchmark tables (GPU): all, or those named
+//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer]   the benchmark tables (GPU): all, or those named
 #define TESTING            // train_fp8.cu without main: the tests call its functions
 #include "train_fp8.cu"     // and with it every header of the project
 #include <vector>
@@ -4161,14 +4161,15 @@ static void bench_casts() {
     cudaCheck(cudaFree(meta));
 }
 
-// Weights for timing only: uniform in [-0.03, 0.03) from a hash of the index (no host init of 1B numbers).
-__global__ void bench_fill_weights_kernel(bf16* w, size_t n) {
+// Values for timing only: uniform in [-amplitude, amplitude) from a hash of the index (no host init of 1B numbers).
+template <class T>
+__global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
         h ^= h >> 31;
         h *= 0xBF58476D1CE4E5B9ull;
         h ^= h >> 29;
-        w[i] = __float2bfloat16(((h >> 40) / 16777216.0f - 0.5f) * 0.06f);
+        x[i] = (T)(((h >> 40) / 16777216.0f - 0.5f) * 2.0f * amplitude);
     }
 }
 
@@ -4183,7 +4184,7 @@ static void bench_model(const char* preset, int B, int T) {
     auto time_step = [&](const Fp8Options& opt, const char* label) {
         Model m;
         model_create(&m, c, B, T, opt);
-        bench_fill_weights_kernel<<<1024, 256>>>(m.weights, m.num_params);
+        bench_fill_kernel<<<1024, 256>>>(m.weights, m.num_params, 0.03f);
         cudaCheckLaunch();
         model_weights_changed(&m);
         float ms = bench_median_ms([&] { model_forward_backward(&m, d_tokens.ptr, d_tokens.ptr, 1.0f / (B * T)); }, 5, 2);
@@ -4207,6 +4208,79 @@ static void bench_model(const char* preset, int B, int T) {
 #else
     time_step(Fp8Options(), "BF16 build");
 #endif
+}
+
+// ---- The optimizer step (adamw_fp8.cuh) on a preset's parameter table: the gradient norm, norm + step without
+// and with clipping, and in the FP8 build the W8/W8^T rebuild after a step; for the FP8 build's moments
+// (m E4M3 + v BF16) and FP32 moments (the BF16 build's), in one run. Bytes per parameter as adamw_fp8.cuh
+// section 3 counts them (the W8 rows per parameter of the FP8 layers); GB/s against a device-to-device copy,
+// the floor of any pass. The norm includes its device-to-host read of the sum (a synchronization).
+static double bench_copy_gbs() {
+    const size_t bytes = 1ull << 30;
+    void *a, *b;
+    cudaCheck(cudaMalloc(&a, bytes));
+    cudaCheck(cudaMalloc(&b, bytes));
+    cudaCheck(cudaMemset(a, 1, bytes));
+    float ms = bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    cudaCheck(cudaFree(a));
+    cudaCheck(cudaFree(b));
+    return 2.0 * bytes / ms / 1e6;   // read + written
+}
+
+static void bench_optimizer(const char* preset, int vocab, double copy_gbs) {
+    ModelConfig c = model_config_preset(preset, vocab);
+    Model m;
+    model_create(&m, c, 1, 16);   // the parameter table, gradients, BF16 weights, FP8 copies; activations for 16 tokens
+    const size_t n = m.num_params;
+    const std::vector<unsigned int*> slots = model_weight_amax_slots(&m);   // W's amax slots of the FP8 layers
+    size_t fp8_params = 0;
+    for (size_t i = 0; i < slots.size(); i++) fp8_params += slots[i] ? m.params[i].numel : 0;
+    // |g| < 2e-5: the norm is 2e-5 sqrt(n / 3) < 0.4 up to 1.1B parameters, below the clip (1); the clipped rows
+    // set the clip to 1e-3 instead.
+    bench_fill_kernel<<<1024, 256>>>(m.grads, n, 2e-5f);
+    cudaCheckLaunch();
+    std::vector<float> zeros(n, 0.0f);
+    printf("\nAdamW step on the %s parameter table (vocab %d): %.1fM parameters in %zu tensors, %.1fM in FP8 layers; "
+           "copy %.0f GB/s\n", preset, vocab, n / 1e6, m.params.size(), fp8_params / 1e6, copy_gbs);
+    printf("%-10s %-46s %9s %8s %9s %8s\n", "moments", "pass", "ms", "B/param", "GB/s", "vs copy");
+    auto row = [&](const char* moments, const char* what, float ms, double bytes_per_param, size_t params) {
+        double gbs = bytes_per_param * params / ms / 1e6;
+        printf("%-10s %-46s %9.3f %8.1f %9.0f %7.0f%%\n", moments, what, ms, bytes_per_param, gbs, 100.0 * gbs / copy_gbs);
+    };
+    const DType configs[][2] = {{DT_E4M3, DT_BF16}, {DT_FP32, DT_FP32}};
+    for (auto& mv : configs) {
+        AdamWConfig ac;
+        ac.m_dtype = mv[0];
+        ac.v_dtype = mv[1];
+        AdamW opt;
+        adamw_create(&opt, m.params, n, zeros.data(), ac);
+        bench_fill_kernel<<<1024, 256>>>(opt.master, n, 0.03f);
+        cudaCheckLaunch();
+        adamw_gather_weight_amax(&opt, slots);
+        const std::string moments = std::string(dtype_name(mv[0])) + "/" + dtype_name(mv[1]);
+        const double mb = (double)dtype_size(mv[0]), vb = (double)dtype_size(mv[1]);
+        const bool stats = adamw_needs_stats(ac);
+        const double norm_bytes = 4 + (stats ? mb + (dtype_is_fp8(mv[1]) ? vb : 0) : 0), stats_bytes = stats ? norm_bytes : 0;
+        const double update_bytes = (4 + 4 + mb + vb) + (4 + 2 + mb + vb);
+        float t_norm = bench_median_ms([&] { adamw_grad_norm(&opt, m.grads, 0); });
+        auto step = [&] { adamw_step(&opt, m.grads, m.weights, 1e-4f, adamw_grad_norm(&opt, m.grads, 0), 0); };
+        float t_step = bench_median_ms(step);
+        opt.config.grad_clip = 1e-3f;
+        float t_clipped = bench_median_ms(step);
+        opt.config.grad_clip = 1.0f;
+        row(moments.c_str(), stats ? "gradient norm (+ statistics as if unclipped)" : "gradient norm", t_norm, norm_bytes, n);
+        row(moments.c_str(), "norm + step, unclipped", t_step, norm_bytes + update_bytes, n);
+        row(moments.c_str(), stats ? "norm + step, clipped (+ the stats pass)" : "norm + step, clipped", t_clipped,
+            norm_bytes + stats_bytes + update_bytes, n);
+        adamw_destroy(&opt);
+    }
+#if defined(PRECISION_FP8)
+    float t_w8 = bench_median_ms([&] { model_weights_changed(&m, true); });
+    float t_w8_amax = bench_median_ms([&] { model_weights_changed(&m, false); });
+    row("W8, W8^T", "rebuild after a step (amax from the update)", t_w8, 4.0, fp8_params);
+    row("W8, W8^T", "rebuild with its own amax pass", t_w8_amax, 6.0, fp8_params);
+#endif
+    model_destroy(&m);
 }
 
 // ---- Tensor parallelism: one column-parallel linear layer (the wqkv / w_gate_up kind), forward + backward,
@@ -4240,7 +4314,7 @@ static float bench_tp_linear_ms(int S, int n, bool use_fp8) {
             cudaCheck(cudaMalloc(&dw, out * K * sizeof(float)));
             cudaCheck(cudaMalloc(&codes, 2 * out * K + 2 * M * K + 2 * M * out));   // W8, W8^T, X8, X8^T, dY8, dY8^T
             cudaCheck(cudaMalloc(&meta, 3 * sizeof(Fp8Meta)));
-            for (bf16* p : {x, w, dy}) bench_fill_weights_kernel<<<1024, 256>>>(p, p == w ? out * K : p == x ? M * K : M * out);
+            for (bf16* p : {x, w, dy}) bench_fill_kernel<<<1024, 256>>>(p, p == w ? out * K : p == x ? M * K : M * out, 0.03f);
             cudaCheckLaunch();
             cudaCheck(cudaMemset(dw, 0, out * K * sizeof(float)));
             std::vector<Fp8Meta> m0(3, fp8_meta_initial());
@@ -4288,7 +4362,7 @@ static void bench_tp() {
     if (devices < 2) printf("TP = 2 and more: need more GPUs (this machine has %d)\n", devices);
 }
 
-// ./test_fp8 --bench [gemm] [cast] [model] [tp]: all the tables, or the ones named.
+// ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer]: all the tables, or the ones named.
 static void run_benchmarks(const std::vector<std::string>& which) {
     auto want = [&](const char* name) { return which.empty() || std::find(which.begin(), which.end(), name) != which.end(); };
     MatmulContext ctx;
@@ -4301,6 +4375,11 @@ static void run_benchmarks(const std::vector<std::string>& which) {
         bench_model("1b", 16, 2048);
     }
     if (want("tp")) bench_tp();
+    if (want("optimizer")) {
+        double copy_gbs = bench_copy_gbs();
+        bench_optimizer("d12", 256, copy_gbs);
+        bench_optimizer("1b", 32000, copy_gbs);
+    }
     matmul_context_destroy(&ctx);
 }
 
@@ -4316,7 +4395,7 @@ int main(int argc, char** argv) {
         if (a == "--bench") bench = true;
         else if (a == "--help" || a == "-h") {
             printf("usage: %s [NAME...]          run the tests (only those whose names contain a NAME)\n"
-                   "       %s --bench [gemm] [cast] [model] [tp]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
+                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
             return 0;
         } else filters.push_back(a);
     }
