@@ -459,12 +459,12 @@ __global__ void rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const b
     }
 }
 
-__global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int blocks, int D) {
+__global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int blocks, int D, bool accumulate) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= D) return;
     float s = 0.0f;
     for (int b = 0; b < blocks; b++) s += dw_partial[(size_t)b * D + j];
-    dw[j] += s;
+    dw[j] = accumulate ? dw[j] + s : s;
 }
 
 // resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add).
@@ -479,14 +479,15 @@ inline void rmsnorm_forward(bf16* resid_out, bf16* y, float* rstd, const bf16* r
 }
 // Floats of scratch that rmsnorm_backward needs: one partial dw row per block of rows.
 inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * D; }
-// dresid += dx (BF16, in place); dw += dw of these rows (FP32). x is the forward's input (resid_out when fused).
+// dresid += dx (BF16, in place); dw += dw of these rows (FP32; accumulate false: dw = that). x is the forward's
+// input (resid_out when fused).
 inline void rmsnorm_backward(bf16* dresid, float* dw, float* scratch, const bf16* dy, const bf16* x, const float* rstd,
-                             const bf16* w, int N, int D, cudaStream_t s) {
+                             const bf16* w, int N, int D, cudaStream_t s, bool accumulate = true) {
     check_rows("rmsnorm_backward", D, {dresid, dw, scratch, dy, x, w});
     int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
     rmsnorm_backward_kernel<<<blocks, RMSNORM_THREADS, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
     cudaCheckLaunch();
-    rmsnorm_dw_reduce_kernel<<<ceil_div(D, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, D);
+    rmsnorm_dw_reduce_kernel<<<ceil_div(D, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, D, accumulate);
     cudaCheckLaunch();
 }
 
@@ -667,9 +668,10 @@ inline void cross_entropy_forward_backward(float* losses, bf16* dlogits, const f
 //   losses, and dlogits_chunk [chunk,V] BF16 (written in the same pass that computes the loss)
 //   dx_chunk = dlogits_chunk lm_head;  dlm_head += dlogits_chunk^T x_chunk
 // dx null: the loss only (dlm_head and dlogits_chunk unused). chunk and N: multiples of 16.
+// accumulate false: the first chunk writes dlm_head instead of adding to it.
 inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, float* dlm_head, float* logits_chunk,
                                   bf16* dlogits_chunk, const bf16* x, const bf16* lm_head, const int* targets, int N,
-                                  int D, int V, int chunk, float grad_scale, cudaStream_t s) {
+                                  int D, int V, int chunk, float grad_scale, cudaStream_t s, bool accumulate = true) {
     if (chunk < 16 || chunk % 16 != 0 || N % 16 != 0)
         fail("lm_head_cross_entropy: chunk %d and N %d must be positive multiples of 16 (the GEMM rule)", chunk, N);
     for (int c0 = 0; c0 < N; c0 += chunk) {
@@ -683,7 +685,7 @@ inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, fl
         matmul(mm, dx + (size_t)c0 * D, DT_BF16, {dlogits_chunk, DT_BF16}, {lm_head, DT_BF16, true}, rows, D, V, false,
                false, s);
         // dlm_head [V,D] += dlogits^T x: both operands are stored [K=rows, .]
-        matmul(mm, dlm_head, DT_FP32, {dlogits_chunk, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, true, false, s);
+        matmul(mm, dlm_head, DT_FP32, {dlogits_chunk, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, accumulate || c0 > 0, false, s);
     }
 }
 
@@ -771,7 +773,9 @@ struct ModelFp8 {
     Fp8Health* health = nullptr;      // [L*4*3] device: --fp8-stats counts
     fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
+    int* weight_ids = nullptr;        // device: meta indices of W of the FP8 linears (n)
     int n_fp8_linears = 0;
+    bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
 };
 #endif
 
@@ -781,6 +785,7 @@ struct Model {
     size_t num_params = 0;
     bf16* weights = nullptr;   // [num_params] BF16, written by the optimizer after each step
     float* grads = nullptr;    // [num_params] FP32, accumulated over micro-batches
+    bool accumulate_grads = true;   // false after model_zero_grads: the next backward writes what it would add
     int B = 0, T = 0;          // the allocated batch shape
     ModelActivations acts = {};
     void* act_memory = nullptr;
@@ -821,13 +826,24 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 //             dX = dY8 * W8                            A = dY8 [N,out],   B = W8^T [in,out]
 //             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
 // Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
-// transposed copies. W8 and W8^T are made once per optimizer step (fp8_weight_update), not per micro-batch.
+// transposed copies. W8 and W8^T are made once per optimizer step (model_weights_changed), not per micro-batch.
 
 
-// After each optimizer step: W (BF16) -> W8 and W8^T with current scaling (the weights just changed).
+// W [out, in] (BF16) -> W8 and W8^T with the scale already in meta[FP8_W] (current scaling: set from this W's
+// amax), and W's health counts when they are on. Reads 2 bytes a parameter, writes 2.
+inline void fp8_weight_cast(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
+    check_cast_pointers("fp8_weight_cast", lin->w8, lin->w8_t, w);
+    dim3 grid(ceil_div(in, CT_TILE), ceil_div(out, CT_TILE));
+    cast_transpose_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(lin->w8, lin->w8_t, w, out, in, &lin->meta[FP8_W], nullptr);
+    cudaCheckLaunch();
+    if (lin->health) fp8_health(&lin->health[FP8_W], w, (size_t)out * in, E4M3, &lin->meta[FP8_W], stream);
+}
+// W (BF16) -> W8 and W8^T with current scaling: amax, scale, cast (one layer on its own; the model rebuilds
+// all of its layers in model_weights_changed).
 inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
-    fp8_cast_transpose_counted(lin->w8, lin->w8_t, w, out, in, E4M3, &lin->meta[FP8_W], lin->health ? &lin->health[FP8_W] : nullptr,
-                               Fp8Recipe(), stream);
+    fp8_amax(&lin->meta[FP8_W], w, (size_t)out * in, stream);
+    fp8_update_scale(&lin->meta[FP8_W], E4M3, Fp8Recipe(), stream);
+    fp8_weight_cast(lin, w, out, in, stream);
 }
 
 // x8 is scratch [N,in]; x8_t [in,N] is kept for backward.
@@ -841,17 +857,18 @@ inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, c
            N, out, in, false, fast_accum, stream);
 }
 
-// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches).
+// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches), or is written
+// when accumulate is false.
 // amax_group: take the MAX of dY's amax over this group (--tp-amax-sync; nullptr = this rank's own).
 inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
                                 Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream,
-                                const TpGroup* amax_group = nullptr) {
+                                const TpGroup* amax_group = nullptr, bool accumulate = true) {
     fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
                                recipe, stream, amax_group);
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
-           out, in, N, true, false, stream);
+           out, in, N, accumulate, false, stream);
 }
 
 // Whether decoder layer l runs its linears in FP8: never in the BF16 build; in the FP8 build all layers
@@ -907,28 +924,55 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
         fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, dout,
                             m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream,
-                            model_amax_group(m, param, true));
+                            model_amax_group(m, param, true), m->accumulate_grads);
         return;
     }
 #endif
     matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
            false, m->stream);
-    matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, true,
-           false, m->stream);
+    matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N,
+           m->accumulate_grads, false, m->stream);
 }
 
-// The weights changed (optimizer step, upload): the FP8 build rebuilds W8 and W8^T of its FP8 layers.
-inline void model_weights_changed(Model* m) {
+// The weights changed (optimizer step, upload, load): the FP8 build rebuilds W8 and W8^T of its FP8 layers
+// with current scaling: each W's amax, all their scales in one launch, one cast+transpose per layer.
+// after_step: the change was an optimizer step whose update pass gathered each W's amax into its meta
+// (adamw_gather_weight_amax with model_weight_amax_slots), so no amax pass runs (2 bytes a parameter
+// less); the codes and scales are the same bits as with the amax pass.
+inline void model_weights_changed(Model* m, bool after_step = false) {
+#if defined(PRECISION_FP8)
+    ModelFp8& f = m->fp8;
+    if (after_step && !f.amax_from_optimizer)
+        fail("model_weights_changed after a step: the optimizer does not gather the weights' amax; hand it "
+             "model_weight_amax_slots (adamw_gather_weight_amax) or rebuild with after_step = false");
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) fp8_update_scales(f.metas, f.weight_ids, f.n_fp8_linears, E4M3, Fp8Recipe(), m->stream);
+        for (int l = 0; l < m->config.n_layers; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+                if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
+                    const TensorSpec& w = m->params[param_layer(l, p)];
+                    const bf16* wb = model_weight(m, param_layer(l, p));
+                    if (pass == 0 && !after_step) fp8_amax(&lin->meta[FP8_W], wb, w.numel, m->stream);
+                    if (pass == 1) fp8_weight_cast(lin, wb, w.rows, w.cols, m->stream);
+                }
+    }
+#else
+    (void)m, (void)after_step;
+#endif
+}
+
+// Per parameter tensor (Model::params order): where the optimizer's update pass should gather the amax of the
+// new BF16 weights - W's Fp8Meta::amax_pending for the FP8 linears, nullptr for the others (all of them in the
+// BF16 build). Hand it to adamw_gather_weight_amax; then model_weights_changed(m, true) after each step.
+inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
+    std::vector<unsigned int*> slots(m->params.size(), nullptr);
 #if defined(PRECISION_FP8)
     for (int l = 0; l < m->config.n_layers; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
-                const TensorSpec& w = m->params[param_layer(l, p)];
-                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream);
-            }
-#else
-    (void)m;
+            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
+    m->fp8.amax_from_optimizer = true;
 #endif
+    return slots;
 }
 
 // Tensor parallelism: the in-place BF16 sum over the group of a row-parallel layer's output (forward) or of a
@@ -1037,7 +1081,7 @@ inline void model_fp8_create(Model* m) {
     cudaCheck(cudaMalloc(&f.health, n_meta * sizeof(Fp8Health)));
     std::vector<Fp8Meta> init(n_meta, fp8_meta_initial());
     cudaCheck(cudaMemcpy(f.metas, init.data(), n_meta * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
-    std::vector<int> x_ids, dy_ids;
+    std::vector<int> x_ids, dy_ids, w_ids;
     for (int l = 0; l < L; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
             if (!model_layer_fp8(m, l)) continue;
@@ -1045,6 +1089,7 @@ inline void model_fp8_create(Model* m) {
             int i = model_linear_index(param_layer(l, p));
             x_ids.push_back(3 * i + FP8_X);
             dy_ids.push_back(3 * i + FP8_DY);
+            w_ids.push_back(3 * i + FP8_W);
             f.linears[i].w8 = (fp8*)(base + w_off[i]);
             f.linears[i].w8_t = f.linears[i].w8 + round256((size_t)w.rows * w.cols);
             f.linears[i].meta = f.metas + 3 * i;
@@ -1054,6 +1099,8 @@ inline void model_fp8_create(Model* m) {
     x_ids.insert(x_ids.end(), dy_ids.begin(), dy_ids.end());
     cudaCheck(cudaMalloc(&f.delayed_ids, std::max<size_t>(1, x_ids.size()) * sizeof(int)));
     cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMalloc(&f.weight_ids, std::max<size_t>(1, w_ids.size()) * sizeof(int)));
+    cudaCheck(cudaMemcpy(f.weight_ids, w_ids.data(), w_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
 }
 
 // Delayed scaling: after a training step's backward, every GEMM that read the X and dY scales has run;
@@ -1189,6 +1236,7 @@ inline void model_destroy(Model* m) {
     cudaCheck(cudaFree(m->fp8.metas));
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
+    cudaCheck(cudaFree(m->fp8.weight_ids));
 #endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));
@@ -1211,8 +1259,13 @@ inline void model_upload_weights(Model* m, const float* host_fp32) {
     model_weights_changed(m);
 }
 
+// Start a step's gradients: the next model_forward_backward writes them instead of adding to them (the first
+// weight-gradient GEMM of each linear and of lm_head with beta = 0, the norms' dw reduce with "="), so only
+// the embedding's gradient, which the backward scatters into, is zeroed here: V x D floats, not all of them.
 inline void model_zero_grads(Model* m) {
-    cudaCheck(cudaMemsetAsync(m->grads, 0, m->num_params * sizeof(float), m->stream));
+    const TensorSpec& emb = m->params[PARAM_TOK_EMBEDDING];
+    cudaCheck(cudaMemsetAsync(m->grads + emb.offset, 0, emb.numel * sizeof(float), m->stream));
+    m->accumulate_grads = false;
 }
 
 // Layer l's saved activations.
@@ -1295,8 +1348,8 @@ inline float model_loss_mean(Model* m, int N) {
 }
 
 // Forward + backward of one micro-batch of B x T tokens (device int arrays). Accumulates into m->grads
-// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean). Returns the
-// mean loss of this micro-batch.
+// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean), or writes them
+// after model_zero_grads. Returns the mean loss of this micro-batch.
 inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
@@ -1305,11 +1358,11 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
                           a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
-                          grad_scale, s);
+                          grad_scale, s, m->accumulate_grads);
     // dresid: the gradient of the residual stream, from the top down
     cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
     rmsnorm_backward(a.dresid, model_grad(m, param_final_norm(c)), a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd,
-                     model_weight(m, param_final_norm(c)), N, D, s);
+                     model_weight(m, param_final_norm(c)), N, D, s, m->accumulate_grads);
     for (int l = c.n_layers - 1; l >= 0; l--) {
         LayerActs la = model_layer_acts(m, l);
         // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
@@ -1318,7 +1371,7 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
         linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);   // column-parallel: every rank's slice fed this input
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
-                         la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s);
+                         la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s, m->accumulate_grads);
         // attention block
         linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
         attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
@@ -1327,9 +1380,10 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
-                         la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s);
+                         la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s, m->accumulate_grads);
     }
     embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
+    m->accumulate_grads = true;   // every gradient has been written: the next micro-batch adds
 #if defined(PRECISION_FP8)
     model_fp8_record_amax(m);
 #endif

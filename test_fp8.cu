@@ -3,7 +3,7 @@
 // there is no GPU. The last line is "N passed, N failed, N skipped"; any failure exits non-zero.
 //   ./test_fp8                 all tests
 //   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs
-//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [attention]   the benchmark tables (GPU): all, or those named
+//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   the benchmark tables (GPU): all, or those named
 #define TESTING            // train_fp8.cu without main: the tests call its functions
 #include "train_fp8.cu"     // and with it every header of the project
 #include <vector>
@@ -2260,6 +2260,8 @@ GPU_TEST(model_tiny_matches_reference) {
     const int V = c.vocab_size;
     std::vector<int> inputs = model_test_tokens(N, V), targets = model_test_tokens(N, V);
     DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    // NaN in every gradient: after model_zero_grads the backward must write each one (no memset of them all)
+    cudaCheck(cudaMemset(m.grads, 0xFF, m.num_params * sizeof(float)));
     model_zero_grads(&m);
     float loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads = model_test_grads(&m);
@@ -2305,20 +2307,25 @@ GPU_TEST(model_deterministic_accumulating_cached) {
     m.ce_chunk = 96;   // 256 tokens: 96, 96, 64
     std::vector<int> inputs = model_test_tokens(N, m.config.vocab_size), targets = model_test_tokens(N, m.config.vocab_size);
     DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    // A step of two micro-batches: the first writes the gradients (GEMMs with beta = 0), the second adds.
     model_zero_grads(&m);
     float loss1 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> g1 = model_test_grads(&m);
+    model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+    std::vector<float> g1_twice = model_test_grads(&m);
     long queries = m.matmul.heuristic_queries;
+    cudaCheck(cudaMemset(m.grads, 0xFF, m.num_params * sizeof(float)));   // NaN: what the next step does not write shows
     model_zero_grads(&m);
     float loss2 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> g2 = model_test_grads(&m);
     expect(loss1 == loss2 && model_test_same_bits(g1, g2), "two runs differ (loss %.9g vs %.9g)", loss1, loss2);
+    // the second micro-batch adds the same gradients again
+    model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+    std::vector<float> g3 = model_test_grads(&m);
+    expect(model_test_same_bits(g1_twice, g3), "two steps of two micro-batches differ");
     printf("    cuBLASLt heuristic queries: %ld after the first step, %ld after the second\n", queries, m.matmul.heuristic_queries);
     expect(queries > 0 && m.matmul.heuristic_queries == queries, "a second step made %ld new heuristic queries",
            m.matmul.heuristic_queries - queries);
-    // a second micro-batch without zeroing adds the same gradients again
-    model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
-    std::vector<float> g3 = model_test_grads(&m);
     std::vector<double> twice(g2.size());
     for (size_t i = 0; i < g2.size(); i++) twice[i] = 2.0 * g2[i];
     expect_close("grads after two accumulated micro-batches vs 2 x one", g3.data(), twice.data(), twice.size(), 1e-6);
@@ -2474,6 +2481,7 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     printf("    %s: %d layers, %d in FP8\n", what, c.n_layers, fp8_layers);
     std::vector<int> inputs = model_test_tokens(N, c.vocab_size), targets = model_test_tokens(N, c.vocab_size);
     DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    cudaCheck(cudaMemset(m.grads, 0xFF, m.num_params * sizeof(float)));   // NaN: every gradient must be written
     model_zero_grads(&m);
     float loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads = model_test_grads(&m);
@@ -2496,7 +2504,7 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     std::string worst_name;
     for (const TensorSpec& s : m.params) {
         double db = sqnr_db(grads2.data() + s.offset, grads_ref[s.name].data(), s.numel);
-        if (db < worst) { worst = db; worst_name = s.name; }
+        if (!std::isnan(worst) && !(db >= worst)) { worst = db; worst_name = s.name; }   // NaN (a gradient never written) stays worst
         printf("    grad %-22s SQNR %5.1f dB\n", s.name.c_str(), db);
     }
     printf("    worst gradient SQNR %.1f dB (%s), bound 10 dB\n", worst, worst_name.c_str());
@@ -2516,17 +2524,102 @@ GPU_TEST(fp8_model_vs_reference) {
     split.fast_accum = false;
     check_fp8_model(2, split, "all layers FP8, split accumulation in forward");
 }
+
+// W8 and W8^T after an optimizer step take W's amax from the update pass (adamw_gather_weight_amax with
+// model_weight_amax_slots; model_weights_changed(m, true) runs no amax pass). Three AdamW steps with a large
+// learning rate (the weights' amax moves every step) on a 3-layer model, the recipe (layer 1 FP8) and all
+// layers FP8: after each step every FP8 linear's W8, W8^T and W scale must be, bit for bit, the host's
+// current-scaling cast of the BF16 weights the step wrote, and its amax theirs exactly; at the end the
+// rebuild with its own amax pass must give the same codes.
+GPU_TEST(fp8_weights_rebuilt_after_step_exact) {
+    for (bool all_layers : {false, true}) {
+        Fp8Options options;
+        options.all_layers = all_layers;
+        Model m;
+        std::vector<float> w;
+        model_test_setup(&m, 2, 16, &w, 3, options);
+        AdamW opt;
+        adamw_create(&opt, m.params, m.num_params, w.data(), AdamWConfig());
+        adamw_gather_weight_amax(&opt, model_weight_amax_slots(&m));
+        const size_t n_meta = m.fp8.linears.size() * 3;
+        auto download_metas = [&]() {
+            std::vector<Fp8Meta> metas(n_meta);
+            cudaCheck(cudaDeviceSynchronize());
+            cudaCheck(cudaMemcpy(metas.data(), m.fp8.metas, n_meta * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
+            return metas;
+        };
+        auto download_codes = [&](const fp8* p, size_t n) {   // W8 or W8^T
+            std::vector<uint8_t> codes(n);
+            cudaCheck(cudaMemcpy(codes.data(), p, n, cudaMemcpyDeviceToHost));
+            return codes;
+        };
+        int checked = 0;
+        size_t code_off = 0, meta_off = 0;
+        for (int step = 0; step < 3; step++) {
+            std::vector<Fp8Meta> before = download_metas();
+            std::vector<float> g = random_normal(m.num_params, 1e-2f);
+            cudaCheck(cudaMemcpy(m.grads, g.data(), g.size() * sizeof(float), cudaMemcpyHostToDevice));
+            float norm = adamw_grad_norm(&opt, m.grads, m.stream);
+            adamw_step(&opt, m.grads, m.weights, 0.02f, norm, m.stream);
+            model_weights_changed(&m, true);
+            std::vector<Fp8Meta> after = download_metas();
+            std::vector<bf16> weights(m.num_params);
+            cudaCheck(cudaMemcpy(weights.data(), m.weights, weights.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+            for (int l = 0; l < m.config.n_layers; l++)
+                for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+                    const Fp8Linear* lin = model_fp8_linear(&m, param_layer(l, p));
+                    if (!lin) continue;
+                    const int i = model_linear_index(param_layer(l, p));
+                    const TensorSpec& t = m.params[param_layer(l, p)];
+                    std::vector<bf16> wt(weights.begin() + t.offset, weights.begin() + t.offset + t.numel);
+                    Fp8Meta want = before[3 * i + FP8_W];
+                    std::vector<uint8_t> codes = host_quantize(wt, E4M3, &want, Fp8Recipe());
+                    std::vector<uint8_t> w8 = download_codes(lin->w8, t.numel), w8_t = download_codes(lin->w8_t, t.numel);
+                    for (int r = 0; r < t.rows; r++)
+                        for (int c = 0; c < t.cols; c++) {
+                            code_off += w8[(size_t)r * t.cols + c] != codes[(size_t)r * t.cols + c];
+                            code_off += w8_t[(size_t)c * t.rows + r] != codes[(size_t)r * t.cols + c];
+                        }
+                    const Fp8Meta& got = after[3 * i + FP8_W];
+                    meta_off += !same_meta(got, want) || !same_bits(got.amax, want.amax) ||
+                                !same_bits(float_from_bits(got.amax_pending), want.amax);
+                    checked++;
+                }
+            printf("    %s, step %d: W amax of layer 1 wqkv %.6g\n", all_layers ? "all layers FP8" : "the recipe", step + 1,
+                   after[3 * model_linear_index(param_layer(1, WQKV)) + FP8_W].amax);
+        }
+        printf("    %d linear-steps: %zu W8/W8^T codes and %zu W scales/amaxes differ from the host\n", checked, code_off, meta_off);
+        expect(checked == 3 * 4 * (all_layers ? 3 : 1), "%d linear-steps checked", checked);
+        expect(code_off == 0 && meta_off == 0, "W8 rebuilt after a step differs from the host's cast (%zu codes, %zu metas)", code_off,
+               meta_off);
+        // The rebuild that makes W's amax itself (upload, load) gives the same codes.
+        std::vector<std::vector<uint8_t>> from_step;
+        for (const Fp8Linear& lin : m.fp8.linears)
+            if (lin.w8) from_step.push_back(download_codes(lin.w8, 2 * (size_t)(lin.w8_t - lin.w8)));
+        model_weights_changed(&m, false);
+        size_t k = 0, differ = 0;
+        cudaCheck(cudaDeviceSynchronize());
+        for (const Fp8Linear& lin : m.fp8.linears)
+            if (lin.w8) differ += download_codes(lin.w8, 2 * (size_t)(lin.w8_t - lin.w8)) != from_step[k++];
+        expect(differ == 0, "%zu linears: W8/W8^T after a step differ from the rebuild with its own amax pass", differ);
+        adamw_destroy(&opt);
+        model_destroy(&m);
+    }
+}
 #endif
 
 // ----------------------------------------------------------------------------------------------
 // AdamW (adamw_fp8.cuh): host references first (a float64 AdamW, and the kernel's float32 arithmetic
 // replayed on the host from a stored state), then the tests.
 
-// The test tensors: 2-D and 1-D, odd sizes; w_big spans three update blocks and w_c two; a 1 x 77 tensor
-// counts as 1-D; three parameters between bias and w_c belong to no tensor (the optimizer must leave them).
+// The test tensors: 2-D and 1-D, odd sizes and offsets (the kernels move whole groups of 16 elements and do
+// the ends of a tensor off that grid one by one); w_big spans three update blocks and w_c two; a 1 x 77
+// tensor counts as 1-D; "tiny" lies inside one group of 16; the parameters between bias and w_c and between
+// row and tiny belong to no tensor (the optimizer must leave them).
 static std::vector<TensorSpec> adamw_test_specs(size_t* num_params) {
     const struct { const char* name; int rows, cols; size_t gap_before; } shapes[] = {
-        {"w_a", 37, 53, 0}, {"norm_a", 53, 1, 0}, {"w_big", 97, 211, 0}, {"bias", 301, 1, 0}, {"w_c", 129, 70, 3}, {"row", 1, 77, 0}};
+        {"w_a", 37, 53, 0}, {"norm_a", 53, 1, 0}, {"w_big", 97, 211, 0}, {"bias", 301, 1, 0}, {"w_c", 129, 70, 3}, {"row", 1, 77, 0},
+        {"tiny", 7, 1, 5}};
     std::vector<TensorSpec> specs;
     size_t offset = 0;
     for (auto& s : shapes) {
@@ -2539,7 +2632,7 @@ static std::vector<TensorSpec> adamw_test_specs(size_t* num_params) {
 }
 // Gradient scale per tensor, 1e-3..1e-1: the global norm of the test gradients is 1.2..1.5, so the default
 // clipping at 1.0 is active but mild, as early in training.
-static const float ADAMW_TEST_GRAD_SCALE[] = {1e-2f, 1e-1f, 3e-3f, 3e-2f, 1e-3f, 5e-2f};
+static const float ADAMW_TEST_GRAD_SCALE[] = {1e-2f, 1e-1f, 3e-3f, 3e-2f, 1e-3f, 5e-2f, 2e-2f};
 
 // Initial weights: N(0, 0.02) for all, plus 1 for the norm weights; the gap holds a marker value.
 static std::vector<float> adamw_test_init(const std::vector<TensorSpec>& specs, size_t n) {
@@ -2785,8 +2878,9 @@ static AdamWTrace adamw_compare_float64(const AdamWConfig& c, int steps, float (
                 weights_ok &= memcmp(&w[t.offset + i], &want, sizeof(bf16)) == 0;
             }
     }
-    // The norm: FP32 squares summed in FP32 per thread (<= 32 terms) and over the block (8 levels), then the
-    // partials in double: <= 41 roundings of 2^-24 on the sum of squares, half that on the norm: 1.2e-6.
+    // The norm: FP32 squares summed in FP32 per thread (<= 33 terms: two groups of 16 and one end element) and
+    // over the block (8 levels), then the partials in double: <= 41 roundings of 2^-24 on the sum of squares,
+    // half that on the norm: 1.2e-6.
     expect(worst_norm_err <= 1.5e-6, "global gradient norm: worst relative error %.3e over %d steps (tol 1.5e-6)", worst_norm_err, steps);
     printf("    gradient norm: worst relative error %.3e over %d steps\n", worst_norm_err, steps);
     expect(weights_ok, "BF16 weights differ from the master weights rounded to BF16");
@@ -2806,14 +2900,16 @@ static AdamWTrace adamw_compare_float64(const AdamWConfig& c, int steps, float (
 // format (the arithmetic is the same, so they should be identical too: the exact count is printed).
 // `inspect` (optional) sees the GPU's states before and after each step.
 typedef std::function<void(int step, float lr, const AdamWHostState& before, const AdamWHostState& after)> AdamWInspect;
-static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec>& specs, size_t n, const std::vector<float>& init,
-                              int steps, const std::function<std::vector<float>(int)>& make_grads, const AdamWInspect& inspect) {
+// Returns how many steps had their gradients clipped.
+static int adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec>& specs, size_t n, const std::vector<float>& init,
+                             int steps, const std::function<std::vector<float>(int)>& make_grads, const AdamWInspect& inspect) {
     AdamW opt;
     adamw_create(&opt, specs, n, init.data(), c);
     DeviceBuffer<float> grads(n);
     DeviceBuffer<bf16> weights(n);
     bool m8 = dtype_is_fp8(c.m_dtype), v8 = dtype_is_fp8(c.v_dtype);
     size_t values = 0, master_exact = 0, master_off = 0, m_off = 0, v_off = 0, weight_off = 0, scale_off = 0;
+    int clipped = 0;
     for (int step = 0; step < steps; step++) {
         std::vector<float> g = make_grads(step);
         float lr = adamw_test_lr(step);
@@ -2821,6 +2917,7 @@ static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec
         grads.upload(g);
         weights.poison();
         float norm = adamw_grad_norm(&opt, grads.ptr, 0);
+        clipped += c.grad_clip > 0.0f && norm > c.grad_clip;
         adamw_step(&opt, grads.ptr, weights.ptr, lr, norm, 0);
         AdamWHostState after = adamw_download_state(&opt), want = before;
         std::vector<bf16> w = weights.download();
@@ -2843,8 +2940,8 @@ static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec
         }
         if (inspect) inspect(step, lr, before, after);
     }
-    printf("    m %s, v %s: %d steps x %zu values: master identical %zu, off by > 1 ulp %zu; m off %zu, v off %zu (%s); scales off %zu\n",
-           dtype_name(c.m_dtype), dtype_name(c.v_dtype), steps, values / steps, master_exact, master_off, m_off, v_off,
+    printf("    m %s, v %s: %d steps (%d clipped) x %zu values: master identical %zu, off by > 1 ulp %zu; m off %zu, v off %zu (%s); scales off %zu\n",
+           dtype_name(c.m_dtype), dtype_name(c.v_dtype), steps, clipped, values / steps, master_exact, master_off, m_off, v_off,
            m8 || v8 ? "FP8 codes must be identical" : "1 ulp", scale_off);
     expect(master_off == 0, "m %s v %s: %zu master weights differ from the host replay by more than 1 FP32 ulp",
            dtype_name(c.m_dtype), dtype_name(c.v_dtype), master_off);
@@ -2853,6 +2950,7 @@ static void adamw_check_exact(const AdamWConfig& c, const std::vector<TensorSpec
     expect(scale_off == 0, "%zu per-tensor FP8 scales (or amaxes) differ from the host replay", scale_off);
     expect(weight_off == 0, "%zu BF16 weights are not the master weights rounded", weight_off);
     adamw_destroy(&opt);
+    return clipped;
 }
 
 static float adamw_grow_late(int step, int tensor) { return (tensor % 2 == 0 && step >= 25) ? 10.0f : 1.0f; }
@@ -2940,16 +3038,58 @@ GPU_TEST(adamw_fp32_moments_vs_float64) {
 }
 
 // Every moment format against the host replay, step by step, bit for bit (FP8 codes and scales) - the
-// recipe's configurations (m E4M3 with v BF16, E4M3 or E5M2) and the FP32/BF16 ones.
+// recipe's configurations (m E4M3 with v BF16, E4M3 or E5M2) and the FP32/BF16 ones. Twice: with every step
+// clipped (the test gradients' norm is 1.2..1.5: the stats pass computes the new moments' amax), and with
+// two steps in three unclipped (norm ~0.4: the update takes the amax that the norm pass computed).
 GPU_TEST(adamw_fp8_moments_exact_vs_host) {
     size_t n;
     std::vector<TensorSpec> specs = adamw_test_specs(&n);
     std::vector<float> init = adamw_test_init(specs, n), direction = random_normal(n, 1.0f);
     const DType configs[][2] = {{DT_E4M3, DT_BF16}, {DT_E4M3, DT_E4M3}, {DT_E4M3, DT_E5M2}, {DT_BF16, DT_BF16}, {DT_FP32, DT_FP32}};
-    for (auto& mv : configs) {
-        auto grads = [&](int step) { return adamw_test_grads(specs, n, direction, step, nullptr); };
-        adamw_check_exact(adamw_test_config(mv[0], mv[1]), specs, n, init, 50, grads, nullptr);
+    for (auto multiplier : {(float (*)(int, int))nullptr, adamw_clip_some_steps})
+        for (auto& mv : configs) {
+            auto grads = [&](int step) { return adamw_test_grads(specs, n, direction, step, multiplier); };
+            int clipped = adamw_check_exact(adamw_test_config(mv[0], mv[1]), specs, n, init, 50, grads, nullptr);
+            if (multiplier) expect(clipped >= 10 && clipped <= 40, "the test needs clipped and unclipped steps (%d of 50 clipped)", clipped);
+            else expect(clipped == 50, "every step of this test is clipped (%d of 50 were)", clipped);
+        }
+}
+
+// The statistics that adamw_grad_norm computes along the norm (as if unclipped) serve only the update of the
+// same gradients: a step on other gradients (here 1/16 of them: the new m's amax 4 binades lower) must
+// compute its own. Bit for bit against the host replay on the gradients that were stepped.
+GPU_TEST(adamw_norm_statistics_only_for_their_gradients) {
+    size_t n;
+    std::vector<TensorSpec> specs = adamw_test_specs(&n);
+    std::vector<float> init = adamw_test_init(specs, n), direction = random_normal(n, 1.0f);
+    AdamWConfig c = adamw_test_config(DT_E4M3, DT_E4M3);
+    AdamW opt;
+    adamw_create(&opt, specs, n, init.data(), c);
+    std::vector<float> big = adamw_test_grads(specs, n, direction, 1, adamw_clip_some_steps), small = big;   // norm ~0.4
+    for (float& g : small) g /= 16.0f;
+    DeviceBuffer<float> d_big(big), d_small(small);
+    DeviceBuffer<bf16> weights(n);
+    for (int step = 0; step < 3; step++) {
+        AdamWHostState want = adamw_download_state(&opt);
+        float norm_big = adamw_grad_norm(&opt, d_big.ptr, 0);
+        expect(norm_big < c.grad_clip, "the test wants unclipped gradients (norm %g)", norm_big);
+        float norm_small = norm_big / 16.0f;
+        adamw_step(&opt, d_small.ptr, weights.ptr, adamw_test_lr(step), norm_small, 0);
+        mirror_adamw_step(&want, step + 1, specs, small, c, adamw_test_lr(step), norm_small);
+        AdamWHostState got = adamw_download_state(&opt);
+        size_t m_off = 0, v_off = 0, scale_off = 0;
+        for (size_t k = 0; k < specs.size(); k++) {
+            scale_off += got.m_meta[k].scale != want.m_meta[k].scale || got.m_meta[k].amax != want.m_meta[k].amax;
+            scale_off += got.v_meta[k].scale != want.v_meta[k].scale || got.v_meta[k].amax != want.v_meta[k].amax;
+            for (size_t i = 0; i < specs[k].numel; i++) {
+                m_off += got.m[specs[k].offset + i] != want.m[specs[k].offset + i];
+                v_off += got.v[specs[k].offset + i] != want.v[specs[k].offset + i];
+            }
+        }
+        printf("    step %d: m codes off %zu, v codes off %zu, scales off %zu\n", step + 1, m_off, v_off, scale_off);
+        expect(m_off == 0 && v_off == 0 && scale_off == 0, "step %d used statistics of other gradients", step + 1);
     }
+    adamw_destroy(&opt);
 }
 
 // Global-norm clipping: every third step's gradients are 4x (norm ~5, clipped to 1), the others 0.3x (~0.4,
@@ -3014,6 +3154,21 @@ GPU_TEST(adamw_update_clipping_vs_float64) {
         for (double x : f) { smallest = std::min(smallest, x); clipped += x < 1.0; }
     printf("    %d tensor-steps clipped, smallest factor %.3f\n", clipped, smallest);
     expect(clipped >= 5 && smallest < 0.9, "the test must clip updates noticeably (%d clipped, smallest factor %.3f)", clipped, smallest);
+    // With global clipping as well: the norm is ~0.6 before the jump (the update's RMS comes from the norm
+    // pass) and ~3 after it (clipped: from the stats pass), and the updates still get clipped after the jump.
+    c.grad_clip = 1.0f;
+    trace = adamw_compare_float64(c, 50, adamw_grow_late, 0.1f, 1e-6, 1e-6);
+    int grad_clipped = 0, update_clipped_then = 0;
+    for (size_t step = 0; step < trace.norms.size(); step++) {
+        bool clip_step = trace.norms[step] > c.grad_clip;
+        grad_clipped += clip_step;
+        for (double x : trace.factors[step]) update_clipped_then += clip_step && x < 1.0;
+    }
+    printf("    with global clipping: %d of 50 steps clipped, %d tensor-steps of those with clipped updates\n", grad_clipped,
+           update_clipped_then);
+    expect(grad_clipped >= 10 && grad_clipped <= 40 && update_clipped_then >= 3,
+           "the test needs clipped and unclipped steps and clipped updates among the former (%d steps, %d tensor-steps)", grad_clipped,
+           update_clipped_then);
 }
 
 // Adam-atan2 (no eps) against float64. atan2f is within 2 ulp on the GPU, so the tolerance is the FP32 one.
@@ -4025,14 +4180,15 @@ static void bench_casts() {
     cudaCheck(cudaFree(meta));
 }
 
-// Weights for timing only: uniform in [-0.03, 0.03) from a hash of the index (no host init of 1B numbers).
-__global__ void bench_fill_weights_kernel(bf16* w, size_t n) {
+// Values for timing only: uniform in [-amplitude, amplitude) from a hash of the index (no host init of 1B numbers).
+template <class T>
+__global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
         h ^= h >> 31;
         h *= 0xBF58476D1CE4E5B9ull;
         h ^= h >> 29;
-        w[i] = __float2bfloat16(((h >> 40) / 16777216.0f - 0.5f) * 0.06f);
+        x[i] = (T)(((h >> 40) / 16777216.0f - 0.5f) * 2.0f * amplitude);
     }
 }
 
@@ -4047,7 +4203,7 @@ static void bench_model(const char* preset, int B, int T) {
     auto time_step = [&](const Fp8Options& opt, const char* label) {
         Model m;
         model_create(&m, c, B, T, opt);
-        bench_fill_weights_kernel<<<1024, 256>>>(m.weights, m.num_params);
+        bench_fill_kernel<<<1024, 256>>>(m.weights, m.num_params, 0.03f);
         cudaCheckLaunch();
         model_weights_changed(&m);
         float ms = bench_median_ms([&] { model_forward_backward(&m, d_tokens.ptr, d_tokens.ptr, 1.0f / (B * T)); }, 5, 2);
@@ -4071,6 +4227,79 @@ static void bench_model(const char* preset, int B, int T) {
 #else
     time_step(Fp8Options(), "BF16 build");
 #endif
+}
+
+// ---- The optimizer step (adamw_fp8.cuh) on a preset's parameter table: the gradient norm, norm + step without
+// and with clipping, and in the FP8 build the W8/W8^T rebuild after a step; for the FP8 build's moments
+// (m E4M3 + v BF16) and FP32 moments (the BF16 build's), in one run. Bytes per parameter as adamw_fp8.cuh
+// section 3 counts them (the W8 rows per parameter of the FP8 layers); GB/s against a device-to-device copy,
+// the floor of any pass. The norm includes its device-to-host read of the sum (a synchronization).
+static double bench_copy_gbs() {
+    const size_t bytes = 1ull << 30;
+    void *a, *b;
+    cudaCheck(cudaMalloc(&a, bytes));
+    cudaCheck(cudaMalloc(&b, bytes));
+    cudaCheck(cudaMemset(a, 1, bytes));
+    float ms = bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    cudaCheck(cudaFree(a));
+    cudaCheck(cudaFree(b));
+    return 2.0 * bytes / ms / 1e6;   // read + written
+}
+
+static void bench_optimizer(const char* preset, int vocab, double copy_gbs) {
+    ModelConfig c = model_config_preset(preset, vocab);
+    Model m;
+    model_create(&m, c, 1, 16);   // the parameter table, gradients, BF16 weights, FP8 copies; activations for 16 tokens
+    const size_t n = m.num_params;
+    const std::vector<unsigned int*> slots = model_weight_amax_slots(&m);   // W's amax slots of the FP8 layers
+    size_t fp8_params = 0;
+    for (size_t i = 0; i < slots.size(); i++) fp8_params += slots[i] ? m.params[i].numel : 0;
+    // |g| < 2e-5: the norm is 2e-5 sqrt(n / 3) < 0.4 up to 1.1B parameters, below the clip (1); the clipped rows
+    // set the clip to 1e-3 instead.
+    bench_fill_kernel<<<1024, 256>>>(m.grads, n, 2e-5f);
+    cudaCheckLaunch();
+    std::vector<float> zeros(n, 0.0f);
+    printf("\nAdamW step on the %s parameter table (vocab %d): %.1fM parameters in %zu tensors, %.1fM in FP8 layers; "
+           "copy %.0f GB/s\n", preset, vocab, n / 1e6, m.params.size(), fp8_params / 1e6, copy_gbs);
+    printf("%-10s %-46s %9s %8s %9s %8s\n", "moments", "pass", "ms", "B/param", "GB/s", "vs copy");
+    auto row = [&](const char* moments, const char* what, float ms, double bytes_per_param, size_t params) {
+        double gbs = bytes_per_param * params / ms / 1e6;
+        printf("%-10s %-46s %9.3f %8.1f %9.0f %7.0f%%\n", moments, what, ms, bytes_per_param, gbs, 100.0 * gbs / copy_gbs);
+    };
+    const DType configs[][2] = {{DT_E4M3, DT_BF16}, {DT_FP32, DT_FP32}};
+    for (auto& mv : configs) {
+        AdamWConfig ac;
+        ac.m_dtype = mv[0];
+        ac.v_dtype = mv[1];
+        AdamW opt;
+        adamw_create(&opt, m.params, n, zeros.data(), ac);
+        bench_fill_kernel<<<1024, 256>>>(opt.master, n, 0.03f);
+        cudaCheckLaunch();
+        adamw_gather_weight_amax(&opt, slots);
+        const std::string moments = std::string(dtype_name(mv[0])) + "/" + dtype_name(mv[1]);
+        const double mb = (double)dtype_size(mv[0]), vb = (double)dtype_size(mv[1]);
+        const bool stats = adamw_needs_stats(ac);
+        const double norm_bytes = 4 + (stats ? mb + (dtype_is_fp8(mv[1]) ? vb : 0) : 0), stats_bytes = stats ? norm_bytes : 0;
+        const double update_bytes = (4 + 4 + mb + vb) + (4 + 2 + mb + vb);
+        float t_norm = bench_median_ms([&] { adamw_grad_norm(&opt, m.grads, 0); });
+        auto step = [&] { adamw_step(&opt, m.grads, m.weights, 1e-4f, adamw_grad_norm(&opt, m.grads, 0), 0); };
+        float t_step = bench_median_ms(step);
+        opt.config.grad_clip = 1e-3f;
+        float t_clipped = bench_median_ms(step);
+        opt.config.grad_clip = 1.0f;
+        row(moments.c_str(), stats ? "gradient norm (+ statistics as if unclipped)" : "gradient norm", t_norm, norm_bytes, n);
+        row(moments.c_str(), "norm + step, unclipped", t_step, norm_bytes + update_bytes, n);
+        row(moments.c_str(), stats ? "norm + step, clipped (+ the stats pass)" : "norm + step, clipped", t_clipped,
+            norm_bytes + stats_bytes + update_bytes, n);
+        adamw_destroy(&opt);
+    }
+#if defined(PRECISION_FP8)
+    float t_w8 = bench_median_ms([&] { model_weights_changed(&m, true); });
+    float t_w8_amax = bench_median_ms([&] { model_weights_changed(&m, false); });
+    row("W8, W8^T", "rebuild after a step (amax from the update)", t_w8, 4.0, fp8_params);
+    row("W8, W8^T", "rebuild with its own amax pass", t_w8_amax, 6.0, fp8_params);
+#endif
+    model_destroy(&m);
 }
 
 // ---- Tensor parallelism: one column-parallel linear layer (the wqkv / w_gate_up kind), forward + backward,
@@ -4104,7 +4333,7 @@ static float bench_tp_linear_ms(int S, int n, bool use_fp8) {
             cudaCheck(cudaMalloc(&dw, out * K * sizeof(float)));
             cudaCheck(cudaMalloc(&codes, 2 * out * K + 2 * M * K + 2 * M * out));   // W8, W8^T, X8, X8^T, dY8, dY8^T
             cudaCheck(cudaMalloc(&meta, 3 * sizeof(Fp8Meta)));
-            for (bf16* p : {x, w, dy}) bench_fill_weights_kernel<<<1024, 256>>>(p, p == w ? out * K : p == x ? M * K : M * out);
+            for (bf16* p : {x, w, dy}) bench_fill_kernel<<<1024, 256>>>(p, p == w ? out * K : p == x ? M * K : M * out, 0.03f);
             cudaCheckLaunch();
             cudaCheck(cudaMemset(dw, 0, out * K * sizeof(float)));
             std::vector<Fp8Meta> m0(3, fp8_meta_initial());
@@ -4195,7 +4424,7 @@ static void bench_attention() {
     }
 }
 
-// ./test_fp8 --bench [gemm] [cast] [model] [tp] [attention]: all the tables, or the ones named.
+// ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]: all the tables, or the ones named.
 static void run_benchmarks(const std::vector<std::string>& which) {
     auto want = [&](const char* name) { return which.empty() || std::find(which.begin(), which.end(), name) != which.end(); };
     MatmulContext ctx;
@@ -4208,6 +4437,11 @@ static void run_benchmarks(const std::vector<std::string>& which) {
         bench_model("1b", 16, 2048);
     }
     if (want("tp")) bench_tp();
+    if (want("optimizer")) {
+        double copy_gbs = bench_copy_gbs();
+        bench_optimizer("d12", 256, copy_gbs);
+        bench_optimizer("1b", 32000, copy_gbs);
+    }
     if (want("attention")) bench_attention();
     matmul_context_destroy(&ctx);
 }
@@ -4224,7 +4458,7 @@ int main(int argc, char** argv) {
         if (a == "--bench") bench = true;
         else if (a == "--help" || a == "-h") {
             printf("usage: %s [NAME...]          run the tests (only those whose names contain a NAME)\n"
-                   "       %s --bench [gemm] [cast] [model] [tp] [attention]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
+                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
             return 0;
         } else filters.push_back(a);
     }

@@ -743,6 +743,7 @@ inline TrainResult train(const TrainOptions& o) {
         std::vector<float> norm_weights;   // replicated tensors count once in the global gradient norm
         for (size_t i = 0; i < r.model.params.size(); i++) norm_weights.push_back(model_param_sharded(config, (int)i) ? 1.0f : 1.0f / P);
         adamw_create(&r.opt, r.model.params, r.model.num_params, P > 1 ? shard.data() : whole.data(), adamw_config, norm_weights);
+        adamw_gather_weight_amax(&r.opt, model_weight_amax_slots(&r.model));   // W8's amax comes from the update pass
         if (!o.resume.empty() && !reshard) {
             checkpoint_load_rank(checkpoint_path(o.resume), saved, &r.opt, &r.model, rank);
         } else {
@@ -838,7 +839,7 @@ inline TrainResult train(const TrainOptions& o) {
         } else {
             on_ranks(ranks, [&](TrainRank& r) {
                 adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
-                model_weights_changed(&r.model);   // the FP8 build's W8 and W8^T
+                model_weights_changed(&r.model, true);   // the FP8 build's W8 and W8^T (amax from the update pass)
             });
             bad_in_row = 0;
         }
