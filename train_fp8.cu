@@ -1575,7 +1575,7 @@ int main(int argc, char** argv) {
     }
     if (o.do_export) {
         err = export_checkpoint(o.export_ckpt, o.export_dir, o.export_format, o.export_dtype);
-        if (!err.empty()) fail("export %s: %s", o.export_ckpt.c_str(), err.c_str());
+        if (!err.empty()) fail("export: %s", err.c_str());
         return 0;
     }
     TrainResult r = train(o);
