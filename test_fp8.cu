@@ -3438,6 +3438,12 @@ static std::map<std::string, std::vector<char>> folder_snapshot(const std::strin
     closedir(d);
     return files;
 }
+// The newest checkpoint of a run folder (what DIR/latest names); "" and a failed expectation if there is none.
+static std::string latest_checkpoint(const std::string& dir) {
+    std::string path, err = checkpoint_resolve(dir, &path);
+    expect(err.empty(), "%s", err.c_str());
+    return err.empty() ? path : "";
+}
 static std::vector<std::string> checkpoint_files_in(const std::string& dir) {
     std::vector<std::string> names;
     long step;
@@ -3512,9 +3518,9 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     TempDir dir;
     std::vector<float> master;
     CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 0, &master);
-    auto latest = [&]() {
-        std::string path, err = checkpoint_resolve(dir.path, &path);
-        return err.empty() ? path.substr(dir.path.size() + 1) : err;
+    auto latest = [&]() {   // the file name
+        const std::string p = latest_checkpoint(dir.path);
+        return p.substr(p.find_last_of('/') + 1);
     };
     auto listing = [&]() {
         std::string s;
@@ -3723,9 +3729,7 @@ GPU_TEST(train_resume_is_bit_identical) {
                straight.grad_norms[s], norm, same ? "" : "  <-- differ");
         expect(same, "step %d differs between the straight and the resumed run", s + 1);
     }
-    std::string straight_ckpt, split_ckpt;
-    expect(checkpoint_resolve(straight_dir.path, &straight_ckpt).empty() && checkpoint_resolve(split_dir.path, &split_ckpt).empty(),
-           "no latest checkpoint");
+    const std::string straight_ckpt = latest_checkpoint(straight_dir.path), split_ckpt = latest_checkpoint(split_dir.path);
     std::vector<char> ckpt_straight = read_whole_file(straight_ckpt), ckpt_split = read_whole_file(split_ckpt);
     printf("    final checkpoints %s and %s: %zu and %zu bytes\n", straight_ckpt.c_str(), split_ckpt.c_str(), ckpt_straight.size(),
            ckpt_split.size());
@@ -4404,7 +4408,7 @@ GPU_TEST(tp1_nccl_matches_no_tp) {
                    other.second.losses[s], plain.grad_norms[s], other.second.grad_norms[s], other.first);
         expect(same, "%s should give the losses and gradient norms of --tp 0 bit for bit", other.first);
     }
-    std::vector<char> c0 = read_whole_file(dir0.file("ckpt.bin")), c1 = read_whole_file(dir1.file("ckpt.bin"));
+    std::vector<char> c0 = read_whole_file(latest_checkpoint(dir0.path)), c1 = read_whole_file(latest_checkpoint(dir1.path));
     expect(!c0.empty() && c0 == c1, "the final checkpoints of --tp 0 and --tp 1 differ (%zu and %zu bytes)", c0.size(), c1.size());
 }
 
@@ -4679,8 +4683,7 @@ GPU_TEST(tp2_training_matches_tp1) {
             expect(dn <= (s == 0 ? 1e-2 : 5e-2), "step %d: grad norm TP2 %.6f vs TP1 %.6f", s + 1, two.grad_norms[s], one.grad_norms[s]);
         }
         // the TP=2 checkpoint: both ranks' replicated tensors (master weights) are the same bits
-        std::string path;
-        expect(checkpoint_resolve(d2.path, &path).empty(), "no checkpoint in %s", d2.path.c_str());
+        std::string path = latest_checkpoint(d2.path);
         CheckpointHeader h = tp_read_header(path);
         std::vector<char> bytes = read_whole_file(path);
         ModelConfig c = model_config_from_options(tiny_run_options(data, common), BYTE_VOCAB);
