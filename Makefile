@@ -3,6 +3,7 @@
 #   make PRECISION=BF16     the BF16 baseline build (same program, BF16 GEMMs, FP32 moments)
 #   make GPU_ARCH=sm_89     another GPU (FP8 GEMMs need sm_89 or newer)
 #   make test               build and run the numerics test
+#   make sanitize           the GPU tests under compute-sanitizer: memcheck, and racecheck for shared-memory kernels
 #   make bench              GEMM and cast-kernel throughput tables (needs a GPU)
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
 #   make train              build, prepare data, train the default preset
@@ -63,8 +64,20 @@ train_fp8: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
 
-test: test_fp8
+# (the tests run ./train_fp8 too: a resume refused by the program itself)
+test: test_fp8 train_fp8
 	./test_fp8
+
+# compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned
+# accesses, in our kernels and in the libraries'), racecheck over the tests of the kernels that use shared memory
+# (attention, the embedding backward, RMSNorm, cross-entropy, amax and the FP8 casts, AdamW's reductions, the loss mean).
+SANITIZER ?= $(firstword $(wildcard $(CUDA_HOME)/bin/compute-sanitizer $(CUDA_HOME)/compute-sanitizer/compute-sanitizer) \
+                         $(shell command -v compute-sanitizer 2>/dev/null))
+RACECHECK_TESTS ?= attention embedding rmsnorm cross_entropy fp8_amax fp8_quantize fp8_cast_transpose adamw model_tiny
+sanitize: test_fp8 train_fp8
+	@test -n "$(SANITIZER)" || { echo "compute-sanitizer not found next to nvcc ($(CUDA_HOME)/bin) or on PATH: it ships with the CUDA toolkit (package cuda-sanitizer-<version>); or run make sanitize SANITIZER=/path/to/compute-sanitizer"; exit 1; }
+	$(SANITIZER) --tool memcheck --error-exitcode 1 ./test_fp8
+	$(SANITIZER) --tool racecheck --error-exitcode 1 ./test_fp8 $(RACECHECK_TESTS)
 
 data: train_fp8
 	./data.sh
@@ -77,6 +90,6 @@ train: train_fp8 data
 bench: test_fp8
 	./test_fp8 --bench
 
-.PHONY: all test bench data train clean
+.PHONY: all test sanitize bench data train clean
 clean:
 	rm -f train_fp8 test_fp8 $(STAMP)

@@ -11,6 +11,7 @@
 #include <cuda_fp8.h>
 #include <cublasLt.h>
 #include <nccl.h>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -62,7 +63,12 @@ inline void nccl_check(ncclResult_t result, const char* call, const char* file, 
 typedef __nv_bfloat16 bf16;
 typedef uint8_t fp8;   // one FP8 code; the format (E4M3 or E5M2) travels beside it
 
-inline int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
+// ceil(a / b) as an int (a grid size, a tile count): computed in 64 bits; a result beyond int is an error, never wrapped.
+inline int ceil_div(long a, long b) {
+    const long q = (a + b - 1) / b;
+    if (q > INT_MAX) fail("ceil_div(%ld, %ld) = %ld exceeds the int range of a grid or tile count: sizes too large", a, b, q);
+    return (int)q;
+}
 
 // 16 bytes of T: what one thread moves in one instruction (LDG.128 / STG.128).
 template <class T>

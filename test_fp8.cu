@@ -14,6 +14,7 @@
 #include <set>
 #include <mutex>
 #include <condition_variable>
+#include <sys/wait.h>
 
 // ----------------------------------------------------------------------------------------------
 // The harness: named tests registered at static-init time; a test fails if any expectation fails.
@@ -1029,9 +1030,12 @@ static void ref_rmsnorm_backward(double* dx, double* dw, const double* dy, const
 
 // RoPE, Meta / llama2.c convention: in each head of HD values, the adjacent pair (2i, 2i+1) is rotated by
 // the angle pos * theta^(-2i/HD), pos = t (the index within the sequence). x is [B,T,H,HD], in place.
+// halves: transformers' rotate_half convention instead, the pair (i, i + HD/2) rotated by the same angle
+// (x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[HD/2:], x[:HD/2]), cos and sin of the angles repeated
+// twice), the convention of the exported HF model.
 // sign = +1 rotates forward; sign = -1 rotates back, which is the backward pass (the transpose of a
 // rotation is its inverse).
-static void ref_rope_rotate(double* x, int B, int T, int H, int HD, double theta, double sign) {
+static void ref_rope_rotate(double* x, int B, int T, int H, int HD, double theta, double sign, bool halves) {
     if (HD % 2 != 0) fail("RoPE needs an even head dimension, got HD=%d: choose dim / n_heads even", HD);
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
@@ -1040,19 +1044,20 @@ static void ref_rope_rotate(double* x, int B, int T, int H, int HD, double theta
                 for (int i = 0; i < HD / 2; i++) {
                     double angle = t * pow(theta, -2.0 * i / HD);
                     double c = cos(angle), s = sign * sin(angle);
-                    double x0 = xh[2 * i], x1 = xh[2 * i + 1];
-                    xh[2 * i] = x0 * c - x1 * s;
-                    xh[2 * i + 1] = x0 * s + x1 * c;
+                    const int i0 = halves ? i : 2 * i, i1 = halves ? i + HD / 2 : 2 * i + 1;
+                    double x0 = xh[i0], x1 = xh[i1];
+                    xh[i0] = x0 * c - x1 * s;
+                    xh[i1] = x0 * s + x1 * c;
                 }
             }
         }
     }
 }
-static void ref_rope_forward(double* x, int B, int T, int H, int HD, double theta) {
-    ref_rope_rotate(x, B, T, H, HD, theta, 1.0);
+static void ref_rope_forward(double* x, int B, int T, int H, int HD, double theta, bool halves = false) {
+    ref_rope_rotate(x, B, T, H, HD, theta, 1.0, halves);
 }
-static void ref_rope_backward(double* dx, int B, int T, int H, int HD, double theta) {
-    ref_rope_rotate(dx, B, T, H, HD, theta, -1.0);
+static void ref_rope_backward(double* dx, int B, int T, int H, int HD, double theta, bool halves = false) {
+    ref_rope_rotate(dx, B, T, H, HD, theta, -1.0, halves);
 }
 
 // Causal softmax attention with grouped KV heads. q, out: [B,T,NH,HD]; k, v: [B,T,NKV,HD].
@@ -1261,6 +1266,15 @@ HOST_TEST(ref_rope_convention_inverse_and_gradient) {
     double conv_err = ref_max_abs_diff(e.data(), expect_e, 8);
     printf("    unit vector vs hand-computed rotation: max_abs %.3e (tol 1e-15)\n", conv_err);
     expect(conv_err <= 1e-15, "RoPE does not rotate adjacent pairs by pos * theta^(-2i/HD)");
+    // rotate_half (transformers): x = (1, 2, 3, 4) at position 1 pairs (x0, x2) by 1 radian and (x1, x3) by
+    // 1 * 10000^(-2/4) = 0.01 radian: q * cos + rotate_half(q) * sin with rotate_half(q) = (-x2, -x3, x0, x1).
+    std::vector<double> hx = {0, 0, 0, 0, 1, 2, 3, 4};
+    ref_rope_forward(hx.data(), 1, 2, 1, 4, 10000.0, true);
+    double expect_hx[8] = {0, 0, 0, 0, 1 * cos(1.0) - 3 * sin(1.0), 2 * cos(0.01) - 4 * sin(0.01), 3 * cos(1.0) + 1 * sin(1.0),
+                           4 * cos(0.01) + 2 * sin(0.01)};
+    double halves_err = ref_max_abs_diff(hx.data(), expect_hx, 8);
+    printf("    rotate_half convention vs hand-computed: max_abs %.3e (tol 1e-15)\n", halves_err);
+    expect(halves_err <= 1e-15, "rotate_half RoPE does not rotate (i, i + HD/2) by pos * theta^(-2i/HD)");
 
     const int B = 2, T = 5, H = 3, HD = 8;
     const double theta = 10000.0;
@@ -1399,7 +1413,11 @@ HOST_TEST(ref_cross_entropy_vs_finite_differences) {
 
 // ---- the whole model in float64: parameters by name, forward, loss, and the backward to every parameter
 
-struct RefConfig { int vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim; double norm_eps, rope_theta; };
+struct RefConfig {
+    int vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim;
+    double norm_eps, rope_theta;
+    bool rope_halves = false;   // RoPE in transformers' rotate_half convention (ref_rope_rotate), for exported HF weights
+};
 typedef std::map<std::string, std::vector<double>> RefTensors;   // by the parameter names of README.md
 
 static void ref_config_validate(const RefConfig& c) {
@@ -1528,8 +1546,8 @@ static double ref_model_forward_backward(const RefConfig& c, const RefTensors& p
             std::copy(row + QD, row + QD + KVD, a.k.begin() + (size_t)n * KVD);
             std::copy(row + QD + KVD, row + QKV, a.v.begin() + (size_t)n * KVD);
         }
-        ref_rope_forward(a.q.data(), B, T, NH, HD, c.rope_theta);
-        ref_rope_forward(a.k.data(), B, T, NKV, HD, c.rope_theta);
+        ref_rope_forward(a.q.data(), B, T, NH, HD, c.rope_theta, c.rope_halves);
+        ref_rope_forward(a.k.data(), B, T, NKV, HD, c.rope_theta, c.rope_halves);
         a.att.resize((size_t)N * QD);
         ref_attention_forward(a.att.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HD);
         ref_matmul(proj.data(), a.att.data(), P(p + "wo"), N, D, QD);
@@ -1578,8 +1596,8 @@ static double ref_model_forward_backward(const RefConfig& c, const RefTensors& p
         ref_matmul_backward(datt.data(), G(p + "wo"), dx.data(), a.att.data(), P(p + "wo"), N, D, QD);
         ref_attention_backward(dq.data(), dk.data(), dv.data(), datt.data(), a.q.data(), a.k.data(), a.v.data(), B,
                                T, NH, NKV, HD);
-        ref_rope_backward(dq.data(), B, T, NH, HD, c.rope_theta);
-        ref_rope_backward(dk.data(), B, T, NKV, HD, c.rope_theta);
+        ref_rope_backward(dq.data(), B, T, NH, HD, c.rope_theta, c.rope_halves);
+        ref_rope_backward(dk.data(), B, T, NKV, HD, c.rope_theta, c.rope_halves);
         for (int n = 0; n < N; n++) {
             double* row = dqkv.data() + (size_t)n * QKV;
             std::copy(dq.begin() + (size_t)n * QD, dq.begin() + (size_t)(n + 1) * QD, row);
@@ -3345,6 +3363,15 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--amax-history", "0"}, {"--amax-history", "0"}},
         {{"--amax-history", "5000"}, {"--amax-history", "5000"}},
         {{"--quant-interval", "0"}, {"--quant-interval", "0"}},
+        {{"--keep-checkpoints", "-1"}, {"--keep-checkpoints", "-1"}},
+        // sizes held in 32 bits (train_size_problem): each refused with its flags and the limit
+        {{"--batch", "70000", "--seq", "16"}, {"--batch 70000", "65535"}},
+        {{"--batch", "4096", "--seq", "2048"}, {"--batch 4096 x --seq 2048", "8388608", "4194240"}},
+        {{"--batch", "1", "--seq", "16", "--total-batch", "1000000000000000"}, {"--total-batch 1000000000000000", "2147483647"}},
+        {{"--model", "tiny", "--ffn", "2097152"}, {"--ffn 2097152", "4194304", "4194240"}},
+        {{"--model", "tiny", "--dim", "3997696", "--heads", "62464", "--kv-heads", "1024", "--ffn", "16384", "--tp", "1024"},
+         {"--tp 1024", "3997696", "2147483647"}},
+        {{"--format", "hf"}, {"--format", "export"}},
 #if !defined(PRECISION_FP8)
         {{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
         {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
@@ -3406,13 +3433,12 @@ HOST_TEST(train_checkpoint_header) {
     err = checkpoint_header_check(back, want, path.c_str());
     expect(err.empty(), "own header refused: %s", err.c_str());
     expect(want.num_params == model_num_params(c) && want.precision == BUILD_PRECISION && want.fp8_meta_bytes == sizeof(Fp8Meta) &&
-           want.fp8_meta_count == (BUILD_PRECISION == 8 ? 2 * 12u : 0u), "header fields");
+           want.fp8_meta_count == (BUILD_PRECISION == 8 ? 2 * 12u : 0u) && want.version == CKPT_VERSION &&
+           want.fp8_fast_accum == o.fp8_fast_accum && want.tp_amax_sync == 0, "header fields");
 
-    // each mismatch refused, the reason naming it
+    // each mismatch with the run refused, the reason naming it (the format's own checks: train_checkpoint_verify_*)
     struct Case { const char* what; std::function<void(CheckpointHeader*)> poke; std::vector<std::string> pieces; };
     const Case cases[] = {
-        {"magic", [](CheckpointHeader* x) { x->magic = 20240520; }, {"magic", "TFP8"}},
-        {"version", [](CheckpointHeader* x) { x->version = CKPT_VERSION + 1; }, {"version 2"}},
         {"precision", [](CheckpointHeader* x) { x->precision = BUILD_PRECISION == 8 ? 16 : 8; },
          {BUILD_PRECISION == 8 ? "PRECISION=BF16" : "PRECISION=FP8", "build"}},
         {"dim", [](CheckpointHeader* x) { x->dim = 256; }, {"dim", "256"}},
@@ -3425,6 +3451,8 @@ HOST_TEST(train_checkpoint_header) {
         {"rope", [](CheckpointHeader* x) { x->rope_theta = 500000.0f; }, {"rope_theta"}},
         {"amax history", [](CheckpointHeader* x) { x->amax_history = 16; }, {"--amax-history", "16"}},
         {"FP8 layers", [](CheckpointHeader* x) { x->fp8_all_layers = 1; }, {"--fp8-all-layers"}},
+        {"fast accum", [](CheckpointHeader* x) { x->fp8_fast_accum = 0; }, {"--fp8-fast-accum", "= 0"}},
+        {"amax sync", [](CheckpointHeader* x) { x->tp_amax_sync = 1; }, {"--tp-amax-sync", "= 1"}},
         {"Fp8Meta", [](CheckpointHeader* x) { x->fp8_meta_bytes = 20; }, {"Fp8Meta", "20"}},
     };
     for (const Case& k : cases) {
@@ -3504,32 +3532,369 @@ static std::vector<char> read_whole_file(const std::string& path) {
     return bytes;
 }
 
-// 6 steps straight, against 3 steps (--stop-after 3, the same schedule) and a resume for the other 3:
-// the same losses and gradient norms bit for bit, and the same final checkpoint file byte for byte
-// (master weights, moments and their FP8 scales, the model's FP8 scales, data position, RNG). Evaluation
-// and sampling run at steps 3 and 6 in both (their forward passes count in the FP8 scale records too),
-// so the sampler and its saved RNG are exercised as well.
+// ---- checkpoint files on the host: the checksum, verification, rotation, the refusals of a resume, the CSV logs
+
+HOST_TEST(train_xxh64_known_values) {
+    // Published XXH64 values (seed 0 unless said): the empty input, short tails, and inputs past one 32-byte stripe.
+    std::string bytes771;
+    for (int r = 0; r < 3; r++)
+        for (int i = 0; i < 256; i++) bytes771 += (char)i;
+    bytes771 += "xyz";
+    struct Case { std::string text; uint64_t seed, want; };
+    const Case cases[] = {{"", 0, 0xEF46DB3751D8E999ull}, {"a", 0, 0xD24EC4F1A98C6E5Bull}, {"abc", 0, 0x44BC2CF5AD770999ull},
+                          {"abc", 1337, 0x8007C0D863E86B06ull},
+                          {"Nobody inspects the spammish repetition", 0, 0xFBCEA83C8A378BF1ull}, {bytes771, 0, 0xE921A1B45BD779F8ull}};
+    for (const Case& c : cases) {
+        uint64_t got = xxh64(c.text.data(), c.text.size(), c.seed);
+        // the same bytes streamed in pieces of 1, 5, 31, 33, ... bytes
+        Xxh64 s = xxh64_begin(c.seed);
+        for (size_t at = 0, piece = 1; at < c.text.size(); at += piece, piece = piece * 5 % 37 + 1)
+            xxh64_update(&s, c.text.data() + at, std::min(piece, c.text.size() - at));
+        uint64_t streamed = xxh64_digest(s);
+        printf("    %4zu bytes, seed %4llu: %016llx (want %016llx), streamed %016llx\n", c.text.size(), (unsigned long long)c.seed,
+               (unsigned long long)got, (unsigned long long)c.want, (unsigned long long)streamed);
+        expect(got == c.want && streamed == c.want, "XXH64 of %zu bytes is %016llx, want %016llx", c.text.size(),
+               (unsigned long long)got, (unsigned long long)c.want);
+    }
+}
+
+// A checkpoint written on the host (no GPU) through checkpoint_write: header h, and the payload as far as
+// checkpoint_read_master reads it (P = 1: the AdamW header, then the master weights; P > 1: the whole master
+// weights), then `tail_bytes` random bytes standing in for the moments and FP8 scales. Returns its path.
+static std::string write_host_checkpoint(const std::string& dir, const CheckpointHeader& h, const std::vector<float>& master,
+                                         int keep, size_t tail_bytes = 4096) {
+    std::vector<char> tail(tail_bytes);
+    for (char& b : tail) b = (char)(test_rng()() & 0xFF);
+    return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
+        if (h.tp_size <= 1) {
+            AdamWFileHeader a;
+            memset(&a, 0, sizeof(a));
+            a.magic = ADAMW_MAGIC;
+            a.version = ADAMW_VERSION;
+            a.num_params = master.size();
+            if (fwrite(&a, sizeof(a), 1, f) != 1) fail("writing %s failed", tmp.c_str());
+        }
+        if (fwrite(master.data(), sizeof(float), master.size(), f) != master.size() ||
+            fwrite(tail.data(), 1, tail.size(), f) != tail.size())
+            fail("writing %s failed", tmp.c_str());
+    });
+}
+// The header of checkpoint `path` changed by poke, with its checksum made right again (a valid header saying
+// something else).
+static void rewrite_checkpoint_header(const std::string& path, const std::function<void(CheckpointHeader*)>& poke) {
+    CheckpointHeader h;
+    FILE* f = fopen(path.c_str(), "r+b");
+    if (!f || fread(&h, sizeof(h), 1, f) != 1) fail("cannot read %s", path.c_str());
+    poke(&h);
+    h.header_xxh64 = checkpoint_header_xxh64(h);
+    if (fseek(f, 0, SEEK_SET) != 0 || fwrite(&h, sizeof(h), 1, f) != 1) fail("cannot write %s", path.c_str());
+    fclose(f);
+}
+static void flip_byte(const std::string& path, long offset) {
+    FILE* f = fopen(path.c_str(), "r+b");
+    int c = f && fseek(f, offset, SEEK_SET) == 0 ? fgetc(f) : EOF;
+    if (c == EOF || fseek(f, offset, SEEK_SET) != 0 || fputc(c ^ 0x10, f) == EOF) fail("cannot flip byte %ld of %s", offset, path.c_str());
+    fclose(f);
+}
+static void copy_file(const std::string& from, const std::string& to) {
+    std::vector<char> bytes = read_whole_file(from);
+    FILE* f = fopen(to.c_str(), "wb");
+    if (!f || fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) fail("cannot write %s", to.c_str());
+    fclose(f);
+}
+// Every file of a folder (one level) by name, with its bytes: what "nothing on disk changed" compares.
+static std::map<std::string, std::vector<char>> folder_snapshot(const std::string& dir) {
+    std::map<std::string, std::vector<char>> files;
+    DIR* d = opendir(dir.c_str());
+    if (!d) return files;
+    for (dirent* e = readdir(d); e; e = readdir(d))
+        if (e->d_name[0] != '.') files[e->d_name] = read_whole_file(dir + "/" + e->d_name);
+    closedir(d);
+    return files;
+}
+// The newest checkpoint of a run folder (what DIR/latest names); "" and a failed expectation if there is none.
+static std::string latest_checkpoint(const std::string& dir) {
+    std::string path, err = checkpoint_resolve(dir, &path);
+    expect(err.empty(), "%s", err.c_str());
+    return err.empty() ? path : "";
+}
+static std::vector<std::string> checkpoint_files_in(const std::string& dir) {
+    std::vector<std::string> names;
+    long step;
+    for (auto& kv : folder_snapshot(dir)) if (checkpoint_file_step(kv.first, &step)) names.push_back(kv.first);
+    return names;   // sorted by name, which is by step
+}
+static std::string error_pieces_missing(const std::string& err, const std::vector<std::string>& pieces) {
+    std::string missing;
+    for (const std::string& p : pieces) if (err.find(p) == std::string::npos) missing += "'" + p + "' ";
+    return missing;
+}
+
+// The header that a run with these flags writes at `step` (byte-level data), and random master weights of its size.
+static CheckpointHeader host_checkpoint_header(const std::vector<std::string>& args, long step, std::vector<float>* master) {
+    TrainOptions o;
+    std::string err = parse_list(args, &o);
+    if (!err.empty()) fail("checkpoint options rejected: %s", err.c_str());
+    ModelConfig c = model_config_from_options(o, BYTE_VOCAB);
+    CheckpointHeader h = checkpoint_header_for(c, o);
+    h.step = step;
+    *master = random_normal(h.num_params, 0.02f);
+    return h;
+}
+
+HOST_TEST(train_checkpoint_verify_names_the_damage) {
+    TempDir dir;
+    std::vector<float> master;
+    CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
+    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
+    CheckpointHeader back;
+    std::string err = checkpoint_verify(good, &back);
+    const uint64_t end = sizeof(CheckpointHeader) + back.payload_bytes;
+    printf("    %s: %llu bytes, payload xxh64 %016llx: %s\n", good.c_str(), (unsigned long long)end,
+           (unsigned long long)back.payload_xxh64, err.empty() ? "verified" : err.c_str());
+    expect(err.empty() && back.step == 12 && back.payload_bytes == sizeof(AdamWFileHeader) + master.size() * 4 + 4096 &&
+           read_whole_file(good).size() == end, "the intact checkpoint should verify, its size the header's: %s", err.c_str());
+    expect(checkpoint_read_master(good, back) == master, "the master weights do not read back");
+
+    // each kind of damage, on a copy, with the pieces its message must hold (the file, and the bytes at fault)
+    struct Case { const char* what; std::function<void(const std::string&)> damage; std::vector<std::string> pieces; };
+    const std::string last = std::to_string(end - 1);
+    const Case cases[] = {
+        {"truncated", [&](const std::string& p) { expect(truncate(p.c_str(), (off_t)end - 1000) == 0, "truncate"); },
+         {"truncated", std::to_string(end - 1000) + " to " + last}},
+        {"extra bytes", [&](const std::string& p) { FILE* f = fopen(p.c_str(), "ab"); fputs("junk", f); fclose(f); },
+         {"extra", std::to_string(end) + " to " + std::to_string(end + 3)}},
+        {"payload byte", [&](const std::string& p) { flip_byte(p, (long)end / 2); }, {"bytes 256 to " + last, "checksum"}},
+        {"last byte", [&](const std::string& p) { flip_byte(p, (long)end - 1); }, {"bytes 256 to " + last, "checksum"}},
+        {"header byte", [&](const std::string& p) { flip_byte(p, 100); }, {"bytes 0 to 247", "header"}},
+        {"magic", [&](const std::string& p) { flip_byte(p, 0); }, {"not a train_fp8 checkpoint", "TFP8"}},
+        {"version 1", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->version = 1; }); },
+         {"version 1", "the train_fp8 that wrote it"}},
+        {"version 3", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->version = 3; }); },
+         {"version 3", "reads version 2"}},
+        {"short file", [&](const std::string& p) { expect(truncate(p.c_str(), 100) == 0, "truncate"); }, {"100 bytes", "header"}},
+    };
+    for (const Case& k : cases) {
+        const std::string copy = dir.file("damaged.bin");
+        copy_file(good, copy);
+        k.damage(copy);
+        err = checkpoint_verify(copy, &back);
+        std::string missing = error_pieces_missing(err, k.pieces);
+        printf("    %-12s -> %s\n", k.what, err.c_str());
+        expect(!err.empty() && err.find(copy) != std::string::npos && missing.empty(),
+               "%s: should be refused naming the file and %s", k.what, missing.c_str());
+    }
+    err = checkpoint_verify(dir.file("missing.bin"), &back);
+    expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
+}
+
+HOST_TEST(train_keep_checkpoints_rotation) {
+    TempDir dir;
+    std::vector<float> master;
+    CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 0, &master);
+    auto latest = [&]() {   // the file name
+        const std::string p = latest_checkpoint(dir.path);
+        return p.substr(p.find_last_of('/') + 1);
+    };
+    auto listing = [&]() {
+        std::string s;
+        for (const std::string& n : checkpoint_files_in(dir.path)) s += n + " ";
+        return s;
+    };
+    for (long step = 100; step <= 500; step += 100) {   // --keep-checkpoints 2
+        h.step = step;
+        write_host_checkpoint(dir.path, h, master, 2, 64);
+        const std::string want = step == 100 ? "ckpt-00000100.bin " : checkpoint_file_name(step - 100) + " " + checkpoint_file_name(step) + " ";
+        expect(listing() == want && latest() == checkpoint_file_name(step), "after step %ld with K = 2: files '%s' (want '%s'), latest %s",
+               step, listing().c_str(), want.c_str(), latest().c_str());
+    }
+    printf("    K = 2 after 5 checkpoints: %s(latest: %s)\n", listing().c_str(), latest().c_str());
+    for (long step : {600L, 700L}) {   // --keep-checkpoints 0: all stay
+        h.step = step;
+        write_host_checkpoint(dir.path, h, master, 0, 64);
+    }
+    expect(checkpoint_files_in(dir.path).size() == 4, "K = 0 should keep every file: %s", listing().c_str());
+    // a run resumed from step 400's file that saves step 450 with K = 1: of the files up to step 450 only its own
+    // stays; the later ones (500 .. 700, from the run that went on) are left for it to replace as it gets there
+    h.step = 450;
+    write_host_checkpoint(dir.path, h, master, 1, 64);
+    std::string want = "ckpt-00000450.bin ckpt-00000500.bin ckpt-00000600.bin ckpt-00000700.bin ";
+    printf("    resumed at 400, saved 450 with K = 1: %s(latest: %s)\n", listing().c_str(), latest().c_str());
+    expect(listing() == want && latest() == "ckpt-00000450.bin", "files '%s' (want '%s'), latest %s", listing().c_str(), want.c_str(),
+           latest().c_str());
+    for (auto& kv : folder_snapshot(dir.path))
+        expect(kv.first.find(".tmp") == std::string::npos, "a temporary file was left: %s", kv.first.c_str());
+    // names: only ckpt-<digits>.bin counts
+    long step = -1;
+    expect(checkpoint_file_step("ckpt-00000400.bin", &step) && step == 400 && !checkpoint_file_step("ckpt-00000400.bin.tmp", &step) &&
+           !checkpoint_file_step("ckpt.bin", &step) && !checkpoint_file_step("ckpt-4x0.bin", &step) &&
+           !checkpoint_file_step("ckpt-.bin", &step), "checkpoint file names");
+}
+
+HOST_TEST(train_csv_resume_drops_later_rows) {
+    TempDir dir;
+    const char* header = "step,loss,val_loss";
+    const std::string path = dir.file("log.csv");
+    FILE* f = fopen(path.c_str(), "wb");
+    fputs("step,loss,val_loss\n0,,5.5\n1,5.4,\n2,5.3,\n3,5.2,5.1\n4,5.0,\n5,4.9", f);   // row 5 cut by a crash
+    fclose(f);
+    FILE* log = open_run_csv(dir.path, "log.csv", header, 3);   // resumed from step 3's checkpoint
+    fputs("4,5.05,\n", log);
+    fclose(log);
+    std::vector<char> bytes = read_whole_file(path);
+    std::string text(bytes.begin(), bytes.end());
+    const std::string want = "step,loss,val_loss\n0,,5.5\n1,5.4,\n2,5.3,\n3,5.2,5.1\n4,5.05,\n";
+    printf("    resumed at step 3:\n%s", text.c_str());
+    expect(text == want, "the rows after step 3 should be dropped and the new ones appended:\n%s", text.c_str());
+    log = open_run_csv(dir.path, "log.csv", header, -1);   // a new run starts the file over
+    fclose(log);
+    bytes = read_whole_file(path);
+    expect(std::string(bytes.begin(), bytes.end()) == "step,loss,val_loss\n", "a new run should start the log over");
+    log = open_run_csv(dir.path, "fp8_stats.csv", header, 7);   // resumed, no file yet: a new one
+    fclose(log);
+    bytes = read_whole_file(dir.file("fp8_stats.csv"));
+    expect(std::string(bytes.begin(), bytes.end()) == "step,loss,val_loss\n", "a resumed run without a log should start one");
+    expect(folder_snapshot(dir.path).size() == 2, "temporary files left behind");
+}
+
+// ./train_fp8 (built next to this test binary) with `args`: its exit status, and its stderr in *err_text.
+static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    exe[std::max<ssize_t>(n, 0)] = '\0';
+    const std::string bin = path_folder(exe) + "/train_fp8";
+    if (access(bin.c_str(), X_OK) != 0) fail("%s is missing: build it first (make)", bin.c_str());
+    std::string cmd = "'" + bin + "'";
+    for (const std::string& a : args) cmd += " '" + a + "'";
+    cmd += " > /dev/null 2> '" + err_file + "'";
+    fflush(stdout);
+    int status = system(cmd.c_str());
+    std::vector<char> err = read_whole_file(err_file);
+    *err_text = std::string(err.begin(), err.end());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Each bad checkpoint is refused by the training program itself: a non-zero exit, a message of its own, and nothing
+// on disk changed (the run folder byte for byte; no folder created). All of it happens before any GPU work, so this
+// runs without a GPU.
+HOST_TEST(train_resume_refuses_bad_checkpoints) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> run_args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data",
+                                               data.file("val.bin"), "--batch", "4", "--seq", "32", "--steps", "20", "--warmup", "2"};
+    std::vector<float> master;
+    CheckpointHeader h = host_checkpoint_header(run_args, 8, &master);
+    struct Case {
+        const char* what;
+        std::function<void(const TempDir&)> make;   // the run folder to resume
+        std::vector<std::string> pieces;
+    };
+    const std::string name = checkpoint_file_name(8);
+    auto good = [&](const TempDir& d) { write_host_checkpoint(d.path, h, master, 2); };
+    const Case cases[] = {
+        {"truncated", [&](const TempDir& d) { good(d); expect(truncate(d.file(name.c_str()).c_str(), 5000) == 0, "truncate"); },
+         {"truncated", "bytes 5000 to"}},
+        {"payload byte", [&](const TempDir& d) { good(d); flip_byte(d.file(name.c_str()), 3000); }, {"bytes 256 to", "checksum"}},
+        {"header byte", [&](const TempDir& d) { good(d); flip_byte(d.file(name.c_str()), 90); }, {"bytes 0 to 247"}},
+        {"magic", [&](const TempDir& d) { good(d); flip_byte(d.file(name.c_str()), 1); }, {"not a train_fp8 checkpoint"}},
+        {"another build", [&](const TempDir& d) {
+             good(d);
+             rewrite_checkpoint_header(d.file(name.c_str()), [](CheckpointHeader* x) { x->precision = BUILD_PRECISION == 8 ? 16 : 8; });
+         }, {BUILD_PRECISION == 8 ? "PRECISION=BF16" : "PRECISION=FP8", "the build that wrote it"}},
+        {"another config", [&](const TempDir& d) {
+             std::vector<std::string> args = run_args;
+             args.insert(args.end(), {"--layers", "3"});
+             std::vector<float> m3;
+             const CheckpointHeader h3 = host_checkpoint_header(args, 8, &m3);
+             write_host_checkpoint(d.path, h3, m3, 2);
+         }, {"n_layers (--layers) = 3", "this run has 2"}},
+        {"fast accumulation", [&](const TempDir& d) {
+             good(d);
+             rewrite_checkpoint_header(d.file(name.c_str()), [](CheckpointHeader* x) { x->fp8_fast_accum = 0; });
+         }, {"--fp8-fast-accum", "= 0"}},
+        {"version 1 folder", [&](const TempDir& d) {   // the old layout: DIR/ckpt.bin, version 1
+             good(d);
+             rewrite_checkpoint_header(d.file(name.c_str()), [](CheckpointHeader* x) { x->version = 1; });
+             expect(rename(d.file(name.c_str()).c_str(), d.file("ckpt.bin").c_str()) == 0 && remove(d.file("latest").c_str()) == 0, "rename");
+         }, {"ckpt.bin", "version 1"}},
+        {"empty folder", [&](const TempDir& d) {}, {"holds no checkpoint"}},
+    };
+    for (const Case& k : cases) {
+        TempDir run;
+        k.make(run);
+        const auto before = folder_snapshot(run.path);
+        std::vector<std::string> args = run_args;
+        args.insert(args.end(), {"--resume", run.path});
+        std::string err;
+        const int status = run_train_fp8(args, data.file("stderr.txt"), &err);
+        const std::string missing = error_pieces_missing(err, k.pieces);
+        err.erase(err.find_last_not_of('\n') + 1);
+        printf("    %-18s exit %d: %s\n", k.what, status, err.c_str());
+        expect(status != 0 && missing.empty(), "%s: should exit non-zero with a message holding %s", k.what, missing.c_str());
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.what);
+    }
+    // a folder that does not exist: refused, and not created
+    const std::string nowhere = data.path + "/no-such-run";
+    std::vector<std::string> args = run_args;
+    args.insert(args.end(), {"--resume", nowhere});
+    std::string err;
+    const int status = run_train_fp8(args, data.file("stderr.txt"), &err);
+    struct stat st;
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    %-18s exit %d: %s\n", "missing folder", status, err.c_str());
+    expect(status != 0 && err.find("no such checkpoint file or run folder") != std::string::npos && stat(nowhere.c_str(), &st) != 0,
+           "a missing folder should be refused by name, and not created");
+}
+
+// The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
+static std::vector<std::string> log_rows_without_timing(const std::string& path) {
+    std::vector<char> bytes = read_whole_file(path);
+    std::string text(bytes.begin(), bytes.end());
+    std::vector<std::vector<std::string>> rows;
+    for (size_t start = 0, end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+        rows.emplace_back();
+        std::string line = text.substr(start, end - start) + ",";
+        for (size_t f = 0, comma; (comma = line.find(',', f)) != std::string::npos; f = comma + 1) rows.back().push_back(line.substr(f, comma - f));
+    }
+    std::vector<std::string> out;
+    if (rows.empty()) return out;
+    const std::set<std::string> kept = {"step", "loss", "val_loss", "lr", "grad_norm", "skipped"};
+    for (const std::vector<std::string>& r : rows) {
+        std::string joined;
+        for (size_t i = 0; i < r.size() && i < rows[0].size(); i++) if (kept.count(rows[0][i])) joined += r[i] + ",";
+        out.push_back(joined);
+    }
+    return out;
+}
+
+// 6 steps straight, against a run that stops after step 5 (--stop-after 5, the same schedule) with checkpoints at
+// steps 3 and 5, resumed from its step-3 file for steps 4 to 6, as if it had crashed after step 5 before saving: the
+// same losses and gradient norms bit for bit, the same final checkpoint file byte for byte (master weights, moments
+// and their FP8 scales, the model's FP8 scales, data position, RNG), and the same logs: the resume drops the rows of
+// steps 4 and 5 from log.csv (and fp8_stats.csv) and writes them again, so the rows equal the straight run's (timing
+// columns aside). Evaluation and sampling run at steps 3 and 6 in both and at step 5 in the stopped run (their
+// forward passes count in the FP8 scale records too), so the sampler and its saved RNG are exercised as well.
 GPU_TEST(train_resume_is_bit_identical) {
     TempDir data, straight_dir, split_dir;
     write_synthetic_corpus(data);
     std::vector<std::string> common = {"--steps", "6", "--warmup", "2", "--lr", "3e-3", "--eval-every", "3",
-                                       "--sample-every", "3", "--sample-tokens", "8", "--checkpoint-every", "0"};
+                                       "--sample-every", "3", "--sample-tokens", "8", "--checkpoint-every", "3"};
 #if defined(PRECISION_FP8)
     // every layer FP8 (tiny's two layers would otherwise both stay BF16), with delayed scaling, so that the
-    // weights' FP8 copies and the amax histories have to carry over the resume
-    common.insert(common.end(), {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2"});
+    // weights' FP8 copies and the amax histories have to carry over the resume; FP8 health rows every step
+    common.insert(common.end(), {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2", "--fp8-stats", "1"});
 #endif
     std::vector<std::string> a = common, b = common, c = common;
     a.insert(a.end(), {"--out", straight_dir.path});
-    b.insert(b.end(), {"--out", split_dir.path, "--stop-after", "3"});
-    c.insert(c.end(), {"--resume", split_dir.path});
+    b.insert(b.end(), {"--out", split_dir.path, "--stop-after", "5"});
+    c.insert(c.end(), {"--resume", split_dir.file(checkpoint_file_name(3).c_str())});
     TrainResult straight = train(tiny_run_options(data, a));
     TrainResult first = train(tiny_run_options(data, b));
     TrainResult second = train(tiny_run_options(data, c));
-    expect(straight.losses.size() == 6 && first.losses.size() == 3 && second.losses.size() == 3 && second.first_step == 4,
+    expect(straight.losses.size() == 6 && first.losses.size() == 5 && second.losses.size() == 3 && second.first_step == 4,
            "steps run: %zu, %zu, %zu (resume started at %d)", straight.losses.size(), first.losses.size(),
            second.losses.size(), second.first_step);
-    if (straight.losses.size() != 6 || first.losses.size() != 3 || second.losses.size() != 3) return;
+    if (straight.losses.size() != 6 || first.losses.size() != 5 || second.losses.size() != 3) return;
     for (int s = 0; s < 6; s++) {
         const TrainResult& r = s < 3 ? first : second;
         float loss = r.losses[s % 3], norm = r.grad_norms[s % 3];
@@ -3538,15 +3903,25 @@ GPU_TEST(train_resume_is_bit_identical) {
                straight.grad_norms[s], norm, same ? "" : "  <-- differ");
         expect(same, "step %d differs between the straight and the resumed run", s + 1);
     }
-    std::vector<char> ckpt_straight = read_whole_file(straight_dir.file("ckpt.bin"));
-    std::vector<char> ckpt_split = read_whole_file(split_dir.file("ckpt.bin"));
-    printf("    final checkpoints: %zu and %zu bytes\n", ckpt_straight.size(), ckpt_split.size());
-    expect(!ckpt_straight.empty() && ckpt_straight == ckpt_split, "the final checkpoints differ");
-    std::vector<char> log = read_whole_file(split_dir.file("log.csv"));
-    std::string log_text(log.begin(), log.end());
-    expect(std::count(log_text.begin(), log_text.end(), '\n') == 1 + 1 + 6 && log_text.find("step,loss,val_loss") == 0,
-           "the split run's log.csv should hold a header, the step-0 evaluation and 6 steps:\n%s", log_text.c_str());
-    expect(straight.val_losses.size() == 3 && first.val_losses.size() == 2 && second.val_losses.size() == 1 &&
+    const std::string straight_ckpt = latest_checkpoint(straight_dir.path), split_ckpt = latest_checkpoint(split_dir.path);
+    std::vector<char> ckpt_straight = read_whole_file(straight_ckpt), ckpt_split = read_whole_file(split_ckpt);
+    printf("    final checkpoints %s and %s: %zu and %zu bytes\n", straight_ckpt.c_str(), split_ckpt.c_str(), ckpt_straight.size(),
+           ckpt_split.size());
+    expect(!ckpt_straight.empty() && ckpt_straight == ckpt_split && split_ckpt == split_dir.file(checkpoint_file_name(6).c_str()),
+           "the final checkpoints differ");
+    expect(checkpoint_files_in(split_dir.path).size() == 2, "--keep-checkpoints 2 should leave 2 files, not %zu",
+           checkpoint_files_in(split_dir.path).size());
+    std::vector<std::string> log_straight = log_rows_without_timing(straight_dir.file("log.csv"));
+    std::vector<std::string> log_split = log_rows_without_timing(split_dir.file("log.csv"));
+    printf("    log.csv: %zu rows straight, %zu resumed (header, step 0's evaluation, 6 steps)\n", log_straight.size(), log_split.size());
+    expect(log_straight.size() == 8 && log_split == log_straight, "the resumed run's log.csv rows differ from the straight run's");
+#if defined(PRECISION_FP8)
+    std::vector<char> stats_straight = read_whole_file(straight_dir.file("fp8_stats.csv"));
+    std::vector<char> stats_split = read_whole_file(split_dir.file("fp8_stats.csv"));
+    printf("    fp8_stats.csv: %zu and %zu bytes\n", stats_straight.size(), stats_split.size());
+    expect(!stats_straight.empty() && stats_split == stats_straight, "the resumed run's fp8_stats.csv differs from the straight run's");
+#endif
+    expect(straight.val_losses.size() == 3 && first.val_losses.size() == 3 && second.val_losses.size() == 1 &&
            memcmp(&straight.val_losses[2].second, &second.val_losses[0].second, 4) == 0,
            "validation losses at steps 0, 3, 6: the resumed run's at step 6 should equal the straight run's");
 }
@@ -3611,6 +3986,482 @@ GPU_TEST(train_tiny_follows_float64_reference) {
     expect(ref_losses.back() < ref_losses[0] - 0.1, "the run should learn (float64 loss %.4f -> %.4f), else matching it proves little",
            ref_losses[0], ref_losses.back());
     dataloader_free(&dl);
+}
+
+// ==============================================================================================
+// Export (train_fp8.cu section 4): the files read back by readers written here from the formats' specifications
+// (safetensors, transformers' config.json, llama2.c's run.c), and the model in them run through the float64
+// reference: transformers' rotate_half RoPE on the HF tensors must give the logits of our convention on the
+// checkpoint's weights, to float64 round-off (the export permutes rows and copies values; BF16 rounds each weight
+// once, so against the reference on the BF16-rounded weights it is exact too). Then, on the GPU, the program's own
+// logits against the exported model.
+
+// ---- a small JSON reader (objects, arrays, strings with simple escapes, numbers, true/false/null)
+struct Json {
+    enum Kind { NUL, BOOL, NUMBER, STRING, ARRAY, OBJECT } kind = NUL;
+    bool boolean = false;
+    double number = 0;
+    std::string text;
+    std::vector<Json> items;
+    std::vector<std::pair<std::string, Json>> members;   // in file order
+    const Json* get(const std::string& key) const {
+        for (const auto& m : members) if (m.first == key) return &m.second;
+        return nullptr;
+    }
+};
+static bool json_parse(const std::string& s, size_t* at, Json* out) {
+    auto skip = [&]() { while (*at < s.size() && isspace((unsigned char)s[*at])) (*at)++; };
+    auto parse_string = [&](std::string* str) {
+        if (s[*at] != '"') return false;
+        for ((*at)++; *at < s.size() && s[*at] != '"'; (*at)++) {
+            char ch = s[*at];
+            if (ch == '\\' && ++(*at) < s.size()) ch = s[*at] == 'n' ? '\n' : s[*at] == 't' ? '\t' : s[*at];
+            *str += ch;
+        }
+        return (*at)++ < s.size();
+    };
+    skip();
+    if (*at >= s.size()) return false;
+    const char ch = s[*at];
+    if (ch == '{' || ch == '[') {
+        out->kind = ch == '{' ? Json::OBJECT : Json::ARRAY;
+        (*at)++;
+        skip();
+        if (*at < s.size() && s[*at] == (ch == '{' ? '}' : ']')) { (*at)++; return true; }
+        while (true) {
+            std::string key;
+            if (ch == '{') {
+                skip();
+                if (!parse_string(&key)) return false;
+                skip();
+                if (*at >= s.size() || s[(*at)++] != ':') return false;
+            }
+            Json value;
+            if (!json_parse(s, at, &value)) return false;
+            if (ch == '{') out->members.push_back({key, value});
+            else out->items.push_back(value);
+            skip();
+            if (*at >= s.size()) return false;
+            if (s[*at] == ',') { (*at)++; continue; }
+            return s[(*at)++] == (ch == '{' ? '}' : ']');
+        }
+    }
+    if (ch == '"') { out->kind = Json::STRING; return parse_string(&out->text); }
+    for (const char* word : {"true", "false", "null"})
+        if (s.compare(*at, strlen(word), word) == 0) {
+            out->kind = word[0] == 'n' ? Json::NUL : Json::BOOL;
+            out->boolean = word[0] == 't';
+            *at += strlen(word);
+            return true;
+        }
+    char* end = nullptr;
+    out->number = strtod(s.c_str() + *at, &end);
+    if (end == s.c_str() + *at) return false;
+    out->kind = Json::NUMBER;
+    *at = end - s.c_str();
+    return true;
+}
+static Json json_parse_all(const std::string& s, bool* ok) {
+    Json j;
+    size_t at = 0;
+    *ok = json_parse(s, &at, &j);
+    while (at < s.size() && isspace((unsigned char)s[at])) at++;
+    *ok = *ok && at == s.size();
+    return j;
+}
+
+// ---- safetensors, read as its specification has it: u64 header length N, N bytes of JSON (a "{", padded with
+// spaces), then the data; each tensor's data_offsets are [begin, end) in the data, the tensors tile it exactly.
+struct ReadTensor { std::string dtype; std::vector<int64_t> shape; uint64_t begin, end; std::vector<float> values; };
+static std::vector<std::pair<std::string, ReadTensor>> read_safetensors(const std::string& path, std::string* problems) {
+    std::vector<std::pair<std::string, ReadTensor>> tensors;
+    std::vector<char> bytes = read_whole_file(path);
+    uint64_t n = 0;
+    if (bytes.size() < 8) { *problems += "shorter than 8 bytes; "; return tensors; }
+    memcpy(&n, bytes.data(), 8);
+    if (8 + n > bytes.size()) { *problems += "header length past the end; "; return tensors; }
+    const std::string header(bytes.data() + 8, n);
+    if ((8 + n) % 8 != 0) *problems += "data not 8-byte aligned; ";
+    if (header.empty() || header[0] != '{') *problems += "header does not start with {; ";
+    bool ok;
+    Json j = json_parse_all(header, &ok);
+    if (!ok || j.kind != Json::OBJECT) { *problems += "header is not a JSON object; "; return tensors; }
+    const Json* meta = j.get("__metadata__");
+    if (!meta || !meta->get("format") || meta->get("format")->text != "pt") *problems += "no __metadata__ format pt; ";
+    const char* data = bytes.data() + 8 + n;
+    const uint64_t data_bytes = bytes.size() - 8 - n;
+    uint64_t covered = 0;
+    for (const auto& m : j.members) {
+        if (m.first == "__metadata__") continue;
+        ReadTensor t;
+        const Json *dtype = m.second.get("dtype"), *shape = m.second.get("shape"), *offsets = m.second.get("data_offsets");
+        if (!dtype || !shape || !offsets || offsets->items.size() != 2) { *problems += m.first + " lacks a field; "; continue; }
+        t.dtype = dtype->text;
+        size_t numel = 1;
+        for (const Json& d : shape->items) { t.shape.push_back((int64_t)d.number); numel *= (size_t)d.number; }
+        t.begin = (uint64_t)offsets->items[0].number;
+        t.end = (uint64_t)offsets->items[1].number;
+        const size_t elem = t.dtype == "F32" ? 4 : t.dtype == "BF16" ? 2 : 0;
+        if (elem == 0 || t.end > data_bytes || t.begin != covered || t.end - t.begin != numel * elem) {
+            *problems += m.first + ": dtype, size or offsets wrong (not the next bytes of the data); ";
+            continue;
+        }
+        covered = t.end;
+        t.values.resize(numel);
+        for (size_t i = 0; i < numel; i++) {
+            if (elem == 4) { memcpy(&t.values[i], data + t.begin + 4 * i, 4); continue; }
+            uint16_t b;
+            memcpy(&b, data + t.begin + 2 * i, 2);
+            uint32_t w = (uint32_t)b << 16;
+            memcpy(&t.values[i], &w, 4);
+        }
+        tensors.push_back({m.first, t});
+    }
+    if (covered != data_bytes) *problems += strprintf("the tensors cover %llu of %llu data bytes; ", (unsigned long long)covered,
+                                                      (unsigned long long)data_bytes);
+    return tensors;
+}
+
+// The HF model as the reference's tensors: q, k, v stacked into wqkv (still in rotate_half order), gate and up into
+// w_gate_up, the rest renamed.
+static RefTensors ref_tensors_from_hf(const RefConfig& rc, const std::vector<std::pair<std::string, ReadTensor>>& hf) {
+    std::map<std::string, const std::vector<float>*> by_name;
+    for (const auto& t : hf) by_name[t.first] = &t.second.values;
+    auto get = [&](const std::string& name) -> const std::vector<float>& {
+        if (!by_name.count(name)) fail("the exported safetensors lack %s", name.c_str());
+        return *by_name[name];
+    };
+    auto stack = [&](std::initializer_list<std::string> names) {
+        std::vector<double> v;
+        for (const std::string& n : names) v.insert(v.end(), get(n).begin(), get(n).end());
+        return v;
+    };
+    RefTensors t;
+    t["tok_embedding"] = stack({"model.embed_tokens.weight"});
+    for (int l = 0; l < rc.n_layers; l++) {
+        const std::string hp = "model.layers." + std::to_string(l) + ".", p = "layers." + std::to_string(l) + ".";
+        t[p + "attn_norm"] = stack({hp + "input_layernorm.weight"});
+        t[p + "wqkv"] = stack({hp + "self_attn.q_proj.weight", hp + "self_attn.k_proj.weight", hp + "self_attn.v_proj.weight"});
+        t[p + "wo"] = stack({hp + "self_attn.o_proj.weight"});
+        t[p + "ffn_norm"] = stack({hp + "post_attention_layernorm.weight"});
+        t[p + "w_gate_up"] = stack({hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"});
+        t[p + "w_down"] = stack({hp + "mlp.down_proj.weight"});
+    }
+    t["final_norm"] = stack({"model.norm.weight"});
+    t["lm_head"] = stack({"lm_head.weight"});
+    return t;
+}
+
+// llama2.c's model.bin, read in the order of its run.c (memory_map_weights): the 7 x int32 Config, then the tensors.
+struct Llama2cFile { int32_t config[7]; RefTensors tensors; std::vector<float> rope_cos, rope_sin; bool whole; };
+static Llama2cFile read_llama2c(const std::string& path, const RefConfig& rc, int max_seq_len) {
+    Llama2cFile out;
+    std::vector<char> bytes = read_whole_file(path);
+    const int D = rc.dim, L = rc.n_layers, V = rc.vocab, F = rc.ffn_dim, HD = D / rc.n_heads, KVD = rc.n_kv_heads * HD;
+    size_t at = sizeof(out.config);
+    out.whole = bytes.size() >= at;
+    if (out.whole) memcpy(out.config, bytes.data(), at);
+    auto take = [&](size_t n) {
+        std::vector<float> v(n);
+        if (at + 4 * n > bytes.size()) { out.whole = false; return v; }
+        memcpy(v.data(), bytes.data() + at, 4 * n);
+        at += 4 * n;
+        return v;
+    };
+    auto per_layer = [&](size_t n) { std::vector<std::vector<float>> v; for (int l = 0; l < L; l++) v.push_back(take(n)); return v; };
+    std::vector<float> emb = take((size_t)V * D);
+    auto att_norm = per_layer(D), wq = per_layer((size_t)D * D), wk = per_layer((size_t)KVD * D), wv = per_layer((size_t)KVD * D);
+    auto wo = per_layer((size_t)D * D), ffn_norm = per_layer(D), w1 = per_layer((size_t)F * D), w2 = per_layer((size_t)D * F);
+    auto w3 = per_layer((size_t)F * D);
+    std::vector<float> final_norm = take(D);
+    out.rope_cos = take((size_t)max_seq_len * HD / 2);
+    out.rope_sin = take((size_t)max_seq_len * HD / 2);
+    std::vector<float> wcls = take((size_t)V * D);
+    out.whole = out.whole && at == bytes.size();
+    auto d = [](std::initializer_list<const std::vector<float>*> parts) {
+        std::vector<double> v;
+        for (const std::vector<float>* p : parts) v.insert(v.end(), p->begin(), p->end());
+        return v;
+    };
+    out.tensors["tok_embedding"] = d({&emb});
+    for (int l = 0; l < L; l++) {
+        const std::string p = "layers." + std::to_string(l) + ".";
+        out.tensors[p + "attn_norm"] = d({&att_norm[l]});
+        out.tensors[p + "wqkv"] = d({&wq[l], &wk[l], &wv[l]});
+        out.tensors[p + "wo"] = d({&wo[l]});
+        out.tensors[p + "ffn_norm"] = d({&ffn_norm[l]});
+        out.tensors[p + "w_gate_up"] = d({&w1[l], &w3[l]});
+        out.tensors[p + "w_down"] = d({&w2[l]});
+    }
+    out.tensors["final_norm"] = d({&final_norm});
+    out.tensors["lm_head"] = d({&wcls});
+    return out;
+}
+
+// The export tests' model: 4 heads of 64 over 2 KV heads (GQA; splits at TP = 2), 2 layers, an FFN of 64, T up to
+// 16. Weights of std 0.05 make q.k / sqrt(64) of order 1, so attention (and with it RoPE) shapes the logits; norm
+// weights 1 +- 0.2.
+static ModelConfig export_test_config(int vocab) {
+    ModelConfig c = model_config_preset("tiny", vocab);
+    c.dim = 256; c.n_heads = 4; c.n_kv_heads = 2; c.head_dim = 64; c.ffn_dim = 64; c.max_seq_len = 16;
+    model_config_validate(c);
+    return c;
+}
+static std::vector<float> export_test_weights(const ModelConfig& c) {
+    std::vector<float> w;
+    for (const TensorSpec& s : model_param_specs(c)) {
+        std::vector<float> r = random_normal(s.numel, s.cols == 1 ? 0.2f : 0.05f);
+        for (float& x : r) if (s.cols == 1) x += 1.0f;
+        w.insert(w.end(), r.begin(), r.end());
+    }
+    return w;
+}
+static CheckpointHeader export_test_header(const ModelConfig& c, int tp) {
+    TrainOptions o;
+    CheckpointHeader h = checkpoint_header_for(c, o);
+    h.step = 77;
+    h.tp_size = tp;
+    return h;
+}
+static RefConfig ref_config_of(const ModelConfig& c, bool rope_halves) {
+    return RefConfig{c.vocab_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.norm_eps, c.rope_theta, rope_halves};
+}
+static std::vector<double> ref_logits(const RefConfig& rc, const RefTensors& t, const std::vector<int>& tokens) {
+    std::vector<double> logits;
+    ref_model_forward_backward(rc, t, tokens.data(), tokens.data(), 1, (int)tokens.size(), nullptr, &logits);
+    return logits;
+}
+static double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) num += (a[i] - b[i]) * (a[i] - b[i]), den += b[i] * b[i];
+    return sqrt(num / den);
+}
+
+HOST_TEST(export_hf_safetensors_round_trip) {
+    TempDir run;
+    const ModelConfig c = export_test_config(32);
+    const std::vector<float> master = export_test_weights(c);
+    write_host_checkpoint(run.path, export_test_header(c, 1), master, 2);
+    const std::vector<int> tokens = model_test_tokens(12, c.vocab_size);
+    const RefConfig ours = ref_config_of(c, false), hf = ref_config_of(c, true);
+    std::vector<TensorSpec> specs = model_param_specs(c);
+    for (const char* dtype : {"fp32", "bf16"}) {
+        TempDir out;
+        const bool as_bf16 = strcmp(dtype, "bf16") == 0;
+        std::string err = export_checkpoint(run.path, out.path, "hf", dtype);
+        expect(err.empty(), "export --dtype %s: %s", dtype, err.c_str());
+        std::string problems;
+        auto tensors = read_safetensors(out.file("model.safetensors"), &problems);
+        // names, shapes and dtypes, in the order written
+        std::vector<std::pair<std::string, std::vector<int64_t>>> want = {{"model.embed_tokens.weight", {c.vocab_size, c.dim}}};
+        const int QD = c.n_heads * c.head_dim, KVD = c.n_kv_heads * c.head_dim;
+        for (int l = 0; l < c.n_layers; l++) {
+            const std::string p = "model.layers." + std::to_string(l) + ".";
+            want.push_back({p + "input_layernorm.weight", {c.dim}});
+            want.push_back({p + "self_attn.q_proj.weight", {QD, c.dim}});
+            want.push_back({p + "self_attn.k_proj.weight", {KVD, c.dim}});
+            want.push_back({p + "self_attn.v_proj.weight", {KVD, c.dim}});
+            want.push_back({p + "self_attn.o_proj.weight", {c.dim, QD}});
+            want.push_back({p + "post_attention_layernorm.weight", {c.dim}});
+            want.push_back({p + "mlp.gate_proj.weight", {c.ffn_dim, c.dim}});
+            want.push_back({p + "mlp.up_proj.weight", {c.ffn_dim, c.dim}});
+            want.push_back({p + "mlp.down_proj.weight", {c.dim, c.ffn_dim}});
+        }
+        want.push_back({"model.norm.weight", {c.dim}});
+        want.push_back({"lm_head.weight", {c.vocab_size, c.dim}});
+        bool layout = tensors.size() == want.size();
+        for (size_t i = 0; layout && i < want.size(); i++)
+            layout = tensors[i].first == want[i].first && tensors[i].second.shape == want[i].second &&
+                     tensors[i].second.dtype == (as_bf16 ? "BF16" : "F32");
+        printf("    --dtype %s: %zu tensors, %s%s\n", dtype, tensors.size(), layout ? "names, shapes and dtypes as expected" : "LAYOUT WRONG",
+               problems.empty() ? "" : (", problems: " + problems).c_str());
+        expect(layout && problems.empty(), "safetensors layout: %s", problems.c_str());
+        if (!layout) continue;
+        // the model: rotate_half on the exported tensors against our convention on the checkpoint's weights (BF16:
+        // the same weights rounded to BF16, as the export rounds them)
+        std::vector<float> source = master;
+        if (as_bf16) for (float& x : source) x = to_float(__float2bfloat16(x));
+        const std::vector<double> want_logits = ref_logits(ours, ref_tensors_from_flat(ours, source.data()), tokens);
+        const RefTensors exported = ref_tensors_from_hf(hf, tensors);
+        const double exact = rel_l2(ref_logits(hf, exported, tokens), want_logits);
+        // what the test would see if the export forgot to permute q and k: rotate_half on unpermuted rows
+        const double unpermuted = rel_l2(ref_logits(hf, ref_tensors_from_flat(hf, source.data()), tokens), want_logits);
+        printf("    logits, rotate_half on the export vs ours on the checkpoint: rel_l2 %.2e (tol 1e-12); without the "
+               "q/k permutation they would differ by %.2e\n", exact, unpermuted);
+        expect(exact <= 1e-12, "--dtype %s: exported model's logits differ by %.3e", dtype, exact);
+        expect(unpermuted > 1e-2, "the test model is not sensitive to the RoPE convention (%.2e): it proves nothing", unpermuted);
+        // config.json
+        std::vector<char> bytes = read_whole_file(out.file("config.json"));
+        bool ok;
+        Json j = json_parse_all(std::string(bytes.begin(), bytes.end()), &ok);
+        auto num = [&](const char* k) { const Json* v = j.get(k); return v && v->kind == Json::NUMBER ? v->number : -1.0; };
+        auto is = [&](const char* k, Json::Kind kind, bool b) { const Json* v = j.get(k); return v && v->kind == kind && v->boolean == b; };
+        const Json* arch = j.get("architectures");
+        bool config_ok = ok && arch && arch->items.size() == 1 && arch->items[0].text == "LlamaForCausalLM" &&
+                         j.get("model_type") && j.get("model_type")->text == "llama" && num("vocab_size") == c.vocab_size &&
+                         num("hidden_size") == c.dim && num("intermediate_size") == c.ffn_dim && num("num_hidden_layers") == c.n_layers &&
+                         num("num_attention_heads") == c.n_heads && num("num_key_value_heads") == c.n_kv_heads &&
+                         num("head_dim") == c.head_dim && num("max_position_embeddings") == c.max_seq_len &&
+                         (float)num("rms_norm_eps") == c.norm_eps && (float)num("rope_theta") == c.rope_theta &&
+                         j.get("hidden_act") && j.get("hidden_act")->text == "silu" && is("tie_word_embeddings", Json::BOOL, false) &&
+                         is("attention_bias", Json::BOOL, false) && is("mlp_bias", Json::BOOL, false) &&
+                         is("bos_token_id", Json::NUL, false) && j.get("torch_dtype") &&
+                         j.get("torch_dtype")->text == (as_bf16 ? "bfloat16" : "float32");
+        expect(config_ok, "config.json does not describe the model:\n%s", std::string(bytes.begin(), bytes.end()).c_str());
+    }
+}
+
+HOST_TEST(export_llama2c_round_trip) {
+    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_read_master's other path)
+    TempDir run, out;
+    const ModelConfig c = export_test_config(BYTE_VOCAB);
+    const std::vector<float> master = export_test_weights(c);
+    write_host_checkpoint(run.path, export_test_header(c, 2), master, 2);
+    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32");
+    expect(err.empty(), "export --format llama2c: %s", err.c_str());
+    const RefConfig rc = ref_config_of(c, false);
+    Llama2cFile f = read_llama2c(out.file("model.bin"), rc, c.max_seq_len);
+    const int32_t want_config[7] = {c.dim, c.ffn_dim, c.n_layers, c.n_heads, c.n_kv_heads, -c.vocab_size, c.max_seq_len};
+    printf("    model.bin config: dim %d, hidden %d, layers %d, heads %d, kv heads %d, vocab %d (negative: lm_head stored), "
+           "seq_len %d; size %s\n", f.config[0], f.config[1], f.config[2], f.config[3], f.config[4], f.config[5], f.config[6],
+           f.whole ? "exact" : "WRONG");
+    expect(f.whole && memcmp(f.config, want_config, sizeof(want_config)) == 0, "model.bin's config or size is wrong");
+    if (!f.whole) return;
+    std::vector<float> cos_t, sin_t;
+    rope_tables(&cos_t, &sin_t, c.max_seq_len, c.head_dim, c.rope_theta);
+    expect(f.rope_cos == cos_t && f.rope_sin == sin_t, "the RoPE tables in model.bin are not the model's");
+    // our convention (llama2.c's) on the file's tensors gives exactly the checkpoint's logits: the same values
+    const std::vector<int> tokens = model_test_tokens(12, c.vocab_size);
+    const double diff = rel_l2(ref_logits(rc, f.tensors, tokens), ref_logits(rc, ref_tensors_from_flat(rc, master.data()), tokens));
+    printf("    logits of model.bin vs the checkpoint's weights: rel_l2 %.2e (tol 1e-12)\n", diff);
+    expect(diff <= 1e-12, "model.bin's model differs from the checkpoint's: %.3e", diff);
+    // tokenizer.bin: max token length 1, then token i = (score 0, length 1, the byte i)
+    std::vector<char> tok = read_whole_file(out.file("tokenizer.bin"));
+    bool tok_ok = tok.size() == 4 + 256 * 9;
+    int32_t max_len = 0;
+    if (tok_ok) memcpy(&max_len, tok.data(), 4);
+    tok_ok = tok_ok && max_len == 1;
+    for (int i = 0; tok_ok && i < 256; i++) {
+        float score;
+        int32_t len;
+        memcpy(&score, tok.data() + 4 + 9 * i, 4);
+        memcpy(&len, tok.data() + 8 + 9 * i, 4);
+        tok_ok = score == 0.0f && len == 1 && (unsigned char)tok[12 + 9 * i] == i;
+    }
+    printf("    tokenizer.bin: %zu bytes, %s\n", tok.size(), tok_ok ? "the 256 bytes in order" : "WRONG");
+    expect(tok_ok, "tokenizer.bin is not the 256 one-byte tokens");
+    // a vocabulary that is not bytes: model.bin only
+    TempDir run32, out32;
+    const ModelConfig c32 = export_test_config(32);
+    write_host_checkpoint(run32.path, export_test_header(c32, 1), export_test_weights(c32), 2);
+    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32");
+    struct stat st;
+    expect(err.empty() && stat(out32.file("model.bin").c_str(), &st) == 0 && stat(out32.file("tokenizer.bin").c_str(), &st) != 0,
+           "a 32-token vocabulary: model.bin and no tokenizer.bin (%s)", err.c_str());
+}
+
+HOST_TEST(export_refuses_bad_input) {
+    TempDir run, out;
+    const ModelConfig c = export_test_config(32);
+    const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    const std::string target = out.path + "/model";   // must not be created by a refused export
+    struct stat st;
+    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16");
+    printf("    missing: %s\n", err.c_str());
+    expect(err.find("no such checkpoint") != std::string::npos, "a missing checkpoint: '%s'", err.c_str());
+    // llama2.c's run.c fixes theta and eps: a model with another theta goes to HF only
+    TempDir run_theta;
+    CheckpointHeader h = export_test_header(c, 1);
+    h.rope_theta = 500000.0f;
+    write_host_checkpoint(run_theta.path, h, export_test_weights(c), 2);
+    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32");
+    printf("    rope_theta 500000 to llama2c: %s\n", err.c_str());
+    expect(err.find("rope_theta") != std::string::npos && err.find("--format hf") != std::string::npos, "theta: '%s'", err.c_str());
+    flip_byte(path, 5000);
+    err = export_checkpoint(run.path, target, "hf", "bf16");
+    printf("    damaged: %s\n", err.c_str());
+    expect(err.find(path) != std::string::npos && err.find("checksum") != std::string::npos, "a damaged checkpoint: '%s'", err.c_str());
+    expect(stat(target.c_str(), &st) != 0, "a refused export created %s", target.c_str());
+    // the command line
+    struct Case { std::vector<std::string> args; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {{"export", "ckpt"}, {"usage: export CKPT OUT_DIR"}},
+        {{"export", "ckpt", "out", "--format", "onnx"}, {"--format onnx", "hf", "llama2c"}},
+        {{"export", "ckpt", "out", "--format", "llama2c", "--dtype", "bf16"}, {"--dtype bf16", "llama2c", "FP32"}},
+        {{"export", "ckpt", "out", "--dtype", "fp16"}, {"--dtype fp16"}},
+        {{"export", "ckpt", "out", "--batch", "4"}, {"export takes only", "--batch"}},
+        {{"--dtype", "fp32"}, {"--dtype", "option of export"}},
+    };
+    for (const Case& k : cases) {
+        TrainOptions o;
+        err = parse_list(k.args, &o);
+        std::string missing = error_pieces_missing(err, k.pieces);
+        expect(!err.empty() && missing.empty(), "should be refused, naming %s: '%s'", missing.c_str(), err.c_str());
+    }
+    TrainOptions o;
+    err = parse_list({"export", "runs/a", "hf/a"}, &o);
+    expect(err.empty() && o.do_export && o.export_ckpt == "runs/a" && o.export_dir == "hf/a" && o.export_format == "hf" &&
+           o.export_dtype == "bf16", "export defaults: %s", err.c_str());
+    err = parse_list({"export", "runs/a", "l2c", "--format", "llama2c"}, &o);
+    expect(err.empty() && o.export_format == "llama2c" && o.export_dtype == "fp32", "llama2c's dtype default: %s", err.c_str());
+}
+
+// The program's own logits (the GPU model loaded from a checkpoint that checkpoint_save wrote) against the exported
+// files run through the float64 reference: HF BF16 with rotate_half, and llama2.c's FP32 with our convention.
+// Tolerance: the GPU holds the weights in BF16 and every activation in BF16, the logits of
+// model_tiny_matches_reference (rel_l2 2e-2); the HF BF16 export holds the same BF16 weights, llama2.c's the FP32
+// ones (one more rounding, 2^-9 relative per weight, far inside it). The tiny preset's weights with wqkv scaled up
+// so that attention, and RoPE with it, shape the logits (the wrong convention is printed as the contrast).
+GPU_TEST(export_matches_program_logits) {
+    TempDir run, out_hf, out_l2c;
+    const int T = 32;
+    TrainOptions o;
+    expect(parse_list({"--model", "tiny", "--batch", "1", "--seq", "32"}, &o).empty(), "options rejected");
+    const ModelConfig c = model_config_from_options(o, BYTE_VOCAB);
+    std::vector<float> w = model_init_weights(c, TEST_SEED);
+    const std::vector<TensorSpec> specs = model_param_specs(c);
+    for (int l = 0; l < c.n_layers; l++) {
+        const TensorSpec& s = specs[param_layer(l, WQKV)];
+        for (size_t i = 0; i < s.numel; i++) w[s.offset + i] *= 4.0f;
+    }
+    Model m;
+    model_create(&m, c, 1, T);
+    AdamW opt;
+    adamw_create(&opt, m.params, m.num_params, w.data(), AdamWConfig());
+    adamw_export_weights(&opt, m.weights, m.stream);   // the program's weights: BF16 of the master weights
+    model_weights_changed(&m);
+    cudaCheck(cudaStreamSynchronize(m.stream));
+    CheckpointHeader h = checkpoint_header_for(c, o);
+    h.step = 5;
+    const std::string path = checkpoint_save(run.path, h, 2, {&opt}, {&m});
+    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16");
+    expect(err.empty(), "export hf: %s", err.c_str());
+    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32");
+    expect(err.empty(), "export llama2c: %s", err.c_str());
+
+    const std::vector<int> tokens = model_test_tokens(T, c.vocab_size);
+    DeviceBuffer<int> d_tokens(tokens);
+    DeviceBuffer<float> d_logits((size_t)T * c.vocab_size);
+    d_logits.poison();
+    model_logits(&m, d_tokens.ptr, 1, T, d_logits.ptr);
+    const std::vector<float> gpu = d_logits.download();
+
+    std::string problems;
+    const auto hf_tensors = read_safetensors(out_hf.file("model.safetensors"), &problems);
+    expect(problems.empty(), "safetensors: %s", problems.c_str());
+    const RefTensors hf_model = ref_tensors_from_hf(ref_config_of(c, true), hf_tensors);
+    const std::vector<double> hf_logits = ref_logits(ref_config_of(c, true), hf_model, tokens);
+    expect_close("GPU logits vs HF export (rotate_half)", gpu.data(), hf_logits.data(), hf_logits.size(), 2e-2);
+    const std::vector<double> wrong = ref_logits(ref_config_of(c, false), hf_model, tokens);
+    printf("    (the HF tensors run with our convention instead: rel_l2 %.2e from the GPU's)\n",
+           error_stats(gpu.data(), wrong.data(), wrong.size()).rel_l2);
+    const RefConfig rc = ref_config_of(c, false);
+    Llama2cFile f = read_llama2c(out_l2c.file("model.bin"), rc, c.max_seq_len);
+    expect(f.whole, "model.bin's size is wrong");
+    const std::vector<double> l2c_logits = ref_logits(rc, f.tensors, tokens);
+    expect_close("GPU logits vs llama2.c export", gpu.data(), l2c_logits.data(), l2c_logits.size(), 2e-2);
+    adamw_destroy(&opt);
+    model_destroy(&m);
 }
 
 // ==============================================================================================
@@ -3731,7 +4582,7 @@ GPU_TEST(tp1_nccl_matches_no_tp) {
                    other.second.losses[s], plain.grad_norms[s], other.second.grad_norms[s], other.first);
         expect(same, "%s should give the losses and gradient norms of --tp 0 bit for bit", other.first);
     }
-    std::vector<char> c0 = read_whole_file(dir0.file("ckpt.bin")), c1 = read_whole_file(dir1.file("ckpt.bin"));
+    std::vector<char> c0 = read_whole_file(latest_checkpoint(dir0.path)), c1 = read_whole_file(latest_checkpoint(dir1.path));
     expect(!c0.empty() && c0 == c1, "the final checkpoints of --tp 0 and --tp 1 differ (%zu and %zu bytes)", c0.size(), c1.size());
 }
 
@@ -4006,7 +4857,7 @@ GPU_TEST(tp2_training_matches_tp1) {
             expect(dn <= (s == 0 ? 1e-2 : 5e-2), "step %d: grad norm TP2 %.6f vs TP1 %.6f", s + 1, two.grad_norms[s], one.grad_norms[s]);
         }
         // the TP=2 checkpoint: both ranks' replicated tensors (master weights) are the same bits
-        std::string path = d2.file("ckpt.bin");
+        std::string path = latest_checkpoint(d2.path);
         CheckpointHeader h = tp_read_header(path);
         std::vector<char> bytes = read_whole_file(path);
         ModelConfig c = model_config_from_options(tiny_run_options(data, common), BYTE_VOCAB);

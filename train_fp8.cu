@@ -2,13 +2,16 @@
 // machine (--tp N: one host thread per GPU, NCCL), FP8 or BF16 by build.
 //   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%)
 //   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults)
+//   ./train_fp8 export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]   the model for transformers / llama2.c
 // Sections:
-//   1. the command line        TrainOptions, a table of flags, parse_args, print_help
-//   2. the checkpoint header   the format, written and checked
-//   3. checkpoint files        save (to a temporary name, then renamed) and load
-//   4. evaluation, sampling
-//   5. the run                 train(): data, the ranks (model and AdamW per GPU), the loop, logging, checkpoints
-//   6. main
+//   1. the command line        TrainOptions, a table of flags, parse_args, print_help, the size limits
+//   2. the checkpoint header   the format, its checksums (XXH64), checked
+//   3. checkpoint files        written durably (temporary name, fsync, rename, fsync of the folder), the newest K
+//                              kept, verified before they are read; the run's CSV logs
+//   4. export                  HF safetensors + config.json, llama2.c model.bin + tokenizer.bin (host only)
+//   5. evaluation, sampling
+//   6. the run                 train(): data, the ranks (model and AdamW per GPU), the loop, logging, checkpoints
+//   7. main
 // test_fp8.cu includes this file with TESTING defined (no main), and calls parse_args, the checkpoint
 // functions and train() directly.
 #ifndef TRAIN_FP8_CU
@@ -20,8 +23,12 @@
 #include <chrono>
 #include <functional>
 #include <thread>
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <climits>
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -51,14 +58,15 @@ struct TrainOptions {
     float weight_decay = 0.1f;
     float grad_clip = 1.0f;                  // global-norm clip; 0 = off
     long seed = 1337;
-    std::string out;                         // DIR: log.csv and ckpt.bin; empty = no files
+    std::string out;                         // DIR: log.csv and the checkpoints; empty = no files
     int eval_every = 100;                    // 0 = only at the last step
     int eval_batches = 20;
     int sample_every = 250;                  // 0 = never
     int sample_tokens = 256;
     float temperature = 0.8f;                // 0 = greedy
     int checkpoint_every = 500;              // 0 = only at the end (checkpoints need --out)
-    std::string resume;                      // DIR holding ckpt.bin
+    int keep_checkpoints = 2;                // the newest K checkpoint files stay; 0 = all
+    std::string resume;                      // a run's DIR (its newest checkpoint) or one checkpoint file
     int stop_after = 0;                      // end after this step, keeping --steps' schedule; 0 = --steps
     int max_bad_steps = 5;                   // non-finite steps in a row that stop the run
     // optimizer storage and variants (adamw_fp8.cuh); the moment defaults are the build's recipe
@@ -78,6 +86,11 @@ struct TrainOptions {
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
+    // export subcommand (section 4)
+    bool do_export = false;
+    std::string export_ckpt, export_dir;
+    std::string export_format = "hf";        // hf or llama2c
+    std::string export_dtype;                // bf16 or fp32; empty = the format's default (hf bf16, llama2c fp32)
     bool help = false;
 };
 
@@ -120,14 +133,15 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_float("--weight-decay", "WD", "AdamW weight decay (2-D tensors only)", &o->weight_decay, 0, 10),
         flag_float("--grad-clip", "C", "clip the global gradient norm to C (0 = off)", &o->grad_clip, 0, 1e30),
         flag_long("--seed", "S", "seed of the init and the data order", &o->seed, 0, 9.2e18),
-        flag_string("--out", "DIR", "write DIR/log.csv and DIR/ckpt.bin (none if empty)", &o->out),
+        flag_string("--out", "DIR", "write DIR/log.csv and the checkpoints DIR/ckpt-STEP.bin (none if empty)", &o->out),
         flag_int("--eval-every", "N", "validation loss every N steps (0 = only at the end)", &o->eval_every, 0, BIG),
         flag_int("--eval-batches", "N", "validation batches per evaluation", &o->eval_batches, 1, BIG),
         flag_int("--sample-every", "N", "print a sample every N steps (0 = never)", &o->sample_every, 0, BIG),
         flag_int("--sample-tokens", "N", "tokens per sample", &o->sample_tokens, 1, BIG),
         flag_float("--temperature", "X", "sampling temperature (0 = greedy)", &o->temperature, 0, 100),
         flag_int("--checkpoint-every", "N", "checkpoint every N steps, and at the end (0 = end only; needs --out)", &o->checkpoint_every, 0, BIG),
-        flag_string("--resume", "DIR", "continue the run saved in DIR/ckpt.bin (--out defaults to DIR)", &o->resume),
+        flag_int("--keep-checkpoints", "K", "keep the newest K checkpoints (and DIR/latest naming the newest); 0 = all", &o->keep_checkpoints, 0, BIG),
+        flag_string("--resume", "DIR|FILE", "continue from DIR's newest checkpoint (DIR/latest), or from a checkpoint file (--out defaults to its folder)", &o->resume),
         flag_int("--stop-after", "N", "stop after step N, keeping the schedule of --steps (0 = --steps)", &o->stop_after, 0, BIG),
         flag_int("--max-bad-steps", "N", "stop after N non-finite steps in a row", &o->max_bad_steps, 1, BIG),
         flag_string("--m-dtype", "TYPE", "AdamW first moment: e4m3 (per-tensor scale), bf16, fp32", &o->m_dtype),
@@ -141,6 +155,8 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_int("--tp", "N", "tensor parallelism over GPUs 0..N-1: NCCL, one thread per GPU, heads and FFN split (1 = one GPU through NCCL; 0 = one GPU without NCCL)", &o->tp, 0, 1024),
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
+        flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
+        flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
     };
 }
 
@@ -159,6 +175,9 @@ inline void print_help(const char* argv0) {
     TrainOptions defaults;
     printf("usage: %s [flags]                   train (defaults: the King James Bible, bytes, preset %s)\n", argv0, defaults.model.c_str());
     printf("       %s prepare TEXT OUT_PREFIX   write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (bytes, last 10%% val)\n", argv0);
+    printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]\n"
+           "                                        the model of checkpoint CKPT (a file, or a run's folder: its newest)\n"
+           "                                        for transformers (hf) or llama2.c's run (llama2c), into OUT_DIR\n", argv0);
     printf("flags (default in brackets):\n");
     for (const TrainFlag& f : train_flags(&defaults)) {
         std::string lhs = f.kind == FLAG_SWITCH ? f.name : std::string(f.name) + " " + f.value_name;
@@ -169,6 +188,12 @@ inline void print_help(const char* argv0) {
 }
 
 inline int grad_accum_steps(const TrainOptions& o) { return (int)(o.total_batch / ((long)o.batch * o.seq)); }
+
+// The folder part of a path ("." if it has none).
+inline std::string path_folder(const std::string& path) {
+    size_t slash = path.find_last_of('/');
+    return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
 
 // The model of these options for data of `vocab_size` tokens: the preset with the overrides applied;
 // max_seq_len grows to --seq if that is longer (RoPE has no limit; the preset's number is only a check).
@@ -212,7 +237,45 @@ inline std::string parse_flag_value(const TrainFlag& f, const char* text) {
     return "";
 }
 
+// ---- Sizes held in 32 bits. Tensor sizes are 64-bit throughout; the sizes that stay 32-bit are refused here, at
+// start-up, naming the flags that set them and the limit, rather than wrapping around or failing at a kernel launch:
+//   tokens per micro-batch N = B*T   the row count of the activation GEMMs (int), and of the FP8 cast+transpose of X and
+//                                    dY, whose grid has one y-index per CT_TILE rows (CUDA allows 65535): N <= 65535 * 64
+//                                    (in both builds, so that a BF16 run can always be repeated in FP8)
+//   sequences per micro-batch B      the attention grids' z-dimension: B <= 65535
+//   rows of a weight (QKV, 2F, D)    the FP8 cast+transpose of W: the same limit
+//   shard offsets under --tp N       (N-1) x max(dim, ffn) in int (model_shard_map)
+//   micro-batches per step           an int: --total-batch / (B*T) <= 2^31 - 1
+// (--seq, --steps and each model width are ints by their flags' ranges.)
+constexpr long MAX_GRID_YZ = 65535;
+constexpr long MAX_CAST_TRANSPOSE_ROWS = MAX_GRID_YZ * CT_TILE;
+inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& c) {
+    const long B = o.batch, N = B * o.seq;
+    if (B > MAX_GRID_YZ)
+        return strprintf("--batch %d: at most %ld sequences per micro-batch (the attention kernels' grid z-dimension); "
+                         "put more tokens into a step with --total-batch", o.batch, MAX_GRID_YZ);
+    if (N > MAX_CAST_TRANSPOSE_ROWS)
+        return strprintf("--batch %d x --seq %d = %ld tokens per micro-batch: at most %ld (65535 x %d, the grid y-limit of the "
+                         "FP8 cast+transpose); lower --batch and raise --total-batch", o.batch, o.seq, N,
+                         MAX_CAST_TRANSPOSE_ROWS, CT_TILE);
+    if (o.total_batch / N > INT_MAX)
+        return strprintf("--total-batch %ld: %ld micro-batches of B*T = %ld tokens per step, at most %d", o.total_batch,
+                         o.total_batch / N, N, INT_MAX);
+    const long qkv = (c.n_heads + 2L * c.n_kv_heads) * c.head_dim, gate_up = 2L * c.ffn_dim;
+    if (std::max({qkv, gate_up, (long)c.dim}) > MAX_CAST_TRANSPOSE_ROWS)
+        return strprintf("--dim %d --heads %d --kv-heads %d --ffn %d: weights of %ld (wqkv), %ld (w_gate_up) and %d (wo, "
+                         "w_down) rows; at most %ld (the grid y-limit of the FP8 cast+transpose)", c.dim, c.n_heads,
+                         c.n_kv_heads, c.ffn_dim, qkv, gate_up, c.dim, MAX_CAST_TRANSPOSE_ROWS);
+    if ((long)(std::max(1, o.tp) - 1) * std::max(c.dim, c.ffn_dim) > INT_MAX)
+        return strprintf("--tp %d with --dim %d and --ffn %d: the shard offsets ((N-1) x max(dim, ffn) = %ld) exceed %d",
+                         o.tp, c.dim, c.ffn_dim, (long)(o.tp - 1) * std::max(c.dim, c.ffn_dim), INT_MAX);
+    return "";
+}
+
 // Fills *o from argv; returns "" or the reason for rejecting the command line (naming the flag and value).
+//   prepare TEXT OUT_PREFIX                      two words, no flags
+//   export CKPT OUT_DIR [--format F] [--dtype T]  two words, then only those two flags
+//   [flags]                                      training: every flag but --format and --dtype
 inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     *o = TrainOptions();
     if (argc >= 2 && strcmp(argv[1], "prepare") == 0) {
@@ -222,17 +285,47 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         o->prepare_prefix = argv[3];
         return "";
     }
+    int first = 1;
+    if (argc >= 2 && strcmp(argv[1], "export") == 0) {
+        if (argc < 4 || argv[2][0] == '-' || argv[3][0] == '-')
+            return "usage: export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] (a checkpoint file or a run's "
+                   "folder, and the folder to write)";
+        o->do_export = true;
+        o->export_ckpt = argv[2];
+        o->export_dir = argv[3];
+        first = 4;
+    }
     std::vector<TrainFlag> flags = train_flags(o);
-    for (int i = 1; i < argc; i++) {
+    std::vector<std::string> given;
+    for (int i = first; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { o->help = true; return ""; }
         const TrainFlag* f = nullptr;
         for (const TrainFlag& g : flags) if (strcmp(argv[i], g.name) == 0) f = &g;
         if (!f) return strprintf("unknown argument %s (see --help)", argv[i]);
+        given.push_back(f->name);
         if (f->kind == FLAG_SWITCH) { *(bool*)f->target = true; continue; }
         if (i + 1 >= argc) return strprintf("%s needs a value (%s)", f->name, f->value_name);
         std::string err = parse_flag_value(*f, argv[++i]);
         if (!err.empty()) return err;
     }
+    auto is_export_flag = [](const std::string& name) { return name == "--format" || name == "--dtype"; };
+    if (o->do_export) {
+        for (const std::string& name : given)
+            if (!is_export_flag(name)) return strprintf("export takes only --format and --dtype, not %s", name.c_str());
+        if (o->export_format != "hf" && o->export_format != "llama2c")
+            return strprintf("--format %s: hf (transformers) or llama2c (llama2.c)", o->export_format.c_str());
+        if (o->export_dtype.empty()) o->export_dtype = o->export_format == "hf" ? "bf16" : "fp32";
+        if (o->export_dtype != "bf16" && o->export_dtype != "fp32")
+            return strprintf("--dtype %s: bf16 or fp32", o->export_dtype.c_str());
+        if (o->export_format == "llama2c" && o->export_dtype != "fp32")
+            return strprintf("--dtype %s with --format llama2c: llama2.c's model.bin holds FP32 weights only",
+                             o->export_dtype.c_str());
+        return "";
+    }
+    for (const std::string& name : given)
+        if (is_export_flag(name))
+            return strprintf("%s is an option of export (./train_fp8 export CKPT OUT_DIR %s ...), not of training",
+                             name.c_str(), name.c_str());
     // cross-flag rules
     bool known = false;
     for (const char* p : TRAIN_MODEL_PRESETS) known |= o->model == p;
@@ -267,19 +360,25 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     }
     problem = model_tp_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp));
     if (!problem.empty()) return strprintf("--tp %d: %s", o->tp, problem.c_str());
+    problem = train_size_problem(*o, model_config_from_options(*o, BYTE_VOCAB));
+    if (!problem.empty()) return problem;
     if (o->tp > 1 && o->update_clip)
         return strprintf("--update-clip with --tp %d: update clipping divides by each tensor's update RMS, which a rank "
                          "sees only for its shard; drop one of the two", o->tp);
-    if (o->out.empty()) o->out = o->resume;
+    if (o->out.empty()) {   // the resumed run's folder (that of a checkpoint file given by name)
+        struct stat st;
+        bool is_file = stat(o->resume.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+        o->out = is_file ? path_folder(o->resume) : o->resume;
+    }
     return "";
 }
 
 // ----------------------------------------------------------------------------------------------
-// 2. Checkpoints.
-// DIR/ckpt.bin, little-endian, version 1. Written whole to DIR/ckpt.bin.tmp, then renamed over ckpt.bin,
-// so a crash mid-write leaves the previous checkpoint intact.
+// 2. Checkpoints: the format.
+// DIR/ckpt-STEP.bin (STEP in 8 digits, one file per checkpoint; DIR/latest names the newest: section 3),
+// little-endian, version 2.
 //   bytes 0..255   CheckpointHeader (below; offsets in the comments)
-//     0  u32  magic 0x38504654 (the bytes "TFP8")        4  u32  version (1)
+//     0  u32  magic 0x38504654 (the bytes "TFP8")        4  u32  version (2)
 //     8  u32  build precision: 8 = PRECISION=FP8, 16 = PRECISION=BF16
 //    12  u32  header size in bytes (256)
 //    16  i32 x 8  ModelConfig: vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq_len
@@ -290,18 +389,22 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 //   104  u64 x 2  train data loader state: epoch, batch position within the epoch
 //   120  u64  sampling RNG state (splitmix64)        128  u64  number of parameters N
 //   136  i32 x 3  FP8 recipe: amax history length, quantization interval, FP8 in all layers (0/1)
-//   148  u32  bytes of one Fp8Meta                   152  u64  number K of model Fp8Meta (FP8 build 12 L, BF16 0)
-//   160  u32  P, the tensor-parallel size that wrote the file (1 without TP; 0, from before TP existed, reads as 1)
-//   164..255  zero
-// P = 1:
-//   256..  the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
-//          version, m and v types, tensor count, optimizer step, N, a hash of the tensor layout), then the
-//          FP32 master weights (N x f32, in the order of model_param_specs), m, v, and the
-//          per-tensor Fp8Meta of each FP8 moment.
+//   148  u32  bytes of one Fp8Meta                   152  u64  number K of model Fp8Meta per rank (FP8 build 12 L, BF16 0)
+//   160  u32  P, the tensor-parallel size that wrote the file
+//   164  i32  FP8 fast accumulation in the forward GEMMs (--fp8-fast-accum)     168  i32  --tp-amax-sync (0/1)
+//   172  u32  zero                                   176  u64  payload bytes S: the file is 256 + S bytes long
+//   184  u64  XXH64 (seed 0) of the payload, bytes 256 .. 256+S-1
+//   192..247  zero
+//   248  u64  XXH64 (seed 0) of the header's bytes 0..247
+// The payload at P = 1:
+//   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
+//          version, m and v types, tensor count, optimizer step, N, a hash of the tensor layout), then from byte
+//          296 the FP32 master weights (N x f32, in the order of model_param_specs), m, v, and the per-tensor
+//          Fp8Meta of each FP8 moment.
 //   then   K x Fp8Meta: the scales of the model's FP8 linears (X, W, dY of wqkv, wo, w_gate_up, w_down of each
 //          layer, llama2.cuh's ModelFp8::metas; the amax histories of delayed scaling); the file ends there.
-// P > 1 (tensor parallelism):
-//   256..  the whole FP32 master weights, N x f32 in the order of model_param_specs (the shards put back)
+// The payload at P > 1 (tensor parallelism):
+//   256    the whole FP32 master weights, N x f32 in the order of model_param_specs (the shards put back)
 //   then   P optimizer states as adamw_save writes them, rank 0 first: each rank's shard (its master weights
 //          again, m, v and their per-shard FP8 scales), in model_param_specs(c, P) order
 //   then   P x K Fp8Meta: each rank's FP8 scales, rank 0 first; the file ends there.
@@ -315,11 +418,11 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 // layout stores the master weights twice (whole for resharding, per rank for an exact same-P resume):
 // 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
-// build precision, model config, B, T, total batch and seed; --steps, --lr and the schedule may change
-// (the schedule is a function of the step), though changing them breaks the equality with an
-// uninterrupted run.
+// build precision, model config, B, T, total batch, seed, the FP8 recipe, fast accumulation and amax sync;
+// --steps, --lr and the schedule may change (the schedule is a function of the step), though changing them
+// breaks the equality with an uninterrupted run.
 constexpr uint32_t CKPT_MAGIC = 0x38504654;   // "TFP8" as little-endian bytes
-constexpr uint32_t CKPT_VERSION = 1;
+constexpr uint32_t CKPT_VERSION = 2;
 #if defined(PRECISION_FP8)
 constexpr uint32_t BUILD_PRECISION = 8;
 #else
@@ -341,7 +444,11 @@ struct CheckpointHeader {
     uint32_t fp8_meta_bytes;
     uint64_t fp8_meta_count;
     uint32_t tp_size;
-    uint8_t reserved[92];
+    int32_t fp8_fast_accum, tp_amax_sync;
+    uint32_t zero0;
+    uint64_t payload_bytes, payload_xxh64;
+    uint8_t reserved[56];
+    uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
               offsetof(CheckpointHeader, norm_eps) == 48 && offsetof(CheckpointHeader, batch) == 56 &&
@@ -349,10 +456,93 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, loader_epoch) == 104 && offsetof(CheckpointHeader, sample_rng) == 120 &&
               offsetof(CheckpointHeader, num_params) == 128 && offsetof(CheckpointHeader, amax_history) == 136 &&
               offsetof(CheckpointHeader, fp8_meta_bytes) == 148 && offsetof(CheckpointHeader, fp8_meta_count) == 152 &&
-              offsetof(CheckpointHeader, tp_size) == 160 && offsetof(CheckpointHeader, reserved) == 164,
+              offsetof(CheckpointHeader, tp_size) == 160 && offsetof(CheckpointHeader, fp8_fast_accum) == 164 &&
+              offsetof(CheckpointHeader, tp_amax_sync) == 168 && offsetof(CheckpointHeader, payload_bytes) == 176 &&
+              offsetof(CheckpointHeader, payload_xxh64) == 184 && offsetof(CheckpointHeader, reserved) == 192 &&
+              offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
-// The header this build and these options would write (run-state fields zero).
+// ---- XXH64, the checksum (xxHash's 64-bit hash, written from its specification): four 64-bit lanes eat 32-byte
+// stripes (lane = rotl(lane + input * P2, 31) * P1), then the lanes are merged, the tail of fewer than 32 bytes
+// mixed in, and the result avalanched. Streaming: update() any number of times, then digest(). A flipped bit
+// anywhere changes the result; 3 GB/s on one core of the 2-core development machine (a 45 GB 7B checkpoint: ~15 s).
+constexpr uint64_t XXH_P1 = 0x9E3779B185EBCA87ull, XXH_P2 = 0xC2B2AE3D27D4EB4Full, XXH_P3 = 0x165667B19E3779F9ull,
+                   XXH_P4 = 0x85EBCA77C2B2AE63ull, XXH_P5 = 0x27D4EB2F165667C5ull;
+struct Xxh64 {
+    uint64_t seed, lanes[4], total;
+    unsigned char tail[32];   // bytes of a stripe not yet complete
+    size_t tail_len;
+};
+inline uint64_t xxh64_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t xxh64_round(uint64_t lane, uint64_t input) { return xxh64_rotl(lane + input * XXH_P2, 31) * XXH_P1; }
+inline uint64_t xxh64_read64(const unsigned char* p) { uint64_t v; memcpy(&v, p, 8); return v; }   // little-endian hosts
+// `count` stripes from p (the lanes in registers meanwhile); returns the end.
+inline const unsigned char* xxh64_stripes(Xxh64* s, const unsigned char* p, size_t count) {
+    uint64_t v0 = s->lanes[0], v1 = s->lanes[1], v2 = s->lanes[2], v3 = s->lanes[3];
+    for (size_t i = 0; i < count; i++, p += 32) {
+        v0 = xxh64_round(v0, xxh64_read64(p));
+        v1 = xxh64_round(v1, xxh64_read64(p + 8));
+        v2 = xxh64_round(v2, xxh64_read64(p + 16));
+        v3 = xxh64_round(v3, xxh64_read64(p + 24));
+    }
+    s->lanes[0] = v0; s->lanes[1] = v1; s->lanes[2] = v2; s->lanes[3] = v3;
+    return p;
+}
+inline Xxh64 xxh64_begin(uint64_t seed = 0) {
+    return Xxh64{seed, {seed + XXH_P1 + XXH_P2, seed + XXH_P2, seed, seed - XXH_P1}, 0, {}, 0};
+}
+inline void xxh64_update(Xxh64* s, const void* data, size_t n) {
+    const unsigned char* p = (const unsigned char*)data;
+    s->total += n;
+    if (s->tail_len > 0) {   // complete the stripe the last call began
+        size_t take = std::min(n, 32 - s->tail_len);
+        memcpy(s->tail + s->tail_len, p, take);
+        s->tail_len += take;
+        p += take;
+        n -= take;
+        if (s->tail_len < 32) return;
+        xxh64_stripes(s, s->tail, 1);
+        s->tail_len = 0;
+    }
+    p = xxh64_stripes(s, p, n / 32);
+    s->tail_len = n % 32;
+    memcpy(s->tail, p, s->tail_len);
+}
+inline uint64_t xxh64_digest(const Xxh64& s) {
+    uint64_t h;
+    if (s.total >= 32) {
+        h = xxh64_rotl(s.lanes[0], 1) + xxh64_rotl(s.lanes[1], 7) + xxh64_rotl(s.lanes[2], 12) + xxh64_rotl(s.lanes[3], 18);
+        for (int i = 0; i < 4; i++) h = (h ^ xxh64_round(0, s.lanes[i])) * XXH_P1 + XXH_P4;
+    } else {
+        h = s.seed + XXH_P5;
+    }
+    h += s.total;
+    const unsigned char* p = s.tail;
+    size_t n = s.tail_len;
+    for (; n >= 8; p += 8, n -= 8) h = xxh64_rotl(h ^ xxh64_round(0, xxh64_read64(p)), 27) * XXH_P1 + XXH_P4;
+    if (n >= 4) {
+        uint32_t w;
+        memcpy(&w, p, 4);
+        h = xxh64_rotl(h ^ (w * XXH_P1), 23) * XXH_P2 + XXH_P3;
+        p += 4;
+        n -= 4;
+    }
+    for (; n > 0; p++, n--) h = xxh64_rotl(h ^ (*p * XXH_P5), 11) * XXH_P1;
+    h ^= h >> 33;
+    h *= XXH_P2;
+    h ^= h >> 29;
+    h *= XXH_P3;
+    h ^= h >> 32;
+    return h;
+}
+inline uint64_t xxh64(const void* data, size_t n, uint64_t seed = 0) {
+    Xxh64 s = xxh64_begin(seed);
+    xxh64_update(&s, data, n);
+    return xxh64_digest(s);
+}
+inline uint64_t checkpoint_header_xxh64(const CheckpointHeader& h) { return xxh64(&h, offsetof(CheckpointHeader, header_xxh64)); }
+
+// The header this build and these options would write (run-state fields and checksums zero).
 inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainOptions& o) {
     CheckpointHeader h;
     memset(&h, 0, sizeof(h));
@@ -371,17 +561,18 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.fp8_meta_bytes = sizeof(Fp8Meta);
     h.fp8_meta_count = BUILD_PRECISION == 8 ? (uint64_t)c.n_layers * 4 * 3 : 0;   // 4 linears per layer, X W dY each (per rank)
     h.tp_size = (uint32_t)std::max(1, o.tp);
+    h.fp8_fast_accum = o.fp8_fast_accum;
+    h.tp_amax_sync = o.tp_amax_sync ? 1 : 0;
     return h;
 }
 
-// "" if a checkpoint with header `got` can continue the run described by `want`, else the reason.
+inline ModelConfig checkpoint_model_config(const CheckpointHeader& h) {
+    return ModelConfig{h.vocab_size, h.dim, h.n_layers, h.n_heads, h.n_kv_heads, h.head_dim, h.ffn_dim, h.max_seq_len,
+                       h.norm_eps, h.rope_theta};
+}
+
+// "" if a checkpoint with header `got` (verified: section 3) can continue the run described by `want`, else the reason.
 inline std::string checkpoint_header_check(const CheckpointHeader& got, const CheckpointHeader& want, const char* path) {
-    if (got.magic != CKPT_MAGIC)
-        return strprintf("%s: not a train_fp8 checkpoint (magic 0x%08x, expected 0x%08x \"TFP8\")", path, got.magic, CKPT_MAGIC);
-    if (got.version != CKPT_VERSION)
-        return strprintf("%s: checkpoint format version %u, this build reads version %u", path, got.version, CKPT_VERSION);
-    if (got.header_bytes != sizeof(CheckpointHeader))
-        return strprintf("%s: header size %u, expected %zu: damaged file", path, got.header_bytes, sizeof(CheckpointHeader));
     auto precision_name = [](uint32_t p) { return p == 8 ? "PRECISION=FP8" : p == 16 ? "PRECISION=BF16" : "unknown"; };
     if (got.precision != want.precision)
         return strprintf("%s: written by a %s build (code %u), this is a %s build; resume with the build that wrote it",
@@ -398,6 +589,8 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"FP8 amax history (--amax-history)", got.amax_history, want.amax_history},
         {"FP8 quantization interval (--quant-interval)", got.quant_interval, want.quant_interval},
         {"FP8 in all layers (--fp8-all-layers)", got.fp8_all_layers, want.fp8_all_layers},
+        {"FP8 fast accumulation (--fp8-fast-accum)", got.fp8_fast_accum, want.fp8_fast_accum},
+        {"FP8 amax MAX over the TP group (--tp-amax-sync)", got.tp_amax_sync, want.tp_amax_sync},
         {"Fp8Meta size in bytes", got.fp8_meta_bytes, want.fp8_meta_bytes},
         {"number of FP8 scale records", (long long)got.fp8_meta_count, (long long)want.fp8_meta_count},
     };
@@ -411,19 +604,213 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
     return "";
 }
 
-// Read the header of `path` into *h; "" or the reason (missing, short).
+// Reads the header of `path` into *h: "" or the reason (missing, not a checkpoint, shorter than a header).
 inline std::string checkpoint_read_header(const char* path, CheckpointHeader* h) {
     FILE* f = fopen(path, "rb");
     if (!f) return strprintf("cannot open checkpoint %s: %s", path, strerror(errno));
+    memset(h, 0, sizeof(*h));
     size_t got = fread(h, 1, sizeof(*h), f);
     fclose(f);
+    if (got >= sizeof(h->magic) && h->magic != CKPT_MAGIC)
+        return strprintf("%s: not a train_fp8 checkpoint (magic 0x%08x, expected 0x%08x \"TFP8\")", path, h->magic, CKPT_MAGIC);
     if (got != sizeof(*h)) return strprintf("%s: %zu bytes, shorter than the %zu-byte checkpoint header", path, got, sizeof(*h));
     return "";
 }
-// ----------------------------------------------------------------------------------------------
-// 3. Checkpoint files: the header above, the optimizer state (master weights first), the model's FP8 scales.
 
-inline std::string checkpoint_path(const std::string& dir) { return dir + "/ckpt.bin"; }
+// ----------------------------------------------------------------------------------------------
+// 3. Checkpoint files, and the run's CSV logs.
+// Every file is written durably: to NAME.tmp, flushed to the disk (fsync), renamed over NAME, then the folder
+// flushed too (the rename is a change of the folder), so that a crash at any moment leaves the old file or the new
+// one, whole. A checkpoint is ckpt-STEP.bin; DIR/latest, one line, names the newest; --keep-checkpoints K removes
+// the older files beyond the newest K, after the new one and `latest` are on the disk. A checkpoint is read only
+// after checkpoint_verify: its size is the one its header gives, and both checksums match.
+
+constexpr size_t CKPT_IO_CHUNK = 16u << 20;
+
+inline std::string checkpoint_file_name(long step) { return strprintf("ckpt-%08ld.bin", step); }
+// The step of a checkpoint file's name ("ckpt-<digits>.bin"), or false.
+inline bool checkpoint_file_step(const std::string& name, long* step) {
+    if (name.size() < 10 || name.size() > 24 || name.compare(0, 5, "ckpt-") != 0 || name.compare(name.size() - 4, 4, ".bin") != 0)
+        return false;
+    for (size_t i = 5; i < name.size() - 4; i++) if (!isdigit((unsigned char)name[i])) return false;
+    *step = strtol(name.c_str() + 5, nullptr, 10);
+    return true;
+}
+
+// mkdir -p
+inline void make_dirs(const std::string& dir) {
+    for (size_t i = 1; i <= dir.size(); i++) {
+        if (i < dir.size() && dir[i] != '/') continue;
+        std::string part = dir.substr(0, i);
+        if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) fail("cannot create folder %s: %s", part.c_str(), strerror(errno));
+    }
+}
+
+inline void fsync_folder(const std::string& dir) {
+    int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+    if (fd < 0 || fsync(fd) != 0) fail("cannot flush folder %s to the disk: %s", dir.c_str(), strerror(errno));
+    close(fd);
+}
+
+inline void write_bytes(FILE* f, const void* data, size_t bytes, const std::string& path) {
+    if (bytes > 0 && fwrite(data, 1, bytes, f) != bytes) fail("writing %s failed: %s (disk full?)", path.c_str(), strerror(errno));
+}
+
+// Writes `path` durably: write(f, tmp_path) fills PATH.tmp (opened for writing and reading), then fsync, rename over
+// `path`, fsync of the folder. An error is fatal and leaves `path` as it was.
+inline void write_file_durably(const std::string& path, const std::function<void(FILE*, const std::string&)>& write) {
+    const std::string tmp = path + ".tmp";
+    FILE* f = fopen(tmp.c_str(), "w+b");
+    if (!f) fail("cannot write %s: %s", tmp.c_str(), strerror(errno));
+    write(f, tmp);
+    if (fflush(f) != 0 || fsync(fileno(f)) != 0) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
+    if (fclose(f) != 0) fail("closing %s failed: %s", tmp.c_str(), strerror(errno));
+    if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
+    fsync_folder(path_folder(path));
+}
+
+// XXH64 of the next `bytes` bytes of f; false if the file ends first.
+inline bool xxh64_file_range(FILE* f, uint64_t bytes, uint64_t* hash) {
+    Xxh64 s = xxh64_begin();
+    std::vector<unsigned char> buffer(CKPT_IO_CHUNK);
+    for (uint64_t done = 0; done < bytes;) {
+        size_t n = (size_t)std::min<uint64_t>(buffer.size(), bytes - done);
+        if (fread(buffer.data(), 1, n, f) != n) return false;
+        xxh64_update(&s, buffer.data(), n);
+        done += n;
+    }
+    *hash = xxh64_digest(s);
+    return true;
+}
+
+// Removes DIR's checkpoint files beyond the newest `keep` of those up to `step`; files of later steps (left by a run
+// that went on past the checkpoint this one resumed from) stay, and are replaced as this run reaches their steps.
+// Returns the names removed.
+inline std::vector<std::string> checkpoint_remove_old(const std::string& dir, long step, int keep) {
+    std::vector<std::pair<long, std::string>> files;
+    DIR* d = opendir(dir.c_str());
+    if (!d) fail("cannot list folder %s: %s", dir.c_str(), strerror(errno));
+    for (dirent* e = readdir(d); e; e = readdir(d)) {
+        long s;
+        if (checkpoint_file_step(e->d_name, &s) && s <= step) files.push_back({s, e->d_name});
+    }
+    closedir(d);
+    std::sort(files.rbegin(), files.rend());   // newest first
+    std::vector<std::string> removed;
+    for (size_t i = (size_t)keep; i < files.size(); i++) {
+        std::string path = dir + "/" + files[i].second;
+        if (remove(path.c_str()) != 0) fail("cannot remove the old checkpoint %s: %s", path.c_str(), strerror(errno));
+        removed.push_back(files[i].second);
+    }
+    if (!removed.empty()) fsync_folder(dir);
+    return removed;
+}
+
+// Writes DIR/ckpt-STEP.bin (STEP = h.step): the header, the payload that write_payload(f, tmp_path) puts after it,
+// and into the header the payload's size and checksum, read back from the file, and the header's checksum; then
+// DIR/latest; then removes the checkpoints beyond the newest `keep` (0: none). Returns the checkpoint's path.
+inline std::string checkpoint_write(const std::string& dir, CheckpointHeader h, int keep,
+                                    const std::function<void(FILE*, const std::string&)>& write_payload) {
+    const std::string name = checkpoint_file_name((long)h.step), path = dir + "/" + name;
+    write_file_durably(path, [&](FILE* f, const std::string& tmp) {
+        h.payload_bytes = h.payload_xxh64 = h.header_xxh64 = 0;
+        write_bytes(f, &h, sizeof(h), tmp);
+        write_payload(f, tmp);
+        if (fflush(f) != 0) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
+        h.payload_bytes = (uint64_t)ftello(f) - sizeof(h);
+        if (fseeko(f, sizeof(h), SEEK_SET) != 0 || !xxh64_file_range(f, h.payload_bytes, &h.payload_xxh64))
+            fail("%s: cannot read back the %llu bytes just written", tmp.c_str(), (unsigned long long)h.payload_bytes);
+        h.header_xxh64 = checkpoint_header_xxh64(h);
+        if (fseeko(f, 0, SEEK_SET) != 0) fail("%s: cannot seek to its header: %s", tmp.c_str(), strerror(errno));
+        write_bytes(f, &h, sizeof(h), tmp);
+    });
+    write_file_durably(dir + "/latest", [&](FILE* f, const std::string& tmp) { write_bytes(f, (name + "\n").data(), name.size() + 1, tmp); });
+    if (keep > 0)
+        for (const std::string& old : checkpoint_remove_old(dir, (long)h.step, keep))
+            printf("checkpoint: removed %s/%s (--keep-checkpoints %d)\n", dir.c_str(), old.c_str(), keep);
+    return path;
+}
+
+// The checkpoint file that `where` names: a file, or a run's folder (the file its `latest` names; a folder of the
+// version 1 layout has ckpt.bin instead, which checkpoint_verify then refuses by its version). "" or the reason.
+inline std::string checkpoint_resolve(const std::string& where, std::string* path) {
+    struct stat st;
+    if (stat(where.c_str(), &st) != 0) return strprintf("%s: no such checkpoint file or run folder (%s)", where.c_str(), strerror(errno));
+    if (S_ISREG(st.st_mode)) {
+        *path = where;
+        return "";
+    }
+    if (!S_ISDIR(st.st_mode)) return strprintf("%s: neither a checkpoint file nor a run folder", where.c_str());
+    const std::string latest = where + "/latest";
+    FILE* f = fopen(latest.c_str(), "rb");
+    if (!f) {
+        *path = where + "/ckpt.bin";
+        if (stat(path->c_str(), &st) == 0) return "";
+        return strprintf("%s holds no checkpoint (no %s): nothing to resume or export there", where.c_str(), latest.c_str());
+    }
+    char line[256] = {0};
+    bool read = fgets(line, sizeof(line), f) != nullptr;
+    fclose(f);
+    std::string name = read ? std::string(line, strcspn(line, "\n")) : "";
+    long step;
+    if (!checkpoint_file_step(name, &step))
+        return strprintf("%s does not name a checkpoint (ckpt-STEP.bin): damaged; name a checkpoint file of %s instead",
+                         latest.c_str(), where.c_str());
+    *path = where + "/" + name;
+    if (stat(path->c_str(), &st) != 0)
+        return strprintf("%s names %s, which is missing (%s): name another checkpoint file of %s", latest.c_str(), name.c_str(),
+                         strerror(errno), where.c_str());
+    return "";
+}
+
+// Reads and checks checkpoint `path` whole before anything of it is used: the header (magic, version, its checksum,
+// a valid model), the file's size against the header's, and the payload's checksum. "" or the reason, naming the
+// file and the bytes at fault.
+inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* h) {
+    const char* p = path.c_str();
+    std::string err = checkpoint_read_header(p, h);
+    if (!err.empty()) return err;
+    if (h->version == 1)
+        return strprintf("%s: a version 1 checkpoint (from before checksums and step-numbered files); this build reads "
+                         "version %u only: resume or export it with the train_fp8 that wrote it", p, CKPT_VERSION);
+    if (h->version != CKPT_VERSION)
+        return strprintf("%s: checkpoint format version %u, this build reads version %u (a newer train_fp8 wrote it?)", p,
+                         h->version, CKPT_VERSION);
+    const uint64_t header_sum = checkpoint_header_xxh64(*h);
+    if (h->header_bytes != sizeof(CheckpointHeader) || header_sum != h->header_xxh64)
+        return strprintf("%s: bytes 0 to %zu (the header) do not match their checksum (stored %016llx, computed %016llx): the "
+                         "file is damaged; use another checkpoint", p, offsetof(CheckpointHeader, header_xxh64) - 1,
+                         (unsigned long long)h->header_xxh64, (unsigned long long)header_sum);
+    const ModelConfig c = checkpoint_model_config(*h);
+    std::string problem = model_config_problem(c);
+    if (problem.empty() && h->tp_size >= 1) problem = model_tp_problem(c, (int)h->tp_size);
+    if (problem.empty() && h->num_params != model_num_params(c)) problem = "its parameter count does not fit its model";
+    if (!problem.empty() || (h->precision != 8 && h->precision != 16) || h->tp_size < 1)
+        return strprintf("%s: a header with a valid checksum but invalid contents (%s; precision %u, tp %u): written by a "
+                         "defective build", p, problem.c_str(), h->precision, h->tp_size);
+    struct stat st;
+    if (stat(p, &st) != 0) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
+    const uint64_t size = (uint64_t)st.st_size, want = sizeof(CheckpointHeader) + h->payload_bytes;
+    if (size < want)
+        return strprintf("%s: %llu bytes, its header says %llu (256 + %llu of payload): truncated, bytes %llu to %llu are "
+                         "missing; use another checkpoint", p, (unsigned long long)size, (unsigned long long)want,
+                         (unsigned long long)h->payload_bytes, (unsigned long long)size, (unsigned long long)want - 1);
+    if (size > want)
+        return strprintf("%s: %llu bytes, its header says %llu: bytes %llu to %llu are extra; damaged file", p,
+                         (unsigned long long)size, (unsigned long long)want, (unsigned long long)want, (unsigned long long)size - 1);
+    FILE* f = fopen(p, "rb");
+    if (!f) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
+    uint64_t payload_sum = 0;
+    bool whole = fseeko(f, sizeof(CheckpointHeader), SEEK_SET) == 0 && xxh64_file_range(f, h->payload_bytes, &payload_sum);
+    fclose(f);
+    if (!whole) return strprintf("%s: cannot read bytes 256 to %llu", p, (unsigned long long)want - 1);
+    if (payload_sum != h->payload_xxh64)
+        return strprintf("%s: bytes 256 to %llu (the payload: weights, optimizer state, FP8 scales) do not match their "
+                         "checksum (stored %016llx, computed %016llx): the file is damaged; use another checkpoint (the run "
+                         "folder keeps the newest --keep-checkpoints of them)", p, (unsigned long long)want - 1,
+                         (unsigned long long)h->payload_xxh64, (unsigned long long)payload_sum);
+    return "";
+}
 
 // The model's FP8 scale records (FP8 build: ModelFp8::metas; none in the BF16 build).
 inline Fp8Meta* model_fp8_metas(Model* m) {
@@ -442,42 +829,37 @@ inline size_t adamw_saved_bytes(const AdamW* opt) {
     return bytes;
 }
 
-// opts[r] and models[r] are rank r's (one of each without TP), their streams idle; h.tp_size == opts.size().
-inline void checkpoint_save(const std::string& dir, const CheckpointHeader& h, const std::vector<const AdamW*>& opts,
-                            const std::vector<Model*>& models) {
+// Writes checkpoint DIR/ckpt-STEP.bin of the run (header h, its step set) and keeps the newest `keep` (section 2 has
+// the payload). opts[r] and models[r] are rank r's (one of each without TP), their streams idle; h.tp_size ==
+// opts.size(). Returns the file's path.
+inline std::string checkpoint_save(const std::string& dir, const CheckpointHeader& h, int keep,
+                                   const std::vector<const AdamW*>& opts, const std::vector<Model*>& models) {
     const int P = (int)opts.size();
     if ((int)h.tp_size != P) fail("checkpoint_save: the header says tp_size %u, %d ranks given", h.tp_size, P);
-    std::string path = checkpoint_path(dir), tmp = path + ".tmp";
-    FILE* f = fopen(tmp.c_str(), "wb");
-    if (!f) fail("cannot write checkpoint %s: %s", tmp.c_str(), strerror(errno));
-    if (fwrite(&h, sizeof(h), 1, f) != 1) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
-    if (P > 1) {   // the whole master weights: every rank's shard put back in its place
-        const ModelConfig& c = models[0]->config;
-        std::vector<float> whole(h.num_params), shard(opts[0]->num_params);
-        for (int r = 0; r < P; r++) {
-            cudaCheck(cudaMemcpy(shard.data(), opts[r]->master, shard.size() * sizeof(float), cudaMemcpyDeviceToHost));
-            model_copy_shard(c, P, r, whole.data(), shard.data(), false);
+    return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
+        if (P > 1) {   // the whole master weights: every rank's shard put back in its place
+            const ModelConfig& c = models[0]->config;
+            std::vector<float> whole(h.num_params), shard(opts[0]->num_params);
+            for (int r = 0; r < P; r++) {
+                cudaCheck(cudaMemcpy(shard.data(), opts[r]->master, shard.size() * sizeof(float), cudaMemcpyDeviceToHost));
+                model_copy_shard(c, P, r, whole.data(), shard.data(), false);
+            }
+            write_bytes(f, whole.data(), whole.size() * sizeof(float), tmp);
         }
-        if (fwrite(whole.data(), sizeof(float), whole.size(), f) != whole.size())
-            fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
-    }
-    for (const AdamW* opt : opts) adamw_save(opt, f);
-    std::vector<Fp8Meta> metas(h.fp8_meta_count);
-    for (Model* model : models) {
-        if (metas.empty()) break;
-        cudaCheck(cudaMemcpy(metas.data(), model_fp8_metas(model), metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
-        if (fwrite(metas.data(), sizeof(Fp8Meta), metas.size(), f) != metas.size())
-            fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
-    }
-    if (fflush(f) != 0 || fsync(fileno(f)) != 0) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
-    if (fclose(f) != 0) fail("closing %s failed: %s", tmp.c_str(), strerror(errno));
-    if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
+        for (const AdamW* opt : opts) adamw_save(opt, f);
+        std::vector<Fp8Meta> metas(h.fp8_meta_count);
+        for (Model* model : models) {
+            if (metas.empty()) break;
+            cudaCheck(cudaMemcpy(metas.data(), model_fp8_metas(model), metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
+            write_bytes(f, metas.data(), metas.size() * sizeof(Fp8Meta), tmp);
+        }
+    });
 }
 
-// Resume at the TP size that wrote the file (header h, already checked): rank `rank` of the model's tp_size
-// reads its optimizer state into opt, sets the model's weights from its master weights, then puts its saved
-// FP8 scales over the ones that rebuilding the FP8 weight copies just wrote, so that every scale, amax history
-// and counter is the uninterrupted run's. Runs on the rank's thread (its GPU current).
+// Resume at the TP size that wrote the file (header h, verified): rank `rank` of the model's tp_size reads its
+// optimizer state into opt, sets the model's weights from its master weights, then puts its saved FP8 scales over
+// the ones that rebuilding the FP8 weight copies just wrote, so that every scale, amax history and counter is the
+// uninterrupted run's. Runs on the rank's thread (its GPU current).
 inline void checkpoint_load_rank(const std::string& path, const CheckpointHeader& h, AdamW* opt, Model* model, int rank) {
     const int P = model->tp_size;
     const long whole = P > 1 ? (long)(h.num_params * sizeof(float)) : 0L, state = (long)adamw_saved_bytes(opt);
@@ -501,8 +883,8 @@ inline void checkpoint_load_rank(const std::string& path, const CheckpointHeader
     fclose(f);
 }
 
-// The whole FP32 master weights of checkpoint `path` (header h, already checked), whatever TP size wrote it:
-// for resuming at another TP size (the caller cuts them into the new shards).
+// The whole FP32 master weights of checkpoint `path` (header h, verified), whatever TP size wrote it: for resuming
+// at another TP size (the caller cuts them into the new shards) and for export (section 4). Host only.
 inline std::vector<float> checkpoint_read_master(const std::string& path, const CheckpointHeader& h) {
     FILE* f = fopen(path.c_str(), "rb");
     if (!f) fail("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
@@ -519,17 +901,267 @@ inline std::vector<float> checkpoint_read_master(const std::string& path, const 
     return master;
 }
 
-// mkdir -p
-inline void make_dirs(const std::string& dir) {
-    for (size_t i = 1; i <= dir.size(); i++) {
-        if (i < dir.size() && dir[i] != '/') continue;
-        std::string part = dir.substr(0, i);
-        if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) fail("cannot create folder %s: %s", part.c_str(), strerror(errno));
+// A run's CSV log DIR/NAME (first line `header`, then one row per line starting with its step), opened for appending.
+// A new run (keep_through_step < 0) starts it over. A resumed run keeps the rows up to its checkpoint's step and drops
+// the later ones (a run that went on past that checkpoint wrote them, and this run writes those steps again) by
+// rewriting the file durably, so that the log of a resumed run equals an uninterrupted run's. A last line without its
+// newline (a crash in the middle of a row) is dropped too.
+inline FILE* open_run_csv(const std::string& dir, const char* name, const char* header, long keep_through_step) {
+    const std::string path = dir + "/" + name;
+    std::string kept = std::string(header) + "\n", text;
+    FILE* old = keep_through_step >= 0 ? fopen(path.c_str(), "rb") : nullptr;
+    if (old) {
+        char buffer[1 << 16];
+        for (size_t n; (n = fread(buffer, 1, sizeof(buffer), old)) > 0;) text.append(buffer, n);
+        fclose(old);
     }
+    for (size_t start = 0, end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+        const std::string line = text.substr(start, end - start);
+        if (start == 0) {
+            if (line != header)
+                fail("%s: its columns are '%s', this build writes '%s': move the file away, or resume into another --out",
+                     path.c_str(), line.c_str(), header);
+            continue;
+        }
+        char* after = nullptr;
+        long step = strtol(line.c_str(), &after, 10);
+        if (after != line.c_str() && *after == ',' && step <= keep_through_step) kept += line + "\n";
+    }
+    write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, kept.data(), kept.size(), tmp); });
+    FILE* f = fopen(path.c_str(), "a");
+    if (!f) fail("cannot write %s: %s", path.c_str(), strerror(errno));
+    return f;
 }
 
 // ----------------------------------------------------------------------------------------------
-// 4. Evaluation and sampling.
+// 4. Export: a checkpoint's FP32 master weights, read on the host (no GPU needed), as
+//   --format hf       OUT_DIR/config.json and OUT_DIR/model.safetensors (BF16 or FP32): transformers' LlamaForCausalLM
+//   --format llama2c  OUT_DIR/model.bin, llama2.c's run.c format (7 x int32 config, then FP32 weights in its order),
+//                     and for a byte-level model OUT_DIR/tokenizer.bin: its 256 tokens, token i the byte i
+// RoPE. Ours (Meta's LLaMA code, llama2.c) rotates each adjacent pair (2i, 2i+1) of a head by pos * theta^(-2i/HD);
+// transformers' rotate_half rotates (i, i + HD/2) by the same angle. Putting row 2i of each head of wq and wk at row
+// i and row 2i+1 at HD/2 + i turns one into the other: q and k come out in the new order, each rotated pair where
+// rotate_half expects it, and q.k sums the same products. llama2.c's convention is ours: its weights are copied as
+// they are. wqkv splits into q_proj, k_proj, v_proj (llama2.c: wq, wk, wv), w_gate_up into gate_proj and up_proj
+// (llama2.c: w1 and w3).
+
+// One exported tensor: row i is row rows[i] of a row-major FP32 source `cols` wide (a 1-D tensor: one row).
+struct ExportTensor {
+    std::string name;
+    std::vector<int64_t> shape;
+    const float* src;
+    int cols;
+    std::vector<int> rows;
+};
+inline std::vector<int> export_row_range(int first, int count) {
+    std::vector<int> rows(count);
+    for (int i = 0; i < count; i++) rows[i] = first + i;
+    return rows;
+}
+// The rows first .. first + heads*HD - 1 (a Q or K block of wqkv), each head's rows from adjacent pairs to halves.
+inline std::vector<int> export_rope_rows_to_halves(int first, int heads, int HD) {
+    std::vector<int> rows;
+    for (int h = 0; h < heads; h++)
+        for (int r = 0; r < HD; r++) rows.push_back(first + h * HD + (r < HD / 2 ? 2 * r : 2 * (r - HD / 2) + 1));
+    return rows;
+}
+// Tensor `param` of the flat master weights (model_param_specs order): a matrix, its rows `rows` (default all).
+inline ExportTensor export_matrix(const ModelConfig& c, const float* master, int param, const std::string& name,
+                                  std::vector<int> rows = {}) {
+    const TensorSpec s = model_param_specs(c)[param];
+    if (rows.empty()) rows = export_row_range(0, s.rows);
+    return ExportTensor{name, {(int64_t)rows.size(), s.cols}, master + s.offset, s.cols, rows};
+}
+inline ExportTensor export_vector(const ModelConfig& c, const float* master, int param, const std::string& name) {
+    const TensorSpec s = model_param_specs(c)[param];
+    return ExportTensor{name, {(int64_t)s.numel}, master + s.offset, (int)s.numel, {0}};
+}
+
+// transformers' names, q_proj and k_proj in rotate_half order.
+inline std::vector<ExportTensor> export_tensors_hf(const ModelConfig& c, const float* master) {
+    const int HD = c.head_dim, QD = c.n_heads * HD, KVD = c.n_kv_heads * HD, F = c.ffn_dim;
+    std::vector<ExportTensor> t = {export_matrix(c, master, PARAM_TOK_EMBEDDING, "model.embed_tokens.weight")};
+    for (int l = 0; l < c.n_layers; l++) {
+        const std::string p = "model.layers." + std::to_string(l) + ".";
+        t.push_back(export_vector(c, master, param_layer(l, ATTN_NORM), p + "input_layernorm.weight"));
+        t.push_back(export_matrix(c, master, param_layer(l, WQKV), p + "self_attn.q_proj.weight", export_rope_rows_to_halves(0, c.n_heads, HD)));
+        t.push_back(export_matrix(c, master, param_layer(l, WQKV), p + "self_attn.k_proj.weight", export_rope_rows_to_halves(QD, c.n_kv_heads, HD)));
+        t.push_back(export_matrix(c, master, param_layer(l, WQKV), p + "self_attn.v_proj.weight", export_row_range(QD + KVD, KVD)));
+        t.push_back(export_matrix(c, master, param_layer(l, WO), p + "self_attn.o_proj.weight"));
+        t.push_back(export_vector(c, master, param_layer(l, FFN_NORM), p + "post_attention_layernorm.weight"));
+        t.push_back(export_matrix(c, master, param_layer(l, W_GATE_UP), p + "mlp.gate_proj.weight", export_row_range(0, F)));
+        t.push_back(export_matrix(c, master, param_layer(l, W_GATE_UP), p + "mlp.up_proj.weight", export_row_range(F, F)));
+        t.push_back(export_matrix(c, master, param_layer(l, W_DOWN), p + "mlp.down_proj.weight"));
+    }
+    t.push_back(export_vector(c, master, param_final_norm(c), "model.norm.weight"));
+    t.push_back(export_matrix(c, master, param_lm_head(c), "lm_head.weight"));
+    return t;
+}
+
+// llama2.c's order (run.c, memory_map_weights): each kind of tensor for all layers in turn; the RoPE tables
+// [max_seq_len, HD/2] (rope_cos, rope_sin) that older run.c versions read and newer ones skip; lm_head last (unshared).
+inline std::vector<ExportTensor> export_tensors_llama2c(const ModelConfig& c, const float* master, const float* rope_cos,
+                                                        const float* rope_sin) {
+    const int QD = c.n_heads * c.head_dim, KVD = c.n_kv_heads * c.head_dim, F = c.ffn_dim;
+    std::vector<ExportTensor> t = {export_matrix(c, master, PARAM_TOK_EMBEDDING, "token_embedding_table")};
+    auto each_layer = [&](const char* name, const std::function<ExportTensor(int, const std::string&)>& one) {
+        for (int l = 0; l < c.n_layers; l++) t.push_back(one(l, strprintf("%s[%d]", name, l)));
+    };
+    each_layer("rms_att_weight", [&](int l, const std::string& n) { return export_vector(c, master, param_layer(l, ATTN_NORM), n); });
+    each_layer("wq", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WQKV), n, export_row_range(0, QD)); });
+    each_layer("wk", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WQKV), n, export_row_range(QD, KVD)); });
+    each_layer("wv", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WQKV), n, export_row_range(QD + KVD, KVD)); });
+    each_layer("wo", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WO), n); });
+    each_layer("rms_ffn_weight", [&](int l, const std::string& n) { return export_vector(c, master, param_layer(l, FFN_NORM), n); });
+    each_layer("w1", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, W_GATE_UP), n, export_row_range(0, F)); });
+    each_layer("w2", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, W_DOWN), n); });
+    each_layer("w3", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, W_GATE_UP), n, export_row_range(F, F)); });
+    t.push_back(export_vector(c, master, param_final_norm(c), "rms_final_weight"));
+    const int table_cols = c.head_dim / 2;
+    t.push_back(ExportTensor{"freq_cis_real", {c.max_seq_len, table_cols}, rope_cos, table_cols, export_row_range(0, c.max_seq_len)});
+    t.push_back(ExportTensor{"freq_cis_imag", {c.max_seq_len, table_cols}, rope_sin, table_cols, export_row_range(0, c.max_seq_len)});
+    t.push_back(export_matrix(c, master, param_lm_head(c), "wcls"));
+    return t;
+}
+
+inline uint64_t export_tensor_bytes(const ExportTensor& t, bool as_bf16) { return (uint64_t)t.rows.size() * t.cols * (as_bf16 ? 2 : 4); }
+
+// The tensor's rows into f, as FP32 or as BF16 (round to nearest even, as torch's .to(torch.bfloat16)).
+inline void export_write_tensor(FILE* f, const ExportTensor& t, bool as_bf16, const std::string& path) {
+    std::vector<bf16> row16(as_bf16 ? t.cols : 0);
+    for (int r : t.rows) {
+        const float* row = t.src + (size_t)r * t.cols;
+        for (int i = 0; i < (int)row16.size(); i++) row16[i] = __float2bfloat16(row[i]);
+        if (as_bf16) write_bytes(f, row16.data(), row16.size() * sizeof(bf16), path);
+        else write_bytes(f, row, (size_t)t.cols * sizeof(float), path);
+    }
+}
+
+// x as a JSON number that reads back as the same float: a whole number as such (10000.0), else the shortest
+// decimal (1e-05).
+inline std::string json_float(float x) {
+    if (x == std::floor(x) && std::fabs(x) < 1e15f) return strprintf("%.1f", x);
+    std::string s;
+    for (int digits = 1; digits <= 9; digits++) {
+        s = strprintf("%.*g", digits, x);
+        if (strtof(s.c_str(), nullptr) == x) break;
+    }
+    return s;
+}
+
+// safetensors: an 8-byte little-endian length, a JSON header (each tensor's dtype, shape and [begin, end) byte offsets
+// in the data that follows; "__metadata__" holds strings), padded with spaces to a multiple of 8, then the data.
+inline std::string safetensors_header(const std::vector<ExportTensor>& tensors, bool as_bf16) {
+    std::string json = "{\"__metadata__\":{\"format\":\"pt\"}";
+    uint64_t offset = 0;
+    for (const ExportTensor& t : tensors) {
+        std::string shape;
+        for (int64_t d : t.shape) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+        const uint64_t bytes = export_tensor_bytes(t, as_bf16);
+        json += strprintf(",\"%s\":{\"dtype\":\"%s\",\"shape\":[%s],\"data_offsets\":[%llu,%llu]}", t.name.c_str(),
+                          as_bf16 ? "BF16" : "F32", shape.c_str(), (unsigned long long)offset, (unsigned long long)(offset + bytes));
+        offset += bytes;
+    }
+    json += "}";
+    json.append((8 - json.size() % 8) % 8, ' ');
+    return json;
+}
+
+// transformers' config.json of LlamaForCausalLM: untied embeddings, no biases, SiLU, the model's eps and theta.
+// There is no BOS or EOS token (the data has none).
+inline std::string hf_config_json(const ModelConfig& c, bool as_bf16) {
+    return strprintf(
+        "{\n"
+        "  \"architectures\": [\"LlamaForCausalLM\"],\n"
+        "  \"model_type\": \"llama\",\n"
+        "  \"vocab_size\": %d,\n"
+        "  \"hidden_size\": %d,\n"
+        "  \"intermediate_size\": %d,\n"
+        "  \"num_hidden_layers\": %d,\n"
+        "  \"num_attention_heads\": %d,\n"
+        "  \"num_key_value_heads\": %d,\n"
+        "  \"head_dim\": %d,\n"
+        "  \"hidden_act\": \"silu\",\n"
+        "  \"max_position_embeddings\": %d,\n"
+        "  \"rms_norm_eps\": %s,\n"
+        "  \"rope_theta\": %s,\n"
+        "  \"attention_bias\": false,\n"
+        "  \"mlp_bias\": false,\n"
+        "  \"tie_word_embeddings\": false,\n"
+        "  \"bos_token_id\": null,\n"
+        "  \"eos_token_id\": null,\n"
+        "  \"torch_dtype\": \"%s\"\n"
+        "}\n",
+        c.vocab_size, c.dim, c.ffn_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.max_seq_len,
+        json_float(c.norm_eps).c_str(), json_float(c.rope_theta).c_str(), as_bf16 ? "bfloat16" : "float32");
+}
+
+// ./train_fp8 export CKPT OUT_DIR: "" or the reason it cannot (the checkpoint is checked whole first; nothing is
+// written then). format "hf" or "llama2c", dtype "bf16" or "fp32" (llama2c: fp32), as parse_args checked them.
+inline std::string export_checkpoint(const std::string& ckpt, const std::string& out_dir, const std::string& format,
+                                     const std::string& dtype) {
+    std::string path, err = checkpoint_resolve(ckpt, &path);
+    CheckpointHeader h;
+    if (err.empty()) err = checkpoint_verify(path, &h);
+    if (!err.empty()) return err;
+    const ModelConfig c = checkpoint_model_config(h);
+    const bool llama2c = format == "llama2c", as_bf16 = dtype == "bf16", bytes = c.vocab_size == BYTE_VOCAB;
+    if (llama2c && (c.rope_theta != 10000.0f || c.norm_eps != 1e-5f))
+        return strprintf("%s: the model has rope_theta %g and norm_eps %g; llama2.c's run.c has 10000 and 1e-5 built in: "
+                         "export it with --format hf", path.c_str(), c.rope_theta, c.norm_eps);
+    const std::vector<float> master = checkpoint_read_master(path, h);
+    make_dirs(out_dir);
+    printf("export: %s (step %lld, %llu parameters)\n", path.c_str(), (long long)h.step, (unsigned long long)h.num_params);
+    if (!llama2c) {
+        const std::vector<ExportTensor> tensors = export_tensors_hf(c, master.data());
+        const std::string header = safetensors_header(tensors, as_bf16), st = out_dir + "/model.safetensors";
+        write_file_durably(st, [&](FILE* f, const std::string& tmp) {
+            const uint64_t n = header.size();
+            write_bytes(f, &n, 8, tmp);
+            write_bytes(f, header.data(), n, tmp);
+            for (const ExportTensor& t : tensors) export_write_tensor(f, t, as_bf16, tmp);
+        });
+        const std::string config = hf_config_json(c, as_bf16);
+        write_file_durably(out_dir + "/config.json", [&](FILE* f, const std::string& tmp) { write_bytes(f, config.data(), config.size(), tmp); });
+        printf("wrote %s (%zu tensors, %s) and %s/config.json: LlamaForCausalLM.from_pretrained(\"%s\")%s\n", st.c_str(),
+               tensors.size(), dtype.c_str(), out_dir.c_str(), out_dir.c_str(),
+               bytes ? "; the model reads bytes: token id = byte value (README.md, Export)" : "");
+        return "";
+    }
+    std::vector<float> rope_cos, rope_sin;
+    rope_tables(&rope_cos, &rope_sin, c.max_seq_len, c.head_dim, c.rope_theta);
+    const std::vector<ExportTensor> tensors = export_tensors_llama2c(c, master.data(), rope_cos.data(), rope_sin.data());
+    // run.c's Config; a negative vocab_size says that the classifier (lm_head) is stored, not tied to the embedding
+    const int32_t config[7] = {c.dim, c.ffn_dim, c.n_layers, c.n_heads, c.n_kv_heads, -c.vocab_size, c.max_seq_len};
+    const std::string bin = out_dir + "/model.bin";
+    write_file_durably(bin, [&](FILE* f, const std::string& tmp) {
+        write_bytes(f, config, sizeof(config), tmp);
+        for (const ExportTensor& t : tensors) export_write_tensor(f, t, false, tmp);
+    });
+    printf("wrote %s (FP32)\n", bin.c_str());
+    if (bytes) {   // run.c's tokenizer.bin: max token length, then per token a score, a length and the bytes
+        const std::string tok = out_dir + "/tokenizer.bin";
+        write_file_durably(tok, [&](FILE* f, const std::string& tmp) {
+            const int32_t max_len = 1, len = 1;
+            const float score = 0.0f;
+            write_bytes(f, &max_len, 4, tmp);
+            for (int i = 0; i < BYTE_VOCAB; i++) {
+                const unsigned char byte = (unsigned char)i;
+                write_bytes(f, &score, 4, tmp);
+                write_bytes(f, &len, 4, tmp);
+                write_bytes(f, &byte, 1, tmp);
+            }
+        });
+        printf("wrote %s (the 256 bytes): ./run %s -z %s -i \"In the beginning\"\n", tok.c_str(), bin.c_str(), tok.c_str());
+    } else {
+        printf("no tokenizer.bin: the vocabulary (%d tokens) is not bytes; give run.c the tokenizer.bin of the tokenizer that "
+               "made the data (-z)\n", c.vocab_size);
+    }
+    return "";
+}
+
+// ----------------------------------------------------------------------------------------------
+// 5. Evaluation and sampling.
 
 // Mean loss over the first `batches` batches of the validation data (the loader starts over each time,
 // so every evaluation sees the same tokens).
@@ -595,7 +1227,7 @@ inline std::string tokens_to_text(const std::vector<int>& tokens, int vocab_size
 }
 
 // ----------------------------------------------------------------------------------------------
-// 5. The training run.
+// 6. The training run.
 
 inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     AdamWConfig a;
@@ -679,17 +1311,18 @@ inline TrainResult train(const TrainOptions& o) {
     long bad_in_row = 0;
     uint64_t sample_rng = (uint64_t)o.seed;
     CheckpointHeader saved = {};   // the resumed checkpoint's header
-    if (!o.resume.empty()) {
-        std::string path = checkpoint_path(o.resume);
-        err = checkpoint_read_header(path.c_str(), &saved);
-        if (err.empty()) err = checkpoint_header_check(saved, run, path.c_str());
+    std::string resume_path;       // its file
+    if (!o.resume.empty()) {   // checked whole (size, checksums, flags) before anything is written
+        err = checkpoint_resolve(o.resume, &resume_path);
+        if (err.empty()) err = checkpoint_verify(resume_path, &saved);
+        if (err.empty()) err = checkpoint_header_check(saved, run, resume_path.c_str());
         if (err.empty()) err = dataloader_set_state(&train_data, {saved.loader_epoch, saved.loader_position});
         if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
         first_step = (int)saved.step + 1;
         result.bad_steps = saved.bad_steps;
         bad_in_row = saved.bad_in_row;
         sample_rng = saved.sample_rng;
-        printf("resuming %s at step %d (%lld non-finite steps so far)\n", path.c_str(), first_step, (long long)saved.bad_steps);
+        printf("resuming %s at step %d (%lld non-finite steps so far)\n", resume_path.c_str(), first_step, (long long)saved.bad_steps);
     }
     if (!o.out.empty()) make_dirs(o.out);
 
@@ -724,11 +1357,11 @@ inline TrainResult train(const TrainOptions& o) {
     const bool reshard = !o.resume.empty() && std::max(1u, saved.tp_size) != (uint32_t)P;
     std::vector<float> whole;
     if (reshard) {
-        whole = checkpoint_read_master(checkpoint_path(o.resume), saved);
+        whole = checkpoint_read_master(resume_path, saved);
         printf("warning: %s was written with --tp %u and this run has --tp %d: the master weights are cut into the new "
                "shards exactly, but the AdamW moments and the FP8 scale records are per shard and start over (moments "
                "zero, bias correction from step 1, FP8 scales from the first casts), so the next steps differ from an "
-               "uninterrupted run\n", checkpoint_path(o.resume).c_str(), std::max(1u, saved.tp_size), P);
+               "uninterrupted run\n", resume_path.c_str(), std::max(1u, saved.tp_size), P);
     } else {
         whole = model_init_weights(config, (uint64_t)o.seed);
     }
@@ -745,7 +1378,7 @@ inline TrainResult train(const TrainOptions& o) {
         adamw_create(&r.opt, r.model.params, r.model.num_params, P > 1 ? shard.data() : whole.data(), adamw_config, norm_weights);
         adamw_gather_weight_amax(&r.opt, model_weight_amax_slots(&r.model));   // W8's amax comes from the update pass
         if (!o.resume.empty() && !reshard) {
-            checkpoint_load_rank(checkpoint_path(o.resume), saved, &r.opt, &r.model, rank);
+            checkpoint_load_rank(resume_path, saved, &r.opt, &r.model, rank);
         } else {
             adamw_export_weights(&r.opt, r.model.weights, r.model.stream);   // BF16 weights (and FP8 copies)
             model_weights_changed(&r.model);
@@ -772,25 +1405,16 @@ inline TrainResult train(const TrainOptions& o) {
         prompt.assign(val_data.inputs.begin(), val_data.inputs.begin() + std::min(T, 16));
     }
 
+    // the logs: a resumed run keeps the rows up to its checkpoint's step (open_run_csv)
+    const long keep_rows_through = o.resume.empty() ? -1 : first_step - 1;
     FILE* log = nullptr;
-    if (!o.out.empty()) {   // a resumed run appends; the header goes into a new file only
-        std::string path = o.out + "/log.csv";
-        struct stat st;
-        bool fresh = o.resume.empty() || stat(path.c_str(), &st) != 0 || st.st_size == 0;
-        log = fopen(path.c_str(), fresh ? "w" : "a");
-        if (!log) fail("cannot write %s: %s", path.c_str(), strerror(errno));
-        if (fresh) fprintf(log, "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped\n");
-    }
+    if (!o.out.empty())
+        log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped", keep_rows_through);
 #if defined(PRECISION_FP8)
     FILE* fp8_csv = nullptr;
-    if (o.fp8_stats > 0 && !o.out.empty()) {
-        std::string path = o.out + "/fp8_stats.csv";
-        struct stat st;
-        bool fresh = o.resume.empty() || stat(path.c_str(), &st) != 0 || st.st_size == 0;
-        fp8_csv = fopen(path.c_str(), fresh ? "w" : "a");
-        if (!fp8_csv) fail("cannot write %s: %s", path.c_str(), strerror(errno));
-        if (fresh) fprintf(fp8_csv, "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac\n");
-    }
+    if (o.fp8_stats > 0 && !o.out.empty())
+        fp8_csv = open_run_csv(o.out, "fp8_stats.csv", "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac",
+                               keep_rows_through);
 #endif
     const double flops_per_token = model_flops_per_token(config, T);   // the whole model's: TFLOP/s of all GPUs together
     const double tokens_per_step = (double)o.total_batch;
@@ -913,8 +1537,8 @@ inline TrainResult train(const TrainOptions& o) {
                 opts.push_back(&r.opt);
                 models.push_back(&r.model);
             }
-            checkpoint_save(o.out, run, opts, models);
-            printf("checkpoint: %s (step %d)\n", checkpoint_path(o.out).c_str(), step);
+            std::string path = checkpoint_save(o.out, run, o.keep_checkpoints, opts, models);
+            printf("checkpoint: %s (step %d)\n", path.c_str(), step);
         }
     }
     if (timed_steps > 0) result.tokens_per_s = tokens_per_step / (time_sum / timed_steps / 1000.0);
@@ -940,7 +1564,7 @@ inline TrainResult train(const TrainOptions& o) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 6. main
+// 7. main
 
 #ifndef TESTING
 int main(int argc, char** argv) {
@@ -957,6 +1581,11 @@ int main(int argc, char** argv) {
     if (o.prepare) {
         err = prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str());
         if (!err.empty()) fail("%s", err.c_str());
+        return 0;
+    }
+    if (o.do_export) {
+        err = export_checkpoint(o.export_ckpt, o.export_dir, o.export_format, o.export_dtype);
+        if (!err.empty()) fail("export: %s", err.c_str());
         return 0;
     }
     TrainResult r = train(o);
