@@ -1,17 +1,22 @@
 // attention.cuh: causal self-attention with grouped-query heads, flash style, on BF16 tensor cores.
 //   forward   O = softmax(Q K^T / sqrt(HD) + causal mask) V, one pass over K/V tiles with an online
 //             softmax (running row max and sum), and the log-sum-exp of each row for the backward.
-//   backward  FlashAttention-2: recompute P = exp(S - lse) tile by tile; one kernel per K/V tile
-//             accumulates dK and dV over the query heads of its group and the query tiles at or after it,
-//             another per query tile accumulates dQ. No T x T matrix ever lives in device memory, and no
-//             output is written by atomics: two runs give bit-identical results.
+//   backward  recompute P = exp(S - lse) tile by tile; dV = P^T dO, dP = dO V^T, dS = P * (dP - D),
+//             dK = dS^T Q, dQ = dS K. No T x T matrix ever lives in device memory, and no output is written
+//             by atomics: two runs give bit-identical results.
+// Two implementations, one launcher (attention_forward / attention_backward) choosing:
+//   Hopper (GPU_ARCH=sm_90a): warpgroup MMA (wgmma) on tiles brought by the TMA, producer/consumer
+//             warpgroups; the backward runs the five products once per (key tile, query tile) and sums dQ
+//             over key tiles from per-tile partials in a fixed order.
+//   mma.sync (any other GPU, and tested on Hopper too): 4 warps on 64-row tiles, cp.async double
+//             buffering; the backward recomputes S and dP in a separate dQ kernel (7 products) to avoid atomics.
 // Layouts (README.md, "Parameter layout"): qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a
-// block occupies HD columns. out and dout [B*T, NH*HD]; lse and the backward scratch [B, NH, T] float.
-// Query head h reads K/V head h / (NH/NKV).
-// A block has 4 warps and works on 64-row tiles; warp w owns rows 16w..16w+15 of every tile-sized result.
-// Tiles travel global -> shared memory by cp.async (the next tile loads while the current one is used);
-// the products run on mma.sync m16n8k16 (BF16 in, FP32 accumulate) with operands from ldmatrix, and
-// every intermediate (scores, probabilities, accumulators) stays in registers.
+// block occupies HD columns. out and dout [B*T, NH*HD]; lse [B, NH, T] float; the backward's scratch is sized
+// by attention_backward_scratch_floats. Query head h reads K/V head h / (NH/NKV).
+// mma.sync kernels: a block has 4 warps and works on 64-row tiles; warp w owns rows 16w..16w+15 of every
+// tile-sized result. Tiles travel global -> shared memory by cp.async (the next tile loads while the current
+// one is used); the products run on mma.sync m16n8k16 (BF16 in, FP32 accumulate) with operands from ldmatrix,
+// and every intermediate (scores, probabilities, accumulators) stays in registers.
 #pragma once
 #include "fp8_kernels.cuh"
 #include <atomic>
@@ -634,8 +639,8 @@ __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b)
 // ---- Hopper forward. One block per (128-row query tile, query head, batch), longest rows first over the
 // whole grid; heads of one KV group are neighbours in the grid, so their K/V tiles come from L2. Consumer c
 // owns query rows 64c..64c+63 of the tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major), online
-// softmax in registers exactly as the mma.sync kernel (base 2, masked only on the diagonal tile), then
-// O += P V (P from registers, V MN-major). K's stage is released as soon as S is done.
+// softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then O += P V
+// (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
 template <int HD>
 __global__ void __launch_bounds__(HATTN_THREADS, 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
