@@ -44,7 +44,7 @@ NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
 	-gencode arch=compute_$(ARCH_NUM),code=$(GPU_ARCH) \
 	-Xcompiler -Wall,-Wextra,-Wno-unused-parameter -Werror all-warnings \
 	-DPRECISION_$(PRECISION) -I$(dir $(NCCL_H))
-LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
+LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl -ldl
 
 HEADERS := fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.

@@ -1,16 +1,18 @@
 // fp8_kernels.cuh: everything FP8, and everything every kernel shares.
 //   1. error checks          cudaCheck / cublasCheck / ncclCheck, with file, line, call and message
 //   2. types and packed loads bf16, fp8 bytes, 16-byte vectors
-//   3. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
-//   4. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
-//   5. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
-//   6. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
+//   3. the step profile      NVTX ranges, and the CUDA-event timing of a step's phases (--profile)
+//   4. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
+//   5. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
+//   6. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
+//   7. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cublasLt.h>
 #include <nccl.h>
+#include <nvtx3/nvToolsExt.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -101,7 +103,150 @@ __host__ __device__ inline float to_float(float x) { return x; }
 __host__ __device__ inline float to_float(bf16 x) { return __bfloat162float(x); }
 
 // ----------------------------------------------------------------------------------------------
-// 3. The two FP8 formats.
+// 3. The step profile. Every launch site of a training step sits in a ProfileRange naming its phase. A range
+// is always an NVTX range, so Nsight Systems shows the step's structure (step > micro-batch > forward or
+// backward > layer > phase), and while a StepProfile records the range's stream (train_fp8 --profile N) it is
+// also a pair of CUDA events. Afterwards a phase's time is the sum of its ranges: GPU time from the range's
+// first launch to the end of its last, idle moments between the launches of one range included. "Idle" is
+// the step's GPU span minus every range: the GPU waiting for the host between ranges (launch overhead, host
+// synchronizations, host work). Ranges do not nest: one opened inside another is NVTX only and its time
+// counts in the outer one's phase.
+
+enum ProfilePhase {
+    PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_FP8_CAST, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE,
+    PHASE_SWIGLU, PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_TP_COMM, PHASE_DATA, PHASE_OPTIMIZER,
+    PHASE_WEIGHT_QUANT, PHASE_OTHER, PHASE_COUNT
+};
+inline const char* profile_phase_name(ProfilePhase p) {
+    static const char* names[PHASE_COUNT] = {
+        "forward GEMMs (decoder linears)", "backward GEMMs (decoder linears)", "FP8 casts, amax, scales",
+        "attention forward", "attention backward", "RMSNorm (+ residual add)", "RoPE", "SwiGLU", "embedding",
+        "lm_head GEMMs", "cross-entropy, loss", "tensor-parallel all-reduces", "input copies to the GPU",
+        "optimizer (zero grads, grad norm, AdamW)", "weight re-quantization (W8, W8^T)", "other (memsets)"};
+    return names[p];
+}
+
+struct StepProfile {
+    cudaStream_t stream = nullptr;          // the stream timed (one GPU's: rank 0's under --tp)
+    cudaEvent_t step_begin = nullptr, step_end = nullptr;
+    std::vector<cudaEvent_t> events;        // a pool; range i of this step recorded events[2i] and events[2i+1]
+    std::vector<ProfilePhase> phases;       // the phase of range i
+    size_t used = 0;                        // events recorded this step
+    bool in_range = false;
+};
+// The profile recording now, or nullptr. Set and cleared between steps by the thread that runs the loop.
+inline StepProfile* g_step_profile = nullptr;
+
+struct NvtxRange {
+    explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+    explicit NvtxRange(const std::string& name) { nvtxRangePushA(name.c_str()); }
+    ~NvtxRange() { nvtxRangePop(); }
+    NvtxRange(const NvtxRange&) = delete;
+    NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+inline cudaEvent_t profile_next_event(StepProfile* p) {
+    if (p->used == p->events.size()) {
+        cudaEvent_t e;
+        cudaCheck(cudaEventCreate(&e));
+        p->events.push_back(e);
+    }
+    return p->events[p->used++];
+}
+
+// The work launched on `stream` while it lives belongs to `phase`; `name` (default: the phase's) is its NVTX name.
+struct ProfileRange {
+    StepProfile* profile = nullptr;
+    cudaStream_t stream;
+    NvtxRange nvtx;
+    ProfileRange(ProfilePhase phase, cudaStream_t s, const char* name = nullptr) : stream(s), nvtx(name ? name : profile_phase_name(phase)) {
+        StepProfile* p = g_step_profile;
+        if (!p || p->stream != s || p->in_range) return;
+        profile = p;
+        p->in_range = true;
+        p->phases.push_back(phase);
+        cudaCheck(cudaEventRecord(profile_next_event(p), s));
+    }
+    ~ProfileRange() {
+        if (!profile) return;
+        cudaCheck(cudaEventRecord(profile_next_event(profile), stream));
+        profile->in_range = false;
+    }
+    ProfileRange(const ProfileRange&) = delete;
+    ProfileRange& operator=(const ProfileRange&) = delete;
+};
+
+// Start recording the ranges launched on `stream` (events for `expected_ranges` made beforehand, so that
+// creating them does not slow the step); the current device must be the stream's.
+inline void profile_begin(StepProfile* p, cudaStream_t stream, size_t expected_ranges) {
+    if (!p->step_begin) {
+        cudaCheck(cudaEventCreate(&p->step_begin));
+        cudaCheck(cudaEventCreate(&p->step_end));
+    }
+    while (p->events.size() < 2 * expected_ranges) {
+        cudaEvent_t e;
+        cudaCheck(cudaEventCreate(&e));
+        p->events.push_back(e);
+    }
+    p->stream = stream;
+    p->used = 0;
+    p->phases.clear();
+    p->in_range = false;
+    cudaCheck(cudaEventRecord(p->step_begin, stream));
+    g_step_profile = p;
+}
+inline void profile_end(StepProfile* p) {
+    cudaCheck(cudaEventRecord(p->step_end, p->stream));
+    g_step_profile = nullptr;
+}
+inline void profile_destroy(StepProfile* p) {
+    for (cudaEvent_t e : p->events) cudaCheck(cudaEventDestroy(e));
+    if (p->step_begin) {
+        cudaCheck(cudaEventDestroy(p->step_begin));
+        cudaCheck(cudaEventDestroy(p->step_end));
+    }
+    *p = StepProfile();
+}
+
+// The recorded step, per phase: milliseconds and number of ranges; span: step_begin to step_end.
+struct ProfileReport {
+    double ms[PHASE_COUNT] = {};
+    int ranges[PHASE_COUNT] = {};
+    double span_ms = 0, busy_ms = 0;
+    double idle_ms() const { return span_ms - busy_ms; }
+};
+// Waits for the step's events.
+inline ProfileReport profile_report(const StepProfile* p) {
+    ProfileReport r;
+    cudaCheck(cudaEventSynchronize(p->step_end));
+    float span;
+    cudaCheck(cudaEventElapsedTime(&span, p->step_begin, p->step_end));
+    r.span_ms = span;
+    for (size_t i = 0; i < p->phases.size(); i++) {
+        float t0, t1;   // from step_begin: one rounding per event, none accumulated
+        cudaCheck(cudaEventElapsedTime(&t0, p->step_begin, p->events[2 * i]));
+        cudaCheck(cudaEventElapsedTime(&t1, p->step_begin, p->events[2 * i + 1]));
+        r.ms[p->phases[i]] += t1 - t0;
+        r.ranges[p->phases[i]] += 1;
+        r.busy_ms += t1 - t0;
+    }
+    return r;
+}
+inline void profile_print(const ProfileReport& r, const char* title) {
+    printf("%s\n", title);
+    printf("  %-42s %9s %7s %7s\n", "phase", "ms", "%", "ranges");
+    for (int p = 0; p < PHASE_COUNT; p++) {
+        if (r.ranges[p] == 0) continue;
+        printf("  %-42s %9.3f %6.1f%% %7d\n", profile_phase_name((ProfilePhase)p), r.ms[p], 100.0 * r.ms[p] / r.span_ms, r.ranges[p]);
+    }
+    printf("  %-42s %9.3f %6.1f%%\n", "idle (GPU span - all ranges)", r.idle_ms(), 100.0 * r.idle_ms() / r.span_ms);
+    printf("  %-42s %9.3f %6.1f%%\n", "GPU span of the step", r.span_ms, 100.0);
+    const double gemm_attn = r.ms[PHASE_GEMM_FWD] + r.ms[PHASE_GEMM_BWD] + r.ms[PHASE_LM_HEAD] + r.ms[PHASE_ATTN_FWD] + r.ms[PHASE_ATTN_BWD];
+    printf("  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 4. The two FP8 formats.
 // E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa; no infinity; S.1111.111 is NaN; max 448.
 // E5M2: 1 sign, 5 exponent (bias 15), 2 mantissa; IEEE-like (inf and NaNs); max 57344.
 // Every cast in this project saturates: a finite value beyond the max becomes +-max, as does +-inf;
@@ -173,7 +318,7 @@ __device__ inline uint16_t fp8x2_encode(float lo, float hi) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 4. The scale rule (DESIGN.md): scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
+// 5. The scale rule (DESIGN.md): scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
 // and the GEMM dequantizes with 1/scale. Powers of two make scaling exact: it only moves the exponent.
 // amax is clamped to AMAX_FLOOR so that an all-zero tensor gets a finite scale (2^108 for E4M3), and a
 // non-finite amax (inf or NaN somewhere in the tensor) keeps the previous scale.
@@ -237,7 +382,7 @@ __host__ __device__ inline void fp8_meta_update(Fp8Meta* m, float amax, Fp8Forma
 }
 
 // ----------------------------------------------------------------------------------------------
-// 5. FP8 kernels: amax, quantize, cast+transpose, dequantize.
+// 6. FP8 kernels: amax, quantize, cast+transpose, dequantize.
 // Each thread moves 16 elements: one 16-byte FP8 store, and 16 * sizeof(T) bytes of input in 16-byte
 // loads. Tails (n not a multiple of 16, tiles at the edges) take a scalar path.
 // The amax is gathered with atomicMax on the bits of |x|: for non-negative floats the unsigned order of
@@ -546,7 +691,7 @@ inline void fp8_cast_transpose_counted(fp8* q, fp8* q_t, const bf16* x, int rows
 }
 
 // ----------------------------------------------------------------------------------------------
-// 6. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
+// 7. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
 //   D[M,N] (+)= op(A)[M,K] * op(B)[N,K]^T        (row-major; a linear layer is X * W^T with W [out,in])
 // An operand is stored K-contiguous ([M,K] / [N,K], "transposed = false") or, for BF16 only, as
 // [K,M] / [K,N] ("transposed = true"). Hopper FP8 GEMMs accept only the K-contiguous ("TN") form:

@@ -363,6 +363,7 @@ __global__ void __launch_bounds__(EMB_BWD_THREADS) embedding_backward_kernel(flo
 
 inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int N, int V, int D, cudaStream_t s) {
     check_rows("embedding_forward", D, {out, emb});
+    ProfileRange range(PHASE_EMBEDDING, s);
     size_t threads = (size_t)N * (D / BF16_PER_16B);
     embedding_forward_kernel<<<grid_for(threads, EMB_THREADS), EMB_THREADS, 0, s>>>(out, emb, tokens, N, V, D);
     cudaCheckLaunch();
@@ -370,6 +371,7 @@ inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int
 // demb [V,D] FP32 accumulates.
 inline void embedding_backward(float* demb, const bf16* dout, const int* tokens, int N, int V, int D, cudaStream_t s) {
     check_rows("embedding_backward", D, {demb, dout});
+    ProfileRange range(PHASE_EMBEDDING, s);
     dim3 grid(ceil_div(V, EMB_BWD_ROWS), ceil_div(D, EMB_BWD_THREADS * BF16_PER_16B));
     embedding_backward_kernel<<<grid, EMB_BWD_THREADS, 0, s>>>(demb, dout, tokens, N, V, D);
     cudaCheckLaunch();
@@ -473,6 +475,7 @@ inline void rmsnorm_forward(bf16* resid_out, bf16* y, float* rstd, const bf16* r
     check_rows("rmsnorm_forward", D, {resid_out, y, resid, branch, w});
     if ((resid_out == nullptr) != (branch == nullptr))
         fail("rmsnorm_forward: resid_out and branch go together (the fused residual add), got %p and %p", resid_out, branch);
+    ProfileRange range(PHASE_NORM, s, "rmsnorm forward");
     const int rows_per_block = RMSNORM_THREADS / 32;
     rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_THREADS, 0, s>>>(resid_out, y, rstd, resid, branch, w, N, D, eps);
     cudaCheckLaunch();
@@ -483,6 +486,7 @@ inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N
 inline void rmsnorm_backward(bf16* dresid, float* dw, float* scratch, const bf16* dy, const bf16* x, const float* rstd,
                              const bf16* w, int N, int D, cudaStream_t s) {
     check_rows("rmsnorm_backward", D, {dresid, dw, scratch, dy, x, w});
+    ProfileRange range(PHASE_NORM, s, "rmsnorm backward");
     int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
     rmsnorm_backward_kernel<<<blocks, RMSNORM_THREADS, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
     cudaCheckLaunch();
@@ -533,6 +537,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, i
 inline void rope_launch(const char* who, bf16* qkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV,
                         int HD, float sign, cudaStream_t s) {
     check_rows(who, HD, {qkv});
+    ProfileRange range(PHASE_ROPE, s, who);
     size_t threads = (size_t)B * T * (NH + NKV) * (HD / BF16_PER_16B);
     rope_kernel<<<grid_for(threads, ROPE_THREADS), ROPE_THREADS, 0, s>>>(qkv, cos_t, sin_t, B * T, T, NH + NKV,
                                                                          (NH + 2 * NKV) * HD, HD, sign);
@@ -583,12 +588,14 @@ __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const b
 
 inline void swiglu_forward(bf16* out, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_forward", F, {out, gate_up});
+    ProfileRange range(PHASE_SWIGLU, s, "swiglu forward");
     size_t threads = (size_t)N * (F / BF16_PER_16B);
     swiglu_forward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(out, gate_up, N, F);
     cudaCheckLaunch();
 }
 inline void swiglu_backward(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_backward", F, {dgate_up, dout, gate_up});
+    ProfileRange range(PHASE_SWIGLU, s, "swiglu backward");
     size_t threads = (size_t)N * (F / BF16_PER_16B);
     swiglu_backward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(dgate_up, dout, gate_up, N, F);
     cudaCheckLaunch();
@@ -658,6 +665,7 @@ __global__ void __launch_bounds__(CE_THREADS) cross_entropy_kernel(float* losses
 inline void cross_entropy_forward_backward(float* losses, bf16* dlogits, const float* logits, const int* targets, int N,
                                            int V, float grad_scale, cudaStream_t s) {
     check_rows("cross_entropy_forward_backward", V, {dlogits, logits});
+    ProfileRange range(PHASE_LOSS, s, "cross-entropy");
     cross_entropy_kernel<<<N, CE_THREADS, 0, s>>>(losses, dlogits, logits, targets, V, grad_scale);
     cudaCheckLaunch();
 }
@@ -675,10 +683,14 @@ inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, fl
     for (int c0 = 0; c0 < N; c0 += chunk) {
         const int rows = std::min(chunk, N - c0);
         const bf16* xc = x + (size_t)c0 * D;
-        matmul(mm, logits_chunk, DT_FP32, {xc, DT_BF16}, {lm_head, DT_BF16}, rows, V, D, false, false, s);
+        {
+            ProfileRange range(PHASE_LM_HEAD, s, "lm_head forward");
+            matmul(mm, logits_chunk, DT_FP32, {xc, DT_BF16}, {lm_head, DT_BF16}, rows, V, D, false, false, s);
+        }
         cross_entropy_forward_backward(losses + c0, dx ? dlogits_chunk : nullptr, logits_chunk, targets + c0, rows, V,
                                        grad_scale, s);
         if (!dx) continue;
+        ProfileRange range(PHASE_LM_HEAD, s, "lm_head backward");
         // dx [rows,D] = dlogits [rows,V] lm_head [V,D]: lm_head is the [K,N] operand, stored transposed
         matmul(mm, dx + (size_t)c0 * D, DT_BF16, {dlogits_chunk, DT_BF16}, {lm_head, DT_BF16, true}, rows, D, V, false,
                false, s);
@@ -835,8 +847,12 @@ inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cu
 inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, const bf16* x, Fp8Linear* lin, int N, int in,
                                int out, const Fp8Recipe& recipe, bool fast_accum, cudaStream_t stream,
                                const TpGroup* amax_group = nullptr) {
-    fp8_cast_transpose_counted(x8, x8_t, x, N, in, E4M3, &lin->meta[FP8_X], lin->health ? &lin->health[FP8_X] : nullptr, recipe,
-                               stream, amax_group);
+    {
+        ProfileRange range(PHASE_FP8_CAST, stream, "cast X");
+        fp8_cast_transpose_counted(x8, x8_t, x, N, in, E4M3, &lin->meta[FP8_X], lin->health ? &lin->health[FP8_X] : nullptr, recipe,
+                                   stream, amax_group);
+    }
+    ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward");
     matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, out, in, false, fast_accum, stream);
 }
@@ -846,8 +862,12 @@ inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, c
 inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
                                 Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream,
                                 const TpGroup* amax_group = nullptr) {
-    fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
-                               recipe, stream, amax_group);
+    {
+        ProfileRange range(PHASE_FP8_CAST, stream, "cast dY");
+        fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
+                                   recipe, stream, amax_group);
+    }
+    ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward");
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
@@ -897,6 +917,7 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int 
         return;
     }
 #endif
+    ProfileRange range(PHASE_GEMM_FWD, m->stream, "BF16 GEMM forward");
     matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {model_weight(m, param), DT_BF16}, N, w.rows, w.cols, false, false,
            m->stream);
 }
@@ -911,6 +932,7 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
         return;
     }
 #endif
+    ProfileRange range(PHASE_GEMM_BWD, m->stream, "BF16 GEMMs backward");
     matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
            false, m->stream);
     matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, true,
@@ -934,7 +956,9 @@ inline void model_weights_changed(Model* m) {
 // Tensor parallelism: the in-place BF16 sum over the group of a row-parallel layer's output (forward) or of a
 // column-parallel layer's input gradient (backward); nothing without a group.
 inline void model_tp_all_reduce(Model* m, bf16* x, size_t n) {
-    if (m->tp) tp_all_reduce(m->tp, x, n, ncclBfloat16, ncclSum, m->stream);
+    if (!m->tp) return;
+    ProfileRange range(PHASE_TP_COMM, m->stream, "tensor-parallel all-reduce");
+    tp_all_reduce(m->tp, x, n, ncclBfloat16, ncclSum, m->stream);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1061,6 +1085,7 @@ inline void model_fp8_create(Model* m) {
 inline void model_fp8_record_amax(Model* m) {
     const Fp8Recipe& r = m->fp8_options.recipe;
     if (!r.delayed()) return;
+    ProfileRange range(PHASE_FP8_CAST, m->stream, "record amax (delayed scaling)");
     ModelFp8& f = m->fp8;
     if (m->tp && m->fp8_options.tp_amax_sync)   // the amaxes of this rank's slices (model_amax_group), one word each
         for (int l = 0; l < m->config.n_layers; l++)
@@ -1253,16 +1278,21 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     ModelActivations& a = m->acts;
     const int N = B * T, D = c.dim, L = c.n_layers;
     cudaStream_t s = m->stream;
+    NvtxRange nvtx("forward");
     LayerActs first = model_layer_acts(m, 0);
     embedding_forward(first.resid_attn, model_weight(m, PARAM_TOK_EMBEDDING), d_inputs, N, c.vocab_size, D, s);
     rmsnorm_forward(nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr,
                     model_weight(m, param_layer(0, ATTN_NORM)), N, D, c.norm_eps, s);
     for (int l = 0; l < L; l++) {
+        NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
         // attention block (resid_attn and attn_norm were written by the previous layer's last step)
         linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
-        attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        {
+            ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
+            attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        }
         linear_forward(m, a.branch, la.att, param_layer(l, WO), N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' heads
         rmsnorm_forward(la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch,
@@ -1286,6 +1316,7 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
 
 // The mean of acts.losses[0..N) to the host (waits for the stream).
 inline float model_loss_mean(Model* m, int N) {
+    ProfileRange range(PHASE_LOSS, m->stream, "loss mean");
     loss_mean_kernel<<<1, LOSS_MEAN_THREADS, 0, m->stream>>>(m->acts.loss_mean, m->acts.losses, N);
     cudaCheckLaunch();
     float mean;
@@ -1306,11 +1337,15 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
                           a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
                           grad_scale, s);
-    // dresid: the gradient of the residual stream, from the top down
-    cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
+    NvtxRange nvtx("backward");
+    {   // dresid: the gradient of the residual stream, from the top down
+        ProfileRange range(PHASE_OTHER, s, "zero dresid");
+        cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
+    }
     rmsnorm_backward(a.dresid, model_grad(m, param_final_norm(c)), a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd,
                      model_weight(m, param_final_norm(c)), N, D, s);
     for (int l = c.n_layers - 1; l >= 0; l--) {
+        NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
         // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
         linear_backward(m, a.dswiglu, a.dresid, la.swiglu, param_layer(l, W_DOWN), N);
@@ -1321,8 +1356,11 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
                          la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s);
         // attention block
         linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
-        attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
-                           c.head_dim, s);
+        {
+            ProfileRange range(PHASE_ATTN_BWD, s, "attention backward");
+            attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
+                               c.head_dim, s);
+        }
         rope_backward(a.dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);

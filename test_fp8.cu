@@ -3157,6 +3157,8 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--temperature", "-1"}, {"--temperature", "-1"}},
         {{"--max-bad-steps", "0"}, {"--max-bad-steps", "0"}},
         {{"--stop-after", "20", "--steps", "10", "--warmup", "0"}, {"--stop-after", "20", "--steps 10"}},
+        {{"--profile", "20", "--steps", "10", "--warmup", "0"}, {"--profile", "20", "--steps 10"}},
+        {{"--profile", "-1"}, {"--profile", "-1"}},
         {{"--model", "13b"}, {"--model", "13b", "preset"}},
         {{"--dim", "100"}, {"--dim", "100", "multiple of 16"}},
         {{"--heads", "5"}, {"--heads", "5"}},
@@ -3375,6 +3377,38 @@ GPU_TEST(train_resume_is_bit_identical) {
     expect(straight.val_losses.size() == 3 && first.val_losses.size() == 2 && second.val_losses.size() == 1 &&
            memcmp(&straight.val_losses[2].second, &second.val_losses[0].second, 4) == 0,
            "validation losses at steps 0, 3, 6: the resumed run's at step 6 should equal the straight run's");
+}
+
+// --profile: the table of one step adds up and profiling changes no number. Every phase a step runs has
+// ranges (two micro-batches: two input copies), the ranges never overlap (one stream), so together they
+// fit in the step's GPU span (1 us of slack for the events' rounding), and the losses and gradient norms
+// equal an unprofiled run's bit for bit.
+GPU_TEST(train_profile_adds_up) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    std::vector<std::string> args = {"--steps", "3", "--warmup", "1", "--lr", "3e-3"};
+#if defined(PRECISION_FP8)
+    args.push_back("--fp8-all-layers");   // tiny's two layers would otherwise both be BF16: no casts to time
+#endif
+    TrainResult plain = train(tiny_run_options(data, args));
+    args.insert(args.end(), {"--profile", "2"});
+    TrainResult profiled = train(tiny_run_options(data, args));
+    expect(profiled.profiled && !plain.profiled, "only the run with --profile 2 should report a profile");
+    expect(model_test_same_bits(plain.losses, profiled.losses) && model_test_same_bits(plain.grad_norms, profiled.grad_norms) &&
+           plain.losses.size() == 3, "profiling changed the losses or gradient norms");
+    const ProfileReport& r = profiled.profile;
+    for (ProfilePhase p : {PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE, PHASE_SWIGLU,
+                           PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_DATA, PHASE_OPTIMIZER, PHASE_WEIGHT_QUANT})
+        expect(r.ranges[p] > 0 && r.ms[p] >= 0.0, "phase '%s': %d ranges, %.4f ms", profile_phase_name(p), r.ranges[p], r.ms[p]);
+    expect(r.ranges[PHASE_DATA] == 2, "two micro-batches should make 2 input-copy ranges, not %d", r.ranges[PHASE_DATA]);
+#if defined(PRECISION_FP8)
+    expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
+#else
+    expect(r.ranges[PHASE_FP8_CAST] == 0, "the BF16 build has no FP8 casts, yet %d cast ranges", r.ranges[PHASE_FP8_CAST]);
+#endif
+    printf("    GPU span %.3f ms, ranges %.3f ms, idle %.3f ms\n", r.span_ms, r.busy_ms, r.idle_ms());
+    expect(r.span_ms > 0.0 && r.busy_ms > 0.0 && r.busy_ms <= r.span_ms + 1e-3, "the ranges (%.4f ms) should fit in the span (%.4f ms)",
+           r.busy_ms, r.span_ms);
 }
 
 // 20 steps of the tiny model (2 micro-batches per step) against the same run in float64 on the host: the

@@ -75,6 +75,7 @@ struct TrainOptions {
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
+    int profile = 0;                         // time the phases of this step and print a table; 0 = off
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
@@ -141,6 +142,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_int("--tp", "N", "tensor parallelism over GPUs 0..N-1: NCCL, one thread per GPU, heads and FFN split (1 = one GPU through NCCL; 0 = one GPU without NCCL)", &o->tp, 0, 1024),
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
+        flag_int("--profile", "N", "time the phases of step N on the GPU (CUDA events) and print a table (0 = off)", &o->profile, 0, BIG),
     };
 }
 
@@ -256,6 +258,7 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         return strprintf("--total-batch %ld: must be a multiple of B*T = %d*%d = %ld", o->total_batch, o->batch, o->seq, bt);
     if (o->warmup > o->steps) return strprintf("--warmup %d: exceeds --steps %d", o->warmup, o->steps);
     if (o->stop_after > o->steps) return strprintf("--stop-after %d: exceeds --steps %d", o->stop_after, o->steps);
+    if (o->profile > o->steps) return strprintf("--profile %d: exceeds --steps %d (the step to profile must be run)", o->profile, o->steps);
     if (o->seq % 16 != 0) return strprintf("--seq %d: must be a multiple of 16 (the GEMM rule; sampling runs 1 x T tokens)", o->seq);
     std::string problem = model_config_problem(model_config_from_options(*o, BYTE_VOCAB));
     if (!problem.empty()) {
@@ -648,6 +651,8 @@ struct TrainResult {
     long bad_steps = 0;                   // non-finite steps skipped, whole run (resumes included)
     bool stopped_on_bad_steps = false;    // --max-bad-steps non-finite steps in a row ended the run
     double tokens_per_s = 0;              // mean over the steps after the first
+    bool profiled = false;                // --profile: the step ran in this call, and its table is `profile`
+    ProfileReport profile;
 };
 
 inline TrainResult train(const TrainOptions& o) {
@@ -810,8 +815,12 @@ inline TrainResult train(const TrainOptions& o) {
     if (first_step > last_step) printf("nothing to do: the checkpoint is at step %d and this run ends at step %d\n", first_step - 1, last_step);
     double time_sum = 0;
     int timed_steps = 0;
+    StepProfile profile;
     for (int step = first_step; step <= last_step; step++) {
+        NvtxRange step_range(strprintf("step %d", step));
         auto t0 = std::chrono::steady_clock::now();
+        const bool profile_step = step == o.profile;   // rank 0's GPU, the stream of its model
+        if (profile_step) profile_begin(&profile, ranks[0].model.stream, (size_t)accum * (40 * config.n_layers + 40) + 20);
 #if defined(PRECISION_FP8)
         const bool fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
         if (fp8_stats_step) model_fp8_stats_begin(&ranks[0].model);   // under --tp: rank 0's shards
@@ -820,15 +829,25 @@ inline TrainResult train(const TrainOptions& o) {
         for (int k = 0; k < accum; k++) {
             dataloader_next_batch(&train_data);
             on_ranks(ranks, [&](TrainRank& r) {   // every rank gets the whole batch
-                if (k == 0) model_zero_grads(&r.model);
-                cudaCheck(cudaMemcpy(r.d_inputs, train_data.inputs.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
-                cudaCheck(cudaMemcpy(r.d_targets, train_data.targets.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
+                NvtxRange micro_batch_range(strprintf("micro-batch %d", k));
+                if (k == 0) {
+                    ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "zero gradients");
+                    model_zero_grads(&r.model);
+                }
+                {
+                    ProfileRange range(PHASE_DATA, r.model.stream, "input copies");
+                    cudaCheck(cudaMemcpy(r.d_inputs, train_data.inputs.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
+                    cudaCheck(cudaMemcpy(r.d_targets, train_data.targets.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
+                }
                 r.loss = model_forward_backward(&r.model, r.d_inputs, r.d_targets, grad_scale);
             });
             loss_sum += ranks[0].loss;   // the same on every rank
         }
         float loss = (float)(loss_sum / accum);
-        on_ranks(ranks, [&](TrainRank& r) { r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp); });
+        on_ranks(ranks, [&](TrainRank& r) {
+            ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
+            r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp);
+        });
         float grad_norm = ranks[0].grad_norm;   // all-reduced: the same on every rank
         float lr = lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
         bool bad = !std::isfinite(loss) || !std::isfinite(grad_norm);
@@ -837,7 +856,11 @@ inline TrainResult train(const TrainOptions& o) {
             bad_in_row++;
         } else {
             on_ranks(ranks, [&](TrainRank& r) {
-                adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
+                {
+                    ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "AdamW");
+                    adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
+                }
+                ProfileRange range(PHASE_WEIGHT_QUANT, r.model.stream, "weight re-quantization");
                 model_weights_changed(&r.model);   // the FP8 build's W8 and W8^T
             });
             bad_in_row = 0;
@@ -849,8 +872,17 @@ inline TrainResult train(const TrainOptions& o) {
             model_fp8_stats_end(&ranks[0].model);
         }
 #endif
+        if (profile_step) profile_end(&profile);
         on_ranks(ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (profile_step) {
+            result.profiled = true;
+            result.profile = profile_report(&profile);
+            profile_print(result.profile, strprintf("profile of step %d (PRECISION=%s, %d micro-batch%s of %d x %d tokens%s): %.3f ms on "
+                                                    "the host clock", step, BUILD_PRECISION == 8 ? "FP8" : "BF16", accum,
+                                                    accum > 1 ? "es" : "", B, T, P > 1 ? ", GPU 0 of the tensor-parallel group" : "",
+                                                    ms).c_str());
+        }
         double tokens_per_s = tokens_per_step / (ms / 1000.0);
         double tflops = flops_per_token * tokens_per_s / 1e12;
         if (step > first_step) { time_sum += ms; timed_steps++; }
@@ -916,6 +948,7 @@ inline TrainResult train(const TrainOptions& o) {
             printf("checkpoint: %s (step %d)\n", checkpoint_path(o.out).c_str(), step);
         }
     }
+    profile_destroy(&profile);
     if (timed_steps > 0) result.tokens_per_s = tokens_per_step / (time_sum / timed_steps / 1000.0);
     if (result.bad_steps > 0) printf("non-finite steps skipped in this run so far: %ld\n", result.bad_steps);
 
