@@ -784,6 +784,7 @@ struct ModelFp8 {
     fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
     int n_fp8_linears = 0;
+    bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
 };
 #endif
 
@@ -834,6 +835,7 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 //             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
 // Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
 // transposed copies. W8 and W8^T are made once per optimizer step (fp8_weight_update), not per micro-batch.
+// The casts of X and dY are the caller's (fp8_cast_produced): the kernel that produces the tensor, or a plain cast.
 
 
 // After each optimizer step: W (BF16) -> W8 and W8^T with current scaling (the weights just changed).
@@ -842,31 +844,18 @@ inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cu
                                Fp8Recipe(), stream);
 }
 
-// x8 is scratch [N,in]; x8_t [in,N] is kept for backward.
-// amax_group: take the MAX of X's amax over this group (--tp-amax-sync; nullptr = this rank's own).
-inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, const bf16* x, Fp8Linear* lin, int N, int in,
-                               int out, const Fp8Recipe& recipe, bool fast_accum, cudaStream_t stream,
-                               const TpGroup* amax_group = nullptr) {
-    {
-        ProfileRange range(PHASE_FP8_CAST, stream, "cast X");
-        fp8_cast_transpose_counted(x8, x8_t, x, N, in, E4M3, &lin->meta[FP8_X], lin->health ? &lin->health[FP8_X] : nullptr, recipe,
-                                   stream, amax_group);
-    }
+// Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
+inline void fp8_linear_forward(MatmulContext* mm, bf16* y, const fp8* x8, const Fp8Linear* lin, int N, int in, int out, bool fast_accum,
+                               cudaStream_t stream) {
     ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward");
     matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, out, in, false, fast_accum, stream);
 }
 
-// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches).
-// amax_group: take the MAX of dY's amax over this group (--tp-amax-sync; nullptr = this rank's own).
-inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
-                                Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream,
-                                const TpGroup* amax_group = nullptr) {
-    {
-        ProfileRange range(PHASE_FP8_CAST, stream, "cast dY");
-        fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
-                                   recipe, stream, amax_group);
-    }
+// dX = dY8 W8 and dW += dY8^T X8 (FP32, accumulating over micro-batches): dY8 [N,out] and dY8^T [out,N] cast with
+// lin->meta[FP8_DY], X8^T [in,N] kept from the forward.
+inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp8* dy8, const fp8* dy8_t, const fp8* x8_t,
+                                const Fp8Linear* lin, int N, int in, int out, cudaStream_t stream) {
     ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward");
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
@@ -906,14 +895,30 @@ inline const TpGroup* model_amax_group(const Model* m, int param, bool dy) {
     bool row_parallel = kind == WO || kind == W_DOWN;
     return dy != row_parallel ? m->tp : nullptr;
 }
+// Where the cast of FP8 linear `param`'s X (forward) or dY (backward) goes: X8 (scratch) and X8^T (kept for the
+// backward), or dY8 and dY8^T (scratch); its scale record and health counter, the recipe, the TP amax group, and
+// whether delayed scaling records its amax (training passes do, evaluation does not).
+inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
+    Fp8Linear* lin = model_fp8_linear(m, param);
+    const int t = dy ? FP8_DY : FP8_X;
+    Fp8CastOut o{dy ? m->fp8.dy8 : m->fp8.x8, dy ? m->fp8.dy8_t : m->fp8.saved_x8_t[model_linear_index(param)], dy ? E5M2 : E4M3,
+                 &lin->meta[t], m->fp8_options.recipe};
+    o.health = lin->health ? &lin->health[t] : nullptr;
+    o.amax_group = model_amax_group(m, param, dy);
+    o.record = m->fp8.training;
+    return o;
+}
 #endif
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        fp8_linear_forward(&m->matmul, out, m->fp8.x8, m->fp8.saved_x8_t[model_linear_index(param)], inp, lin, N, w.cols, w.rows,
-                           m->fp8_options.recipe, m->fp8_options.fast_accum, m->stream, model_amax_group(m, param, false));
+        {
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X");
+            fp8_cast_produced(model_fp8_cast(m, param, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
+        }
+        fp8_linear_forward(&m->matmul, out, m->fp8.x8, lin, N, w.cols, w.rows, m->fp8_options.fast_accum, m->stream);
         return;
     }
 #endif
@@ -926,9 +931,12 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, dout,
-                            m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream,
-                            model_amax_group(m, param, true));
+        {
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
+            fp8_cast_produced(model_fp8_cast(m, param, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
+        }
+        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
+                            lin, N, w.cols, w.rows, m->stream);
         return;
     }
 #endif
@@ -1080,8 +1088,10 @@ inline void model_fp8_create(Model* m) {
     cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
 }
 
-// Delayed scaling: after a training step's backward, every GEMM that read the X and dY scales has run;
-// now their amaxes enter the histories (eval passes record nothing: the history is of training steps).
+// Delayed scaling, once per optimizer step, after the backward of its last micro-batch: every GEMM that read
+// the X and dY scales has run; now the step's amaxes (the MAX over its micro-batches) enter the histories, all
+// tensors in one launch, so that --amax-history and --quant-interval count optimizer steps. Evaluation passes
+// gather nothing: the history is of training steps. Nothing under current scaling (each cast records its own).
 inline void model_fp8_record_amax(Model* m) {
     const Fp8Recipe& r = m->fp8_options.recipe;
     if (!r.delayed()) return;
@@ -1094,8 +1104,7 @@ inline void model_fp8_record_amax(Model* m) {
                     bool dy = model_amax_group(m, param_layer(l, p), true) != nullptr;
                     tp_all_reduce(m->tp, &lin->meta[dy ? FP8_DY : FP8_X].amax_pending, 1, ncclUint32, ncclMax, m->stream);
                 }
-    fp8_update_scales(f.metas, f.delayed_ids, f.n_fp8_linears, E4M3, r, m->stream);
-    fp8_update_scales(f.metas, f.delayed_ids + f.n_fp8_linears, f.n_fp8_linears, E5M2, r, m->stream);
+    fp8_update_scales(f.metas, f.delayed_ids, 2 * f.n_fp8_linears, f.n_fp8_linears, r, m->stream);   // X (E4M3), then dY
 }
 
 // --fp8-stats: count saturation and underflow in the casts of the steps between begin and end.
@@ -1327,12 +1336,15 @@ inline float model_loss_mean(Model* m, int N) {
 
 // Forward + backward of one micro-batch of B x T tokens (device int arrays). Accumulates into m->grads
 // grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean). Returns the
-// mean loss of this micro-batch.
+// mean loss of this micro-batch. Delayed FP8 scaling: after a step's last micro-batch, model_fp8_record_amax.
 inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
     const int B = m->B, T = m->T, N = B * T, D = c.dim, F = m->ffn_dim;
     cudaStream_t s = m->stream;
+#if defined(PRECISION_FP8)
+    m->fp8.training = true;
+#endif
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
                           a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
@@ -1369,7 +1381,7 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
     }
     embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
 #if defined(PRECISION_FP8)
-    model_fp8_record_amax(m);
+    m->fp8.training = false;
 #endif
     return model_loss_mean(m, N);
 }

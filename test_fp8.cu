@@ -356,12 +356,12 @@ GPU_TEST(fp8_amax_exact) {
         std::vector<bf16> xb = to_bf16(xf);
         DeviceBuffer<float> df(xf);
         DeviceBuffer<bf16> db(xb);
-        DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{fp8_meta_initial()});
+        DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{fp8_meta_initial()}), meta_b(std::vector<Fp8Meta>{fp8_meta_initial()});
         fp8_amax(meta.ptr, df.ptr, n, 0);
         float got = float_from_bits(meta.download()[0].amax_pending);
         expect(got == host_amax(xf), "float n=%zu: amax %.9g, want %.9g", n, got, host_amax(xf));
-        fp8_amax(meta.ptr, db.ptr, n, 0);
-        got = float_from_bits(meta.download()[0].amax_pending);
+        fp8_amax(meta_b.ptr, db.ptr, n, 0);
+        got = float_from_bits(meta_b.download()[0].amax_pending);
         expect(got == host_amax(xb), "bf16 n=%zu: amax %.9g, want %.9g", n, got, host_amax(xb));
     }
     // A NaN or an inf anywhere shows in the amax (the last element: the tail path).
@@ -388,6 +388,9 @@ static bool same_meta(const Fp8Meta& a, const Fp8Meta& b) {
     return same_bits(a.scale, b.scale) && same_bits(a.inv_scale, b.inv_scale) && a.uses == b.uses && a.nonfinite == b.nonfinite &&
            memcmp(a.history, b.history, sizeof(a.history)) == 0;
 }
+// After a cast has been recorded (current: by the cast itself; delayed: by fp8_update_scales) the slots are
+// clear for the next one.
+static bool meta_slots_clear(const Fp8Meta& m) { return m.amax_pending == 0 && m.blocks_done == 0; }
 
 template <class T>
 static void check_quantize(size_t n, float stddev, Fp8Format f) {
@@ -405,8 +408,9 @@ static void check_quantize(size_t n, float stddev, Fp8Format f) {
     Fp8Meta gm = meta.download()[0];
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) bad += got[i] != want[i];
-    expect(bad == 0 && same_meta(gm, host_meta), "%s %s n=%zu std %g: %zu code mismatches, scale %g (host %g)", fp8_name(f),
-           sizeof(T) == 4 ? "float" : "bf16", n, stddev, bad, gm.scale, host_meta.scale);
+    expect(bad == 0 && same_meta(gm, host_meta) && meta_slots_clear(gm), "%s %s n=%zu std %g: %zu code mismatches, scale %g (host %g), "
+           "amax slot %08x, blocks %u", fp8_name(f), sizeof(T) == 4 ? "float" : "bf16", n, stddev, bad, gm.scale, host_meta.scale,
+           gm.amax_pending, gm.blocks_done);
 }
 
 GPU_TEST(fp8_quantize_bitexact) {
@@ -434,7 +438,8 @@ static void check_cast_transpose(int rows, int cols, Fp8Format f, bool delayed) 
     dq.poison();
     dqt.poison();
     fp8_cast_transpose(dq.ptr, dqt.ptr, dx.ptr, rows, cols, f, meta.ptr, r, 0);
-    if (delayed) fp8_update_scale(meta.ptr, f, r, 0);   // recording the amax is the caller's step
+    DeviceBuffer<int> id(std::vector<int>{0});
+    if (delayed) fp8_update_scales(meta.ptr, id.ptr, 1, f == E4M3 ? 1 : 0, r, 0);   // recording the amax is the caller's step
     std::vector<uint8_t> want(n);
     if (delayed) {   // cast with the old scale, then record this tensor's amax
         for (size_t i = 0; i < n; i++) want[i] = fp8_encode_ref(to_float(x[i]) * host_meta.scale, f);
@@ -450,7 +455,7 @@ static void check_cast_transpose(int rows, int cols, Fp8Format f, bool delayed) 
             bad_t += qt[(size_t)j * rows + i] != want[(size_t)i * cols + j];
         }
     Fp8Meta gm = meta.download()[0];
-    expect(bad == 0 && bad_t == 0 && same_meta(gm, host_meta),
+    expect(bad == 0 && bad_t == 0 && same_meta(gm, host_meta) && meta_slots_clear(gm),
            "%s %s [%d,%d] %s: %zu mismatches in X, %zu in X^T, scale %g (host %g), amax %g (host %g)", fp8_name(f),
            sizeof(T) == 4 ? "float" : "bf16", rows, cols, delayed ? "delayed" : "current", bad, bad_t, gm.scale, host_meta.scale,
            gm.amax, host_meta.amax);
@@ -503,6 +508,7 @@ GPU_TEST(fp8_update_scale_matches_host) {
     r.interval = 3;
     Fp8Meta host = fp8_meta_initial();
     DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{host});
+    DeviceBuffer<int> id(std::vector<int>{0});
     std::vector<float> amaxes = random_normal(40, 10.0f);
     amaxes[7] = NAN;
     amaxes[20] = INFINITY;
@@ -511,22 +517,66 @@ GPU_TEST(fp8_update_scale_matches_host) {
         unsigned int bits;
         memcpy(&bits, &v, 4);
         cudaCheck(cudaMemcpy(&meta.ptr->amax_pending, &bits, 4, cudaMemcpyHostToDevice));
-        fp8_update_scale(meta.ptr, E5M2, r, 0);
+        fp8_update_scales(meta.ptr, id.ptr, 1, 0, r, 0);
         fp8_meta_update(&host, v, E5M2, r);
     }
     Fp8Meta got = meta.download()[0];
-    expect(same_meta(got, host), "device scale %g (host %g), uses %u/%u, nonfinite %u/%u", got.scale, host.scale, got.uses, host.uses,
-           got.nonfinite, host.nonfinite);
-    // The batched update touches exactly the listed tensors, each as the single update would.
+    expect(same_meta(got, host) && meta_slots_clear(got), "device scale %g (host %g), uses %u/%u, nonfinite %u/%u, amax slot %08x",
+           got.scale, host.scale, got.uses, host.uses, got.nonfinite, host.nonfinite, got.amax_pending);
+    // The batched update touches exactly the listed tensors, each as the single update would, in its format
+    // (the first n_e4m3 listed are E4M3, the others E5M2: the scales differ by the formats' maxima).
     std::vector<Fp8Meta> metas(5, fp8_meta_initial());
     for (int i = 0; i < 5; i++) metas[i].amax_pending = 0x3f800000u + i * 0x00200000u;   // 1.0, 1.25, 1.5, ...
     std::vector<Fp8Meta> want = metas;
     DeviceBuffer<Fp8Meta> dmetas(metas);
     DeviceBuffer<int> ids(std::vector<int>{4, 1, 2});
-    fp8_update_scales(dmetas.ptr, ids.ptr, 3, E4M3, r, 0);
-    for (int i : {4, 1, 2}) fp8_meta_update(&want[i], float_from_bits(want[i].amax_pending), E4M3, r);
+    fp8_update_scales(dmetas.ptr, ids.ptr, 3, 2, r, 0);
+    for (int i : {4, 1}) fp8_meta_update(&want[i], float_from_bits(want[i].amax_pending), E4M3, r);
+    fp8_meta_update(&want[2], float_from_bits(want[2].amax_pending), E5M2, r);
+    for (int i : {4, 1, 2}) want[i].amax_pending = 0;
     std::vector<Fp8Meta> gotv = dmetas.download();
-    for (int i = 0; i < 5; i++) expect(same_meta(gotv[i], want[i]), "batched update: tensor %d differs", i);
+    for (int i = 0; i < 5; i++)
+        expect(same_meta(gotv[i], want[i]) && gotv[i].amax_pending == want[i].amax_pending, "batched update: tensor %d differs", i);
+}
+
+// Delayed scaling records once per optimizer step: the casts of a step's micro-batches use the scale of the
+// history and gather the MAX of their amaxes; an evaluation cast (record false) gathers nothing; one
+// fp8_update_scales then enters that MAX into the history. Two micro-batches of one tensor (amax 3 and 7 x
+// its std), an evaluation cast of a third with a larger amax, then the record: uses 1, amax the larger of the
+// two training ones. The codes of each cast use the scale from before the step.
+GPU_TEST(fp8_delayed_scaling_records_per_step) {
+    const int rows = 128, cols = 96;
+    Fp8Recipe r;
+    r.history_len = 4;
+    Fp8Meta host = fp8_meta_initial();
+    host.scale = 8.0f;
+    host.inv_scale = 0.125f;
+    DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{host});
+    DeviceBuffer<int> id(std::vector<int>{0});
+    DeviceBuffer<fp8> q((size_t)rows * cols), qt((size_t)rows * cols);
+    std::vector<std::vector<bf16>> xs = {to_bf16(random_normal((size_t)rows * cols, 0.5f)), to_bf16(random_normal((size_t)rows * cols, 1.5f)),
+                                         to_bf16(random_normal((size_t)rows * cols, 9.0f))};
+    for (int i = 0; i < 3; i++) {
+        DeviceBuffer<bf16> dx(xs[i]);
+        q.poison();
+        Fp8CastOut o{q.ptr, qt.ptr, E4M3, meta.ptr, r};
+        o.record = i < 2;   // the third is an evaluation pass
+        fp8_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+        std::vector<fp8> got = q.download();
+        size_t bad = 0;
+        for (size_t k = 0; k < got.size(); k++) bad += got[k] != fp8_encode_ref(to_float(xs[i][k]) * host.scale, E4M3);
+        expect(bad == 0, "cast %d: %zu codes differ from the host's with the step's scale %g", i, bad, host.scale);
+    }
+    Fp8Meta mid = meta.download()[0];
+    const float want_amax = std::max(host_amax(xs[0]), host_amax(xs[1]));
+    expect(float_from_bits(mid.amax_pending) == want_amax && mid.uses == 0,
+           "before the record: gathered amax %g (want %g, the MAX of the training casts only), uses %u", float_from_bits(mid.amax_pending),
+           want_amax, mid.uses);
+    fp8_update_scales(meta.ptr, id.ptr, 1, 1, r, 0);
+    fp8_meta_update(&host, want_amax, E4M3, r);
+    Fp8Meta got = meta.download()[0];
+    expect(same_meta(got, host) && meta_slots_clear(got) && got.uses == 1, "after the record: uses %u, amax %g, scale %g (host %g)",
+           got.uses, got.amax, got.scale, host.scale);
 }
 
 // ---- the matmul against a float64 host GEMM of the dequantized operands
@@ -2366,8 +2416,10 @@ GPU_TEST(fp8_linear_vs_host) {
         ddx.poison();
         Fp8Recipe current;
         fp8_weight_update(&lin, dw_in.ptr, out, in, 0);
-        fp8_linear_forward(&mm, dy_out.ptr, x8.ptr, x8t.ptr, dx_in.ptr, &lin, N, in, out, current, false, 0);
-        fp8_linear_backward(&mm, ddx.ptr, ddw.ptr, dy8.ptr, dy8t.ptr, ddy.ptr, x8t.ptr, &lin, N, in, out, current, 0);
+        fp8_cast_transpose_counted(x8.ptr, x8t.ptr, dx_in.ptr, N, in, E4M3, &dmeta.ptr[FP8_X], &dhealth.ptr[FP8_X], current, 0);
+        fp8_linear_forward(&mm, dy_out.ptr, x8.ptr, &lin, N, in, out, false, 0);
+        fp8_cast_transpose_counted(dy8.ptr, dy8t.ptr, ddy.ptr, N, out, E5M2, &dmeta.ptr[FP8_DY], &dhealth.ptr[FP8_DY], current, 0);
+        fp8_linear_backward(&mm, ddx.ptr, ddw.ptr, dy8.ptr, dy8t.ptr, x8t.ptr, &lin, N, in, out, 0);
 
         // host: the same casts, then float64 GEMMs
         Fp8Meta mx = fp8_meta_initial(), mw = fp8_meta_initial(), mdy = fp8_meta_initial();
@@ -2423,19 +2475,30 @@ GPU_TEST(fp8_linear_vs_host) {
 }
 
 GPU_TEST(fp8_health_counts_saturation) {
-    // A delayed scale that is too large saturates: the counts must match the host exactly.
-    std::vector<bf16> x = to_bf16(random_normal(100003, 3.0f));
+    // A delayed scale that is too large saturates: the cast's counts must match the host exactly (ragged
+    // edges: the scalar path counts too).
+    const int rows = 317, cols = 315;
+    std::vector<bf16> x = to_bf16(random_normal((size_t)rows * cols, 3.0f));
     DeviceBuffer<bf16> dx(x);
+    DeviceBuffer<fp8> q(x.size()), qt(x.size());
     Fp8Meta m = fp8_meta_initial();
     m.scale = 512.0f;   // 3 * 512 >> 448: many saturate
     m.inv_scale = 1.0f / 512;
     DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{m});
     DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0}});
-    fp8_health(h.ptr, dx.ptr, x.size(), E4M3, meta.ptr, 0);
-    unsigned long long sat = 0;
-    for (auto& v : x) sat += fabsf(to_float(v) * 512.0f) > 448.0f;
+    Fp8Recipe delayed;
+    delayed.history_len = 2;
+    fp8_cast_transpose_counted(q.ptr, qt.ptr, dx.ptr, rows, cols, E4M3, meta.ptr, h.ptr, delayed, 0);
+    unsigned long long sat = 0, flushed = 0;
+    for (auto& v : x) {
+        float s = to_float(v) * 512.0f;
+        sat += fabsf(s) > 448.0f;
+        flushed += to_float(v) != 0.0f && (fp8_encode_ref(s, E4M3) & 0x7F) == 0;
+    }
     Fp8Health got = h.download()[0];
-    expect(got.saturated == sat && sat > 0, "saturated %llu, host %llu", got.saturated, sat);
+    expect(got.saturated == sat && sat > 0 && got.flushed == flushed && got.total == x.size(),
+           "saturated %llu (host %llu), flushed %llu (host %llu), total %llu of %zu", got.saturated, sat, got.flushed, flushed, got.total,
+           x.size());
 }
 
 #if defined(PRECISION_FP8)
@@ -2458,6 +2521,7 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     model_zero_grads(&m);
     float loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads = model_test_grads(&m);
+    model_fp8_record_amax(&m);   // delayed scaling: the step's amaxes enter the history; the next step casts with them
     // a second identical step: FP8 (amax atomics included) is deterministic
     model_zero_grads(&m);
     float loss2 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
@@ -3370,6 +3434,19 @@ GPU_TEST(train_resume_is_bit_identical) {
     std::vector<char> ckpt_split = read_whole_file(split_dir.file("ckpt.bin"));
     printf("    final checkpoints: %zu and %zu bytes\n", ckpt_straight.size(), ckpt_split.size());
     expect(!ckpt_straight.empty() && ckpt_straight == ckpt_split, "the final checkpoints differ");
+#if defined(PRECISION_FP8)
+    // Delayed scaling records once per optimizer step: 6 steps of 2 micro-batches (evaluation and sampling between
+    // them record nothing) leave every X and dY record of the 2 layers at 6 amaxes. The records end the file.
+    const size_t n_meta = 2 * 4 * 3;
+    if (ckpt_straight.size() > n_meta * sizeof(Fp8Meta)) {
+        std::vector<Fp8Meta> metas(n_meta);
+        memcpy(metas.data(), ckpt_straight.data() + ckpt_straight.size() - n_meta * sizeof(Fp8Meta), n_meta * sizeof(Fp8Meta));
+        for (size_t i = 0; i < n_meta; i++)
+            if (i % 3 != FP8_W)
+                expect(metas[i].uses == 6 && meta_slots_clear(metas[i]), "linear %zu %s: %u amaxes recorded in 6 steps (want 6), slots %08x %u",
+                       i / 3, i % 3 == FP8_X ? "X" : "dY", metas[i].uses, metas[i].amax_pending, metas[i].blocks_done);
+    }
+#endif
     std::vector<char> log = read_whole_file(split_dir.file("log.csv"));
     std::string log_text(log.begin(), log.end());
     expect(std::count(log_text.begin(), log_text.end(), '\n') == 1 + 1 + 6 && log_text.find("step,loss,val_loss") == 0,
@@ -3702,6 +3779,9 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
     cudaCheck(cudaMemset(whole.act_memory, 0xFF, whole.act_bytes));
     model_zero_grads(&whole);
     float loss_whole = model_forward_backward(&whole, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+#if defined(PRECISION_FP8)
+    model_fp8_record_amax(&whole);   // delayed scaling: the step's record (with --tp-amax-sync, its MAX over the group)
+#endif
     std::vector<float> grads_whole = model_test_grads(&whole);
     std::vector<Fp8Meta> metas_whole = metas_of(&whole);
     model_destroy(&whole);
@@ -3727,6 +3807,9 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
             cudaCheck(cudaMemset(m.act_memory, 0xFF, m.act_bytes));
             model_zero_grads(&m);
             losses[r] = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+#if defined(PRECISION_FP8)
+            model_fp8_record_amax(&m);
+#endif
             grads[r] = model_test_grads(&m);
             metas[r] = metas_of(&m);
             model_destroy(&m);
@@ -4130,8 +4213,10 @@ static float bench_tp_linear_ms(int S, int n, bool use_fp8) {
             const Fp8Recipe recipe;
             auto step = [&] {
                 if (use_fp8) {
-                    fp8_linear_forward(&mm, y, x8, x8_t, x, &lin, (int)M, (int)K, (int)out, recipe, true, 0);
-                    fp8_linear_backward(&mm, dx, dw, dy8, dy8_t, dy, x8_t, &lin, (int)M, (int)K, (int)out, recipe, 0);
+                    fp8_cast_transpose(x8, x8_t, x, (int)M, (int)K, E4M3, &meta[FP8_X], recipe, 0);
+                    fp8_linear_forward(&mm, y, x8, &lin, (int)M, (int)K, (int)out, true, 0);
+                    fp8_cast_transpose(dy8, dy8_t, dy, (int)M, (int)out, E5M2, &meta[FP8_DY], recipe, 0);
+                    fp8_linear_backward(&mm, dx, dw, dy8, dy8_t, x8_t, &lin, (int)M, (int)K, (int)out, 0);
                 } else {
                     matmul(&mm, y, DT_BF16, {x, DT_BF16}, {w, DT_BF16}, (int)M, (int)out, (int)K, false, false, 0);
                     matmul(&mm, dx, DT_BF16, {dy, DT_BF16}, {w, DT_BF16, true}, (int)M, (int)K, (int)out, false, false, 0);

@@ -843,6 +843,9 @@ inline TrainResult train(const TrainOptions& o) {
             });
             loss_sum += ranks[0].loss;   // the same on every rank
         }
+#if defined(PRECISION_FP8)
+        on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
+#endif
         float loss = (float)(loss_sum / accum);
         on_ranks(ranks, [&](TrainRank& r) {
             ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
