@@ -389,39 +389,51 @@ inline void embedding_backward(float* demb, const bf16* dout, const int* tokens,
 constexpr int RMSNORM_THREADS = 256;
 constexpr int RMSNORM_BWD_ROWS = 32;
 
+// y of one element, as the forward writes it (the one formula of both the BF16 output and the fused FP8 cast).
+__device__ inline bf16 rmsnorm_value(float x, float r, float w) { return __float2bfloat16(x * r * w); }
+
+// y may be null (an FP8 consumer: the cast recomputes y from resid_out, rstd and w); amax_bits (or null)
+// gathers amax(y) for the current scaling of that cast.
 __global__ void rmsnorm_forward_kernel(bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch,
-                                       const bf16* w, int N, int D, float eps) {
+                                       const bf16* w, int N, int D, float eps, unsigned int* amax_bits) {
     const int lane = threadIdx.x % 32;
     const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (n >= N) return;
-    const size_t row = (size_t)n * D;
-    const bf16* x = resid + row;
-    float sumsq = 0.0f;
-    if (branch) {
-        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-            Packed128<bf16> a = load128(resid + row + c), b = load128(branch + row + c), sum;
-            for (int k = 0; k < BF16_PER_16B; k++) {
-                sum.v[k] = __float2bfloat16(to_float(a.v[k]) + to_float(b.v[k]));
-                float v = to_float(sum.v[k]);
-                sumsq += v * v;
+    unsigned int m = 0;
+    if (n < N) {
+        const size_t row = (size_t)n * D;
+        const bf16* x = resid + row;
+        float sumsq = 0.0f;
+        if (branch) {
+            for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+                Packed128<bf16> a = load128(resid + row + c), b = load128(branch + row + c), sum;
+                for (int k = 0; k < BF16_PER_16B; k++) {
+                    sum.v[k] = __float2bfloat16(to_float(a.v[k]) + to_float(b.v[k]));
+                    float v = to_float(sum.v[k]);
+                    sumsq += v * v;
+                }
+                store128(resid_out + row + c, sum);
             }
-            store128(resid_out + row + c, sum);
+            x = resid_out + row;   // this lane reads back only what it wrote
+        } else {
+            for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+                Packed128<bf16> a = load128(x + c);
+                for (int k = 0; k < BF16_PER_16B; k++) sumsq += to_float(a.v[k]) * to_float(a.v[k]);
+            }
         }
-        x = resid_out + row;   // this lane reads back only what it wrote
-    } else {
-        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-            Packed128<bf16> a = load128(x + c);
-            for (int k = 0; k < BF16_PER_16B; k++) sumsq += to_float(a.v[k]) * to_float(a.v[k]);
-        }
+        sumsq = attention_warp_sum(sumsq);
+        const float r = 1.0f / sqrtf(sumsq / D + eps);
+        if (lane == 0) rstd[n] = r;
+        if (y || amax_bits)
+            for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+                Packed128<bf16> a = load128(x + c), wv = load128(w + c), out;
+                for (int k = 0; k < BF16_PER_16B; k++) {
+                    out.v[k] = rmsnorm_value(to_float(a.v[k]), r, to_float(wv.v[k]));
+                    m = max(m, abs_bits(to_float(out.v[k])));
+                }
+                if (y) store128(y + row + c, out);
+            }
     }
-    sumsq = attention_warp_sum(sumsq);
-    const float r = 1.0f / sqrtf(sumsq / D + eps);
-    if (lane == 0) rstd[n] = r;
-    for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-        Packed128<bf16> a = load128(x + c), wv = load128(w + c), out;
-        for (int k = 0; k < BF16_PER_16B; k++) out.v[k] = __float2bfloat16(to_float(a.v[k]) * r * to_float(wv.v[k]));
-        store128(y + row + c, out);
-    }
+    if (amax_bits) block_atomic_max(amax_bits, m);
 }
 
 __global__ void rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const bf16* dy, const bf16* x,
@@ -469,16 +481,51 @@ __global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int
     dw[j] += s;
 }
 
-// resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add).
+// resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add). y null: only
+// resid_out and rstd (rmsnorm_forward_fp8's first kernel), with amax(y) into *amax_bits if that is set.
 inline void rmsnorm_forward(bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch, const bf16* w,
-                            int N, int D, float eps, cudaStream_t s) {
+                            int N, int D, float eps, cudaStream_t s, unsigned int* amax_bits = nullptr) {
     check_rows("rmsnorm_forward", D, {resid_out, y, resid, branch, w});
     if ((resid_out == nullptr) != (branch == nullptr))
         fail("rmsnorm_forward: resid_out and branch go together (the fused residual add), got %p and %p", resid_out, branch);
     ProfileRange range(PHASE_NORM, s, "rmsnorm forward");
     const int rows_per_block = RMSNORM_THREADS / 32;
-    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_THREADS, 0, s>>>(resid_out, y, rstd, resid, branch, w, N, D, eps);
+    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_THREADS, 0, s>>>(resid_out, y, rstd, resid, branch, w, N, D, eps,
+                                                                                   amax_bits);
     cudaCheckLaunch();
+}
+
+// The RMSNorm output y [N,D] recomputed for a cast from what the forward keeps: x (resid_out, or resid without
+// a residual add), rstd and w; bit for bit the y rmsnorm_forward writes (the same formula on the same floats).
+struct RmsNormCast {
+    static constexpr int outs = 1;
+    const bf16* x;
+    const float* rstd;
+    const bf16* w;
+    int cols;   // D
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const float r = rstd[row];
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> a = load128(x + (size_t)row * cols + col + h), wv = load128(w + col + h);
+            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(rmsnorm_value(to_float(a.v[k]), r, to_float(wv.v[k])));
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        v[0] = to_float(rmsnorm_value(to_float(x[(size_t)row * cols + col]), rstd[row], to_float(w[col])));
+    }
+};
+
+// rmsnorm_forward into an FP8 linear's input: X8 and X8^T as o says, no BF16 y. Two kernels in both scalings:
+// the statistics (resid_out and rstd, which the backward keeps anyway) and the cast recomputing y from them. The
+// BF16 y is never written nor read back (the unfused path writes it, reads it for the amax, reads it again for
+// the cast). Current scaling: the statistics kernel also computes y in registers for amax(y), so the cast knows
+// its scale; delayed scaling: it skips y, and the cast gathers the amax.
+inline void rmsnorm_forward_fp8(const Fp8CastOut& o, bf16* resid_out, float* rstd, const bf16* resid, const bf16* branch,
+                                const bf16* w, int N, int D, float eps, cudaStream_t s) {
+    const bool current = !o.recipe.delayed();
+    rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, current ? &o.meta->amax_pending : nullptr);
+    ProfileRange range(PHASE_FP8_CAST, s, "rmsnorm: cast X");
+    fp8_cast_produced(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, current);
 }
 // Floats of scratch that rmsnorm_backward needs: one partial dw row per block of rows.
 inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * D; }
@@ -513,7 +560,15 @@ inline void rope_tables(std::vector<float>* cos_t, std::vector<float>* sin_t, in
     }
 }
 
-// sign +1: forward rotation; -1: the inverse (backward). One thread rotates 4 pairs (16 bytes).
+// One pair rotated, with s = sign * sin (sign +1: forward; -1: the inverse, the backward): the one formula of
+// rope_kernel and of the fused backward cast, the products' rounding fixed by fmaf.
+__device__ inline void rope_rotate(float x0, float x1, float c, float sin, float sign, bf16* y0, bf16* y1) {
+    const float s = sign * sin;
+    *y0 = __float2bfloat16(fmaf(x0, c, -(x1 * s)));
+    *y1 = __float2bfloat16(fmaf(x0, s, x1 * c));
+}
+
+// One thread rotates 4 pairs (16 bytes).
 __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, int N, int T, int rot_heads,
                             int qkv_cols, int HD, float sign) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -526,10 +581,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, i
     Packed128<bf16> v = load128(p);
     for (int q = 0; q < BF16_PER_16B / 2; q++) {
         const size_t pair = (size_t)t * (HD / 2) + chunk * (BF16_PER_16B / 2) + q;
-        const float c = cos_t[pair], s = sign * sin_t[pair];
-        const float x0 = to_float(v.v[2 * q]), x1 = to_float(v.v[2 * q + 1]);
-        v.v[2 * q] = __float2bfloat16(x0 * c - x1 * s);
-        v.v[2 * q + 1] = __float2bfloat16(x0 * s + x1 * c);
+        rope_rotate(to_float(v.v[2 * q]), to_float(v.v[2 * q + 1]), cos_t[pair], sin_t[pair], sign, &v.v[2 * q], &v.v[2 * q + 1]);
     }
     store128(p, v);
 }
@@ -550,9 +602,66 @@ inline void rope_backward(bf16* dqkv, const float* cos_t, const float* sin_t, in
     rope_launch("rope_backward", dqkv, cos_t, sin_t, B, T, NH, NKV, HD, -1.0f, s);
 }
 
+// dqkv [N, cols] after rope_backward, for a cast, from dqkv before it: the Q and K columns (the first rot_cols)
+// rotated back, V as it is; bit for bit what rope_backward writes in place. A 16-column chunk lies in one head.
+struct RopeBackwardCast {
+    static constexpr int outs = 1;
+    const bf16* dqkv;
+    const float *cos_t, *sin_t;
+    int T, HD, rot_cols, cols;
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        float x[CAST_VEC];
+        load16_as_float(x, dqkv + (size_t)row * cols + col);
+        if (col >= rot_cols) {
+            for (int k = 0; k < CAST_VEC; k++) v[0][k] = x[k];
+            return;
+        }
+        const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
+        for (int q = 0; q < CAST_VEC / 2; q++) {
+            bf16 y0, y1;
+            rope_rotate(x[2 * q], x[2 * q + 1], cos_t[pair0 + q], sin_t[pair0 + q], -1.0f, &y0, &y1);
+            v[0][2 * q] = to_float(y0);
+            v[0][2 * q + 1] = to_float(y1);
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        const bf16* x = dqkv + (size_t)row * cols;
+        if (col >= rot_cols) {
+            v[0] = to_float(x[col]);
+            return;
+        }
+        const int c0 = col & ~1;   // the pair (c0, c0 + 1)
+        const size_t pair = (size_t)(row % T) * (HD / 2) + (c0 % HD) / 2;
+        bf16 y0, y1;
+        rope_rotate(to_float(x[c0]), to_float(x[c0 + 1]), cos_t[pair], sin_t[pair], -1.0f, &y0, &y1);
+        v[0] = to_float(col & 1 ? y1 : y0);
+    }
+};
+
+// rope_backward into an FP8 linear's dY (dY8 and dY8^T of wqkv, the whole row, V included), dqkv left as it is.
+// Delayed scaling: one kernel (reads dqkv, writes the codes); current scaling: an amax pass that rotates too,
+// then the cast: dqkv read twice and never written, against the unfused path's in-place rotation (a read and a
+// write) and its two reads for the amax and the cast.
+inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH,
+                              int NKV, int HD, cudaStream_t s) {
+    check_rows("rope_backward_fp8", HD, {dqkv});
+    if (HD % CAST_VEC != 0) fail("rope_backward_fp8: head_dim %d must be a multiple of %d (a cast chunk within one head)", HD, CAST_VEC);
+    ProfileRange range(PHASE_FP8_CAST, s, "rope backward: cast dY");
+    const int cols = (NH + 2 * NKV) * HD;
+    fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
+}
+
 // ---- SwiGLU: out[n,j] = silu(g) * u with g = gate_up[n,j], u = gate_up[n,F+j], silu(g) = g sigmoid(g).
 // Backward: du = dout silu(g); dg = dout u silu'(g), silu'(g) = sig(g) (1 + g (1 - sig(g))).
 constexpr int SWIGLU_THREADS = 256;
+
+// The formulas, shared by the kernels below and the fused casts.
+__device__ inline bf16 swiglu_value(float g, float u) { return __float2bfloat16(g / (1.0f + expf(-g)) * u); }
+__device__ inline void swiglu_grads(float g, float u, float dy, bf16* dg, bf16* du) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    *dg = __float2bfloat16(dy * u * sig * fmaf(g, 1.0f - sig, 1.0f));
+    *du = __float2bfloat16(dy * g * sig);
+}
 
 __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int F) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -561,10 +670,7 @@ __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int
     const size_t n = i / chunks;
     const int c = (int)(i % chunks) * BF16_PER_16B;
     Packed128<bf16> g = load128(gate_up + n * 2 * F + c), u = load128(gate_up + n * 2 * F + F + c), o;
-    for (int k = 0; k < BF16_PER_16B; k++) {
-        float gk = to_float(g.v[k]);
-        o.v[k] = __float2bfloat16(gk / (1.0f + expf(-gk)) * to_float(u.v[k]));
-    }
+    for (int k = 0; k < BF16_PER_16B; k++) o.v[k] = swiglu_value(to_float(g.v[k]), to_float(u.v[k]));
     store128(out + n * F + c, o);
 }
 
@@ -576,12 +682,7 @@ __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const b
     const int c = (int)(i % chunks) * BF16_PER_16B;
     Packed128<bf16> g = load128(gate_up + n * 2 * F + c), u = load128(gate_up + n * 2 * F + F + c);
     Packed128<bf16> dy = load128(dout + n * F + c), dg, du;
-    for (int k = 0; k < BF16_PER_16B; k++) {
-        float gk = to_float(g.v[k]), uk = to_float(u.v[k]), dk = to_float(dy.v[k]);
-        float sig = 1.0f / (1.0f + expf(-gk));
-        dg.v[k] = __float2bfloat16(dk * uk * sig * (1.0f + gk * (1.0f - sig)));
-        du.v[k] = __float2bfloat16(dk * gk * sig);
-    }
+    for (int k = 0; k < BF16_PER_16B; k++) swiglu_grads(to_float(g.v[k]), to_float(u.v[k]), to_float(dy.v[k]), &dg.v[k], &du.v[k]);
     store128(dgate_up + n * 2 * F + c, dg);
     store128(dgate_up + n * 2 * F + F + c, du);
 }
@@ -599,6 +700,69 @@ inline void swiglu_backward(bf16* dgate_up, const bf16* dout, const bf16* gate_u
     size_t threads = (size_t)N * (F / BF16_PER_16B);
     swiglu_backward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(dgate_up, dout, gate_up, N, F);
     cudaCheckLaunch();
+}
+
+// The SwiGLU output [N,F] for a cast, from gate_up [N,2F]: what swiglu_forward writes.
+struct SwigluCast {
+    static constexpr int outs = 1;
+    const bf16* gate_up;
+    int cols;   // F
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h);
+            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(swiglu_value(to_float(gv.v[k]), to_float(uv.v[k])));
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        v[0] = to_float(swiglu_value(to_float(g[0]), to_float(g[cols])));
+    }
+};
+// dgate_up [N,2F] for a cast, from dout [N,F] and gate_up: what swiglu_backward writes; output 0 is the gate
+// half (dg), output 1 the up half (du), each made once from one read of g, u and dout.
+struct SwigluBackwardCast {
+    static constexpr int outs = 2;
+    const bf16* dout;
+    const bf16* gate_up;
+    int cols;   // F
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        const bf16* dy = dout + (size_t)row * cols + col;
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h), dv = load128(dy + h);
+            for (int k = 0; k < BF16_PER_16B; k++) {
+                bf16 dg, du;
+                swiglu_grads(to_float(gv.v[k]), to_float(uv.v[k]), to_float(dv.v[k]), &dg, &du);
+                v[0][h + k] = to_float(dg);
+                v[1][h + k] = to_float(du);
+            }
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        bf16 dg, du;
+        swiglu_grads(to_float(g[0]), to_float(g[cols]), to_float(dout[(size_t)row * cols + col]), &dg, &du);
+        v[0] = to_float(dg);
+        v[1] = to_float(du);
+    }
+};
+
+// swiglu_forward into an FP8 linear's input (X8 and X8^T of w_down), no BF16 output. Delayed scaling: one kernel
+// (reads gate_up, writes the codes); current scaling: an amax pass computing the SwiGLU, then the cast computing
+// it again: gate_up read twice, nothing written but the codes, against the unfused path's BF16 write and its two
+// reads back (amax, cast).
+inline void swiglu_forward_fp8(const Fp8CastOut& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    check_rows("swiglu_forward_fp8", F, {gate_up});
+    ProfileRange range(PHASE_FP8_CAST, s, "swiglu forward: cast X");
+    fp8_cast_produced(o, SwigluCast{gate_up, F}, N, F, s);
+}
+// swiglu_backward into an FP8 linear's dY (dY8 [N,2F] and dY8^T of w_gate_up), no BF16 dgate_up: costs as above,
+// dout and gate_up read once per pass.
+inline void swiglu_backward_fp8(const Fp8CastOut& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    check_rows("swiglu_backward_fp8", F, {dout, gate_up});
+    ProfileRange range(PHASE_FP8_CAST, s, "swiglu backward: cast dY");
+    fp8_cast_produced(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s);
 }
 
 // ---- Cross-entropy of FP32 logits rows [N,V], one block per row:
@@ -768,6 +932,9 @@ struct Fp8Options {
     bool all_layers = false;    // FP8 in the first and last decoder layers too (the recipe keeps them BF16)
     bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
     bool tp_amax_sync = false;  // tensor parallelism: the amax of a sharded X or dY is the MAX over the group
+    bool fused_casts = true;    // RMSNorm, SwiGLU and the RoPE backward cast their outputs for an FP8 linear themselves;
+                                // false: they write BF16 and a plain cast follows (the unfused path: the reference of
+                                // the fused casts' tests and the benchmark's baseline)
 };
 
 #if defined(PRECISION_FP8)
@@ -908,13 +1075,22 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
     o.record = m->fp8.training;
     return o;
 }
+// Whether FP8 linear `param`'s X (dy: its dY) is cast by the kernel that produces it (section 6's producers:
+// RMSNorm makes the X of wqkv and w_gate_up, SwiGLU that of w_down, the SwiGLU backward the dY of w_gate_up, the
+// RoPE backward that of wqkv). The others (X of wo, attention's output; dY of wo and w_down, the residual
+// stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
+inline bool model_fp8_fused(Model* m, int param, bool dy) {
+    if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
+    const int kind = (param - 1) % PARAMS_PER_LAYER;
+    return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
+}
 #endif
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        {
+        if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X");
             fp8_cast_produced(model_fp8_cast(m, param, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
         }
@@ -926,12 +1102,13 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int 
     matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {model_weight(m, param), DT_BF16}, N, w.rows, w.cols, false, false,
            m->stream);
 }
-// inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer).
+// inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer, and so may
+// dout when its producer cast it).
 inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        {
+        if (!model_fp8_fused(m, param, true)) {   // else dY8 and dY8^T came from the producer of dout
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
             fp8_cast_produced(model_fp8_cast(m, param, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
         }
@@ -945,6 +1122,50 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
            false, m->stream);
     matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, true,
            false, m->stream);
+}
+
+// The producers of the linears' inputs and output gradients, which know their consumer `param`: BF16 into the
+// given tensor, or for an FP8 consumer that casts where it is produced (model_fp8_fused), the FP8 cast
+// straight into the consumer's X8 / dY8 buffers (the BF16 tensor is then not written).
+inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch, int norm_param,
+                                  int consumer, int N) {
+    const ModelConfig& c = m->config;
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, false)) {
+        rmsnorm_forward_fp8(model_fp8_cast(m, consumer, false), resid_out, rstd, resid, branch, model_weight(m, norm_param), N, c.dim,
+                            c.norm_eps, m->stream);
+        return;
+    }
+#endif
+    rmsnorm_forward(resid_out, y, rstd, resid, branch, model_weight(m, norm_param), N, c.dim, c.norm_eps, m->stream);
+}
+inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, int consumer, int N) {
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, false)) {
+        swiglu_forward_fp8(model_fp8_cast(m, consumer, false), gate_up, N, m->ffn_dim, m->stream);
+        return;
+    }
+#endif
+    swiglu_forward(out, gate_up, N, m->ffn_dim, m->stream);
+}
+inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, int consumer, int N) {
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, true)) {
+        swiglu_backward_fp8(model_fp8_cast(m, consumer, true), dout, gate_up, N, m->ffn_dim, m->stream);
+        return;
+    }
+#endif
+    swiglu_backward(dgate_up, dout, gate_up, N, m->ffn_dim, m->stream);
+}
+inline void model_rope_backward(Model* m, bf16* dqkv, int consumer, int B, int T) {
+    const int HD = m->config.head_dim;
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, true)) {
+        rope_backward_fp8(model_fp8_cast(m, consumer, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+        return;
+    }
+#endif
+    rope_backward(dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
 }
 
 // The weights changed (optimizer step, upload): the FP8 build rebuilds W8 and W8^T of its FP8 layers.
@@ -1290,12 +1511,12 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     NvtxRange nvtx("forward");
     LayerActs first = model_layer_acts(m, 0);
     embedding_forward(first.resid_attn, model_weight(m, PARAM_TOK_EMBEDDING), d_inputs, N, c.vocab_size, D, s);
-    rmsnorm_forward(nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr,
-                    model_weight(m, param_layer(0, ATTN_NORM)), N, D, c.norm_eps, s);
+    model_rmsnorm_forward(m, nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr, param_layer(0, ATTN_NORM),
+                          param_layer(0, WQKV), N);
     for (int l = 0; l < L; l++) {
         NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
-        // attention block (resid_attn and attn_norm were written by the previous layer's last step)
+        // attention block (resid_attn and attn_norm, or its FP8 cast, were written by the previous layer's last step)
         linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         {
@@ -1304,18 +1525,18 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
         }
         linear_forward(m, a.branch, la.att, param_layer(l, WO), N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' heads
-        rmsnorm_forward(la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch,
-                        model_weight(m, param_layer(l, FFN_NORM)), N, D, c.norm_eps, s);
+        model_rmsnorm_forward(m, la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch, param_layer(l, FFN_NORM),
+                              param_layer(l, W_GATE_UP), N);
         // feed-forward block
         linear_forward(m, la.gate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
-        swiglu_forward(la.swiglu, la.gate_up, N, m->ffn_dim, s);
+        model_swiglu_forward(m, la.swiglu, la.gate_up, param_layer(l, W_DOWN), N);
         linear_forward(m, a.branch, la.swiglu, param_layer(l, W_DOWN), N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' FFN slices
         // the residual add, fused with the next norm: the next layer's attn_norm, or the final norm
         if (l + 1 < L) {
             LayerActs next = model_layer_acts(m, l + 1);
-            rmsnorm_forward(next.resid_attn, next.attn_norm, next.attn_rstd, la.resid_ffn, a.branch,
-                            model_weight(m, param_layer(l + 1, ATTN_NORM)), N, D, c.norm_eps, s);
+            model_rmsnorm_forward(m, next.resid_attn, next.attn_norm, next.attn_rstd, la.resid_ffn, a.branch,
+                                  param_layer(l + 1, ATTN_NORM), param_layer(l + 1, WQKV), N);
         } else {
             rmsnorm_forward(a.resid_final, a.final_norm, a.final_rstd, la.resid_ffn, a.branch,
                             model_weight(m, param_final_norm(c)), N, D, c.norm_eps, s);
@@ -1340,7 +1561,7 @@ inline float model_loss_mean(Model* m, int N) {
 inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
-    const int B = m->B, T = m->T, N = B * T, D = c.dim, F = m->ffn_dim;
+    const int B = m->B, T = m->T, N = B * T, D = c.dim;
     cudaStream_t s = m->stream;
 #if defined(PRECISION_FP8)
     m->fp8.training = true;
@@ -1361,7 +1582,7 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
         LayerActs la = model_layer_acts(m, l);
         // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
         linear_backward(m, a.dswiglu, a.dresid, la.swiglu, param_layer(l, W_DOWN), N);
-        swiglu_backward(a.dgate_up, a.dswiglu, la.gate_up, N, F, s);
+        model_swiglu_backward(m, a.dgate_up, a.dswiglu, la.gate_up, param_layer(l, W_GATE_UP), N);
         linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);   // column-parallel: every rank's slice fed this input
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
@@ -1373,7 +1594,7 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
             attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
                                c.head_dim, s);
         }
-        rope_backward(a.dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        model_rope_backward(m, a.dqkv, param_layer(l, WQKV), B, T);
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,

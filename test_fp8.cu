@@ -2501,6 +2501,102 @@ GPU_TEST(fp8_health_counts_saturation) {
            x.size());
 }
 
+// ---- The casts fused into their producers (llama2.cuh: RMSNorm, SwiGLU forward and backward, RoPE backward)
+// against the unfused path: the producer's BF16 kernel (tested against float64 above), its output cast by the
+// host codec with the host's scale record. X8 and X8^T bit for bit, and the record: current scaling, updated by
+// the cast with its slots cleared; delayed, the scale of before (what the codes used) and the gathered amax.
+// Rows not a multiple of 16 (the transposed copy's scalar path); widths a multiple of 16 (the 16-byte path)
+// and not (the scalar path); both scalings. Before the fused kernels run, their outputs are poisoned.
+struct FusedCastCase {
+    Fp8Recipe recipe;
+    Fp8Meta before;
+    DeviceBuffer<fp8> q, qt;
+    DeviceBuffer<Fp8Meta> meta;
+    FusedCastCase(size_t n, Fp8Format f, bool delayed)
+        : before(fp8_meta_initial()), q(n), qt(n), meta(std::vector<Fp8Meta>{fp8_meta_initial()}) {
+        if (delayed) recipe.history_len = 4;
+        before.scale = f == E4M3 ? 64.0f : 65536.0f;   // the scale a delayed recipe casts with
+        before.inv_scale = 1.0f / before.scale;
+        meta.upload(std::vector<Fp8Meta>{before});
+        q.poison();
+        qt.poison();
+    }
+    Fp8CastOut out(Fp8Format f) { return Fp8CastOut{q.ptr, qt.ptr, f, meta.ptr, recipe}; }
+    // y [rows, ld]: the unfused path's BF16 tensor.
+    void expect_cast_of(const char* what, const std::vector<bf16>& y, int rows, int ld, Fp8Format f) {
+        Fp8Meta want = before;
+        if (!recipe.delayed()) fp8_meta_update(&want, host_amax(y), f, recipe);
+        const float scale = recipe.delayed() ? before.scale : want.scale;
+        std::vector<fp8> gq = q.download(), gqt = qt.download();
+        size_t bad = 0, bad_t = 0;
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < ld; j++) {
+                fp8 code = fp8_encode_ref(to_float(y[(size_t)i * ld + j]) * scale, f);
+                bad += gq[(size_t)i * ld + j] != code;
+                bad_t += gqt[(size_t)j * rows + i] != code;
+            }
+        Fp8Meta got = meta.download()[0];
+        bool record_ok = same_meta(got, want) && got.blocks_done == 0 &&
+                         (recipe.delayed() ? float_from_bits(got.amax_pending) == host_amax(y) : got.amax_pending == 0);
+        expect(bad == 0 && bad_t == 0 && record_ok, "%s, %s, %s scaling: %zu codes differ in X, %zu in X^T; scale %g (host %g), amax slot %g",
+               what, fp8_name(f), recipe.delayed() ? "delayed" : "current", bad, bad_t, got.scale, want.scale,
+               float_from_bits(got.amax_pending));
+    }
+};
+
+GPU_TEST(fp8_fused_casts_bitexact) {
+    for (bool delayed : {false, true}) {
+        // RMSNorm -> X (E4M3) of wqkv / w_gate_up, with and without the residual add; resid_out and rstd too
+        for (int D : {128, 136})
+            for (bool add : {true, false}) {
+                const int N = 100;
+                std::vector<bf16> resid = to_bf16(random_normal((size_t)N * D, 1.0f)), branch = to_bf16(random_normal((size_t)N * D, 0.5f));
+                std::vector<float> wf = random_normal(D, 0.2f);
+                for (float& v : wf) v += 1.0f;
+                DeviceBuffer<bf16> d_resid(resid), d_branch(branch), d_w(to_bf16(wf)), out_ref((size_t)N * D), y((size_t)N * D), out((size_t)N * D);
+                DeviceBuffer<float> rstd_ref(N), rstd(N);
+                rmsnorm_forward(add ? out_ref.ptr : nullptr, y.ptr, rstd_ref.ptr, d_resid.ptr, add ? d_branch.ptr : nullptr, d_w.ptr, N, D,
+                                1e-5f, 0);
+                FusedCastCase c((size_t)N * D, E4M3, delayed);
+                out.poison();
+                rstd.poison();
+                rmsnorm_forward_fp8(c.out(E4M3), add ? out.ptr : nullptr, rstd.ptr, d_resid.ptr, add ? d_branch.ptr : nullptr, d_w.ptr, N, D,
+                                    1e-5f, 0);
+                std::string what = strprintf("rmsnorm D=%d%s", D, add ? " with the residual add" : "");
+                c.expect_cast_of(what.c_str(), y.download(), N, D, E4M3);
+                expect(model_test_same_bits(rstd.download(), rstd_ref.download()) && (!add || model_test_same_bits(out.download(), out_ref.download())),
+                       "%s: rstd or resid_out differ from rmsnorm_forward's", what.c_str());
+            }
+        // SwiGLU -> X (E4M3) of w_down; its backward -> dY (E5M2) of w_gate_up, both halves
+        for (int F : {64, 40}) {
+            const int N = 100;
+            std::vector<bf16> gate_up = to_bf16(random_normal((size_t)N * 2 * F, 2.0f)), dout = to_bf16(random_normal((size_t)N * F, 1e-3f));
+            DeviceBuffer<bf16> d_gate_up(gate_up), d_dout(dout), y((size_t)N * F), dgate_up((size_t)N * 2 * F);
+            swiglu_forward(y.ptr, d_gate_up.ptr, N, F, 0);
+            swiglu_backward(dgate_up.ptr, d_dout.ptr, d_gate_up.ptr, N, F, 0);
+            FusedCastCase fwd((size_t)N * F, E4M3, delayed), bwd((size_t)N * 2 * F, E5M2, delayed);
+            swiglu_forward_fp8(fwd.out(E4M3), d_gate_up.ptr, N, F, 0);
+            swiglu_backward_fp8(bwd.out(E5M2), d_dout.ptr, d_gate_up.ptr, N, F, 0);
+            fwd.expect_cast_of(strprintf("swiglu forward F=%d", F).c_str(), y.download(), N, F, E4M3);
+            bwd.expect_cast_of(strprintf("swiglu backward F=%d", F).c_str(), dgate_up.download(), N, 2 * F, E5M2);
+        }
+        // RoPE backward -> dY (E5M2) of wqkv: Q and K rotated back, V as it is; dqkv itself left unchanged
+        for (int HD : {64, 128}) {
+            const int B = 2, T = 50, NH = 4, NKV = 2, N = B * T, C3 = (NH + 2 * NKV) * HD;
+            std::vector<float> cos_t, sin_t;
+            rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
+            std::vector<bf16> dqkv = to_bf16(random_normal((size_t)N * C3, 1e-3f));
+            DeviceBuffer<float> d_cos(cos_t), d_sin(sin_t);
+            DeviceBuffer<bf16> rotated(dqkv), d_dqkv(dqkv);
+            rope_backward(rotated.ptr, d_cos.ptr, d_sin.ptr, B, T, NH, NKV, HD, 0);
+            FusedCastCase c((size_t)N * C3, E5M2, delayed);
+            rope_backward_fp8(c.out(E5M2), d_dqkv.ptr, d_cos.ptr, d_sin.ptr, B, T, NH, NKV, HD, 0);
+            c.expect_cast_of(strprintf("rope backward HD=%d", HD).c_str(), rotated.download(), N, C3, E5M2);
+            expect(model_test_same_bits(d_dqkv.download(), dqkv), "rope_backward_fp8 changed its input");
+        }
+    }
+}
+
 #if defined(PRECISION_FP8)
 // The whole model with FP8 linears against the float64 reference (which has no FP8): the loss, and each
 // gradient tensor's SQNR. One FP8 linear gives ~26 dB forward and ~22 dB backward (above); through the
@@ -2547,6 +2643,54 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     printf("    worst gradient SQNR %.1f dB (%s), bound 10 dB\n", worst, worst_name.c_str());
     expect(worst >= 10.0, "gradient %s SQNR %.1f dB < 10", worst_name.c_str(), worst);
     model_destroy(&m);
+}
+
+// The whole model with the fused casts against the unfused path (Fp8Options::fused_casts false: BF16 outputs
+// and plain casts, the code before the fusion): two training steps (the second with the scales the first
+// recorded) and an evaluation, bit for bit: losses, every gradient, every scale record. Current and delayed
+// scaling; every layer FP8, and the recipe's first and last layers BF16 (a BF16 layer's norm feeding an FP8 one).
+static void check_fused_model(int n_layers, Fp8Options fp8, const char* what) {
+    const int B = 2, T = 32, N = B * T;
+    struct Run { std::vector<float> losses, grads; std::vector<Fp8Meta> metas; };
+    std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
+    DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    auto run = [&](bool fused) {
+        Run r;
+        Model m;
+        std::vector<float> w;
+        fp8.fused_casts = fused;
+        test_rng().seed(TEST_SEED);   // the same norm weights in both runs
+        model_test_setup(&m, B, T, &w, n_layers, fp8);
+        for (int step = 0; step < 2; step++) {
+            model_zero_grads(&m);
+            r.losses.push_back(model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N));
+            model_fp8_record_amax(&m);
+        }
+        r.losses.push_back(model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T));
+        r.grads = model_test_grads(&m);
+        r.metas.resize(m.fp8.linears.size() * 3);
+        cudaCheck(cudaMemcpy(r.metas.data(), m.fp8.metas, r.metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
+        model_destroy(&m);
+        return r;
+    };
+    Run fused = run(true), unfused = run(false);
+    int metas_differ = 0;
+    for (size_t i = 0; i < fused.metas.size(); i++)
+        metas_differ += !same_meta(fused.metas[i], unfused.metas[i]) || fused.metas[i].amax_pending != unfused.metas[i].amax_pending;
+    printf("    %s: losses %.9g %.9g, evaluation %.9g (unfused %.9g %.9g, %.9g); scale records differing: %d\n", what, fused.losses[0],
+           fused.losses[1], fused.losses[2], unfused.losses[0], unfused.losses[1], unfused.losses[2], metas_differ);
+    expect(model_test_same_bits(fused.losses, unfused.losses) && model_test_same_bits(fused.grads, unfused.grads) && metas_differ == 0,
+           "%s: the fused casts should give the unfused path's losses, gradients and scale records bit for bit", what);
+}
+
+GPU_TEST(fp8_model_fused_casts_match_unfused) {
+    Fp8Options all;
+    all.all_layers = true;
+    check_fused_model(2, all, "all layers FP8, current scaling");
+    check_fused_model(4, Fp8Options(), "the recipe (first and last layers BF16)");
+    Fp8Options delayed = all;
+    delayed.recipe.history_len = 4;
+    check_fused_model(2, delayed, "all layers FP8, delayed scaling (history 4)");
 }
 
 GPU_TEST(fp8_model_vs_reference) {
@@ -4135,7 +4279,8 @@ __global__ void bench_fill_weights_kernel(bf16* w, size_t n) {
 }
 
 // One training micro-step (forward + backward) of a preset: ms, tokens/s and model TFLOP/s, for the
-// model as built (FP8 linears in the FP8 build) and, in the FP8 build, with every layer BF16 (one run).
+// model as built (FP8 linears in the FP8 build) and, in the FP8 build, with every layer BF16, with the casts
+// not fused into their producers, and with delayed scaling (one run).
 static void bench_model(const char* preset, int B, int T) {
     ModelConfig c = model_config_preset(preset, 256);
     c.max_seq_len = std::max(c.max_seq_len, T);
@@ -4165,7 +4310,15 @@ static void bench_model(const char* preset, int B, int T) {
     Fp8Options all;
     all.all_layers = true;
     float t_all = time_step(all, "FP8 (all layers)");
-    printf("%-6s FP8/BF16 speed-up: recipe %.2fx, all layers %.2fx\n", preset, t_bf16 / t_fp8, t_bf16 / t_all);
+    Fp8Options unfused;
+    unfused.fused_casts = false;
+    float t_unfused = time_step(unfused, "FP8 (recipe, unfused)");
+    Fp8Options delayed;
+    delayed.recipe.history_len = 16;
+    float t_delayed = time_step(delayed, "FP8 (recipe, delayed)");
+    printf("%-6s FP8/BF16 speed-up: recipe %.2fx, all layers %.2fx; casts fused into their producers: %.2fx the unfused "
+           "recipe; delayed scaling (history 16): %.2fx current\n", preset, t_bf16 / t_fp8, t_bf16 / t_all, t_unfused / t_fp8,
+           t_fp8 / t_delayed);
 #else
     time_step(Fp8Options(), "BF16 build");
 #endif
