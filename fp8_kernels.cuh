@@ -800,7 +800,7 @@ struct MatmulPlan {
     cublasLtMatrixLayout_t a_layout, b_layout, d_layout;
     cublasLtMatmulAlgo_t algo;
 };
-typedef std::tuple<int, int, int, int, int, int, int, int, int, int, int> MatmulKey;
+typedef std::tuple<int, int, int, int, int, int, int, int, int, int, int, int> MatmulKey;
 
 struct MatmulContext {
     cublasLtHandle_t handle = nullptr;
@@ -864,16 +864,20 @@ inline std::string matmul_check(const void* D, DType d_type, const MatmulOperand
     return "";
 }
 
+// The rules are checked when a plan is made: everything matmul_check looks at is part of the plan's key (the
+// shape, types, layouts, options, the pointers' alignments and whether the scale pointers are usable), so a
+// call that finds a plan is legal, and no string is formatted on the hot path.
 inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, MatmulOperand B,
                    int M, int N, int K, bool accumulate, bool fast_accum, cudaStream_t stream) {
-    std::string err = matmul_check(D, d_type, A, B, M, N, K, fast_accum);
-    if (!err.empty()) fail("%s", err.c_str());
     bool fp8 = dtype_is_fp8(A.type);
     int align_a = pointer_alignment(A.ptr), align_b = pointer_alignment(B.ptr), align_d = pointer_alignment(D);
+    bool scales_usable = A.inv_scale && B.inv_scale && is_aligned16(A.inv_scale) && is_aligned16(B.inv_scale);
     MatmulKey key(M, N, K, A.type | (A.transposed << 4), B.type | (B.transposed << 4), d_type, accumulate, fast_accum,
-                  align_a, align_b, align_d);
+                  align_a, align_b, align_d, scales_usable);
     auto it = ctx->plans.find(key);
     if (it == ctx->plans.end()) {
+        std::string err = matmul_check(D, d_type, A, B, M, N, K, fast_accum);
+        if (!err.empty()) fail("%s", err.c_str());
         // Column-major view: row-major D[M,N] is column-major D'[N,M], and
         // cuBLASLt computes D'(N x M) = Bc^T (N x K) * Ac (K x M), with Bc = our B as column-major
         // K x N (ld K) and Ac = our A as column-major K x M (ld K): the TN form. Transposed operands are

@@ -19,6 +19,7 @@
 #include "attention.cuh"
 #include "dataloader.h"   // strprintf, splitmix64
 #include <atomic>
+#include <functional>
 #include <thread>
 
 // ----------------------------------------------------------------------------------------------
@@ -970,6 +971,7 @@ struct Model {
     int ce_chunk = 0;          // tokens per lm_head + cross-entropy chunk: a multiple of 16, at most model_create's
     MatmulContext matmul;
     cudaStream_t stream = nullptr;
+    std::map<int, cudaGraphExec_t> graphs;   // model_graph_launch's, by key
     Fp8Options fp8_options;
     // Tensor parallelism (section 7): the group (nullptr: none, no collectives) and this rank's share of the
     // heads and the FFN width (the whole model's without a group).
@@ -1439,6 +1441,7 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
 }
 
 inline void model_destroy(Model* m) {
+    for (auto& kv : m->graphs) cudaCheck(cudaGraphExecDestroy(kv.second));
 #if defined(PRECISION_FP8)
     cudaCheck(cudaFree(m->fp8.memory));
     cudaCheck(cudaFree(m->fp8.metas));
@@ -1544,11 +1547,14 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     }
 }
 
-// The mean of acts.losses[0..N) to the host (waits for the stream).
-inline float model_loss_mean(Model* m, int N) {
+// The mean of acts.losses[0..N) into acts.loss_mean (on the GPU; nothing waits).
+inline void model_loss_mean(Model* m, int N) {
     ProfileRange range(PHASE_LOSS, m->stream, "loss mean");
     loss_mean_kernel<<<1, LOSS_MEAN_THREADS, 0, m->stream>>>(m->acts.loss_mean, m->acts.losses, N);
     cudaCheckLaunch();
+}
+// acts.loss_mean on the host (waits for the stream).
+inline float model_read_loss(Model* m) {
     float mean;
     cudaCheck(cudaMemcpyAsync(&mean, m->acts.loss_mean, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
     cudaCheck(cudaStreamSynchronize(m->stream));
@@ -1556,9 +1562,10 @@ inline float model_loss_mean(Model* m, int N) {
 }
 
 // Forward + backward of one micro-batch of B x T tokens (device int arrays). Accumulates into m->grads
-// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean). Returns the
-// mean loss of this micro-batch. Delayed FP8 scaling: after a step's last micro-batch, model_fp8_record_amax.
-inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
+// grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean); the mean loss of the
+// micro-batch goes to acts.loss_mean. Only launches on m->stream, never waits for the GPU: a CUDA graph can
+// capture it (model_graph_launch). Delayed FP8 scaling: after a step's last micro-batch, model_fp8_record_amax.
+inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
     const int B = m->B, T = m->T, N = B * T, D = c.dim;
@@ -1604,7 +1611,33 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
 #if defined(PRECISION_FP8)
     m->fp8.training = false;
 #endif
-    return model_loss_mean(m, N);
+    model_loss_mean(m, N);
+}
+// model_micro_batch, then its mean loss on the host (waits for the stream).
+inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
+    model_micro_batch(m, d_inputs, d_targets, grad_scale);
+    return model_read_loss(m);
+}
+
+// A CUDA graph of a model's work: `enqueue` (launches on m->stream only, no host synchronization) is captured the
+// first time `key` comes, then replayed: one launch instead of thousands, no host work per kernel. A graph keeps
+// the arguments its kernels had at capture (buffers, shapes, options, scalars, the FP8 health pointers), so a key
+// must always stand for the same work; train_fp8.cu's micro-batches are (it runs eagerly the first micro-batch,
+// which loads every kernel and makes every GEMM plan, the profiled step and --fp8-stats steps). Thread-local
+// capture: the other ranks' threads go on meanwhile.
+inline void model_graph_launch(Model* m, int key, const std::function<void()>& enqueue) {
+    auto it = m->graphs.find(key);
+    if (it == m->graphs.end()) {
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        cudaCheck(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal));
+        enqueue();
+        cudaCheck(cudaStreamEndCapture(m->stream, &graph));
+        cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+        cudaCheck(cudaGraphDestroy(graph));
+        it = m->graphs.emplace(key, exec).first;
+    }
+    cudaCheck(cudaGraphLaunch(it->second, m->stream));
 }
 
 // Evaluation: the mean loss over B x T tokens (B, T at most the allocated ones), no gradients.
@@ -1614,7 +1647,8 @@ inline float model_loss(Model* m, const int* d_inputs, const int* d_targets, int
     lm_head_cross_entropy(&m->matmul, m->acts.losses, nullptr, nullptr, m->acts.logits, nullptr, m->acts.final_norm,
                           model_weight(m, param_lm_head(c)), d_targets, B * T, c.dim, c.vocab_size, m->ce_chunk, 1.0f,
                           m->stream);
-    return model_loss_mean(m, B * T);
+    model_loss_mean(m, B * T);
+    return model_read_loss(m);
 }
 
 // All logits [B*T, V] FP32 into d_logits (sampling, tests). Waits for the stream.

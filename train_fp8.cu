@@ -76,6 +76,7 @@ struct TrainOptions {
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
     int profile = 0;                         // time the phases of this step and print a table; 0 = off
+    int cuda_graph = 1;                      // replay each micro-batch from a CUDA graph (0: launch kernel by kernel)
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
@@ -143,6 +144,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--tp", "N", "tensor parallelism over GPUs 0..N-1: NCCL, one thread per GPU, heads and FFN split (1 = one GPU through NCCL; 0 = one GPU without NCCL)", &o->tp, 0, 1024),
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
         flag_int("--profile", "N", "time the phases of step N on the GPU (CUDA events) and print a table (0 = off)", &o->profile, 0, BIG),
+        flag_int("--cuda-graph", "0|1", "replay each micro-batch's forward and backward from a CUDA graph captured once (0: launch every kernel every time)", &o->cuda_graph, 0, 1),
     };
 }
 
@@ -620,9 +622,12 @@ struct TrainRank {
     Model model;
     AdamW opt;
     DataLoader val_data;
-    int *d_inputs = nullptr, *d_targets = nullptr;
+    int *d_inputs = nullptr, *d_targets = nullptr;   // one allocation: inputs, then targets
+    int* h_batch[2] = {};                  // pinned staging of a micro-batch's inputs and targets, the two in turn
+    cudaEvent_t batch_copied[2] = {};      // the copy out of each staging buffer has run on the GPU
+    float *d_losses = nullptr, *h_losses = nullptr;   // [accum] this step's micro-batch losses, on the GPU and pinned
     float* d_logits = nullptr;
-    float loss = 0.0f, grad_norm = 0.0f, val_loss = 0.0f;
+    float grad_norm = 0.0f, val_loss = 0.0f;
     uint64_t sample_rng = 0;
     std::vector<int> sample;
 };
@@ -651,6 +656,7 @@ struct TrainResult {
     long bad_steps = 0;                   // non-finite steps skipped, whole run (resumes included)
     bool stopped_on_bad_steps = false;    // --max-bad-steps non-finite steps in a row ended the run
     double tokens_per_s = 0;              // mean over the steps after the first
+    long graph_launches = 0;              // micro-batches replayed from a CUDA graph
     bool profiled = false;                // --profile: the step ran in this call, and its table is `profile`
     ProfileReport profile;
 };
@@ -754,8 +760,14 @@ inline TrainResult train(const TrainOptions& o) {
             adamw_export_weights(&r.opt, r.model.weights, r.model.stream);   // BF16 weights (and FP8 copies)
             model_weights_changed(&r.model);
         }
-        cudaCheck(cudaMalloc(&r.d_inputs, (size_t)B * T * sizeof(int)));
-        cudaCheck(cudaMalloc(&r.d_targets, (size_t)B * T * sizeof(int)));
+        cudaCheck(cudaMalloc(&r.d_inputs, 2 * (size_t)B * T * sizeof(int)));
+        r.d_targets = r.d_inputs + (size_t)B * T;
+        for (int i = 0; i < 2; i++) {
+            cudaCheck(cudaMallocHost(&r.h_batch[i], 2 * (size_t)B * T * sizeof(int)));
+            cudaCheck(cudaEventCreateWithFlags(&r.batch_copied[i], cudaEventDisableTiming));
+        }
+        cudaCheck(cudaMalloc(&r.d_losses, accum * sizeof(float)));
+        cudaCheck(cudaMallocHost(&r.h_losses, accum * sizeof(float)));
         if (o.sample_every > 0) cudaCheck(cudaMalloc(&r.d_logits, (size_t)T * V * sizeof(float)));
         cudaCheck(cudaStreamSynchronize(r.model.stream));
     });
@@ -821,36 +833,56 @@ inline TrainResult train(const TrainOptions& o) {
         auto t0 = std::chrono::steady_clock::now();
         const bool profile_step = step == o.profile;   // rank 0's GPU, the stream of its model
         if (profile_step) profile_begin(&profile, ranks[0].model.stream, (size_t)accum * (40 * config.n_layers + 40) + 20);
-#if defined(PRECISION_FP8)
         const bool fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
+#if defined(PRECISION_FP8)
         if (fp8_stats_step) model_fp8_stats_begin(&ranks[0].model);   // under --tp: rank 0's shards
 #endif
-        double loss_sum = 0.0;
         for (int k = 0; k < accum; k++) {
             dataloader_next_batch(&train_data);
+            // Eager: the run's first micro-batch (it loads the kernels and makes the GEMM plans the capture then
+            // finds), the profiled step (its ranges time each phase) and --fp8-stats steps (their health counters).
+            const bool graph = o.cuda_graph && (step > first_step || k > 0) && !profile_step && !fp8_stats_step;
+            const int staging = (int)(((long)(step - first_step) * accum + k) % 2);
             on_ranks(ranks, [&](TrainRank& r) {   // every rank gets the whole batch
                 NvtxRange micro_batch_range(strprintf("micro-batch %d", k));
+                cudaStream_t s = r.model.stream;
                 if (k == 0) {
-                    ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "zero gradients");
+                    ProfileRange range(PHASE_OPTIMIZER, s, "zero gradients");
                     model_zero_grads(&r.model);
                 }
-                {
-                    ProfileRange range(PHASE_DATA, r.model.stream, "input copies");
-                    cudaCheck(cudaMemcpy(r.d_inputs, train_data.inputs.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
-                    cudaCheck(cudaMemcpy(r.d_targets, train_data.targets.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
+                {   // through pinned memory, one asynchronous copy: the host goes on while the copy waits its turn
+                    ProfileRange range(PHASE_DATA, s, "input copies");
+                    int* h = r.h_batch[staging];
+                    cudaCheck(cudaEventSynchronize(r.batch_copied[staging]));   // its previous copy, 2 micro-batches ago, has run
+                    memcpy(h, train_data.inputs.data(), (size_t)B * T * sizeof(int));
+                    memcpy(h + (size_t)B * T, train_data.targets.data(), (size_t)B * T * sizeof(int));
+                    cudaCheck(cudaMemcpyAsync(r.d_inputs, h, 2 * (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice, s));
+                    cudaCheck(cudaEventRecord(r.batch_copied[staging], s));
                 }
-                r.loss = model_forward_backward(&r.model, r.d_inputs, r.d_targets, grad_scale);
+                auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, grad_scale); };
+                if (graph) model_graph_launch(&r.model, 0, micro_batch);
+                else micro_batch();
+                cudaCheck(cudaMemcpyAsync(r.d_losses + k, r.model.acts.loss_mean, sizeof(float), cudaMemcpyDeviceToDevice, s));
             });
-            loss_sum += ranks[0].loss;   // the same on every rank
+            result.graph_launches += graph;
         }
 #if defined(PRECISION_FP8)
         on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
 #endif
-        float loss = (float)(loss_sum / accum);
         on_ranks(ranks, [&](TrainRank& r) {
-            ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
-            r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp);
+            {
+                ProfileRange range(PHASE_LOSS, r.model.stream, "losses to the host");
+                cudaCheck(cudaMemcpyAsync(r.h_losses, r.d_losses, accum * sizeof(float), cudaMemcpyDeviceToHost, r.model.stream));
+            }
+            {
+                ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
+                r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp);
+            }
+            cudaCheck(cudaStreamSynchronize(r.model.stream));   // the losses are on the host
         });
+        double loss_sum = 0.0;
+        for (int k = 0; k < accum; k++) loss_sum += ranks[0].h_losses[k];   // the same on every rank
+        float loss = (float)(loss_sum / accum);
         float grad_norm = ranks[0].grad_norm;   // all-reduced: the same on every rank
         float lr = lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
         bool bad = !std::isfinite(loss) || !std::isfinite(grad_norm);
@@ -960,8 +992,13 @@ inline TrainResult train(const TrainOptions& o) {
     if (fp8_csv) fclose(fp8_csv);
 #endif
     on_ranks(ranks, [&](TrainRank& r) {
-        cudaCheck(cudaFree(r.d_inputs));
-        cudaCheck(cudaFree(r.d_targets));
+        cudaCheck(cudaFree(r.d_inputs));   // and d_targets
+        for (int i = 0; i < 2; i++) {
+            cudaCheck(cudaFreeHost(r.h_batch[i]));
+            cudaCheck(cudaEventDestroy(r.batch_copied[i]));
+        }
+        cudaCheck(cudaFree(r.d_losses));
+        cudaCheck(cudaFreeHost(r.h_losses));
         if (r.d_logits) cudaCheck(cudaFree(r.d_logits));
         adamw_destroy(&r.opt);
         model_destroy(&r.model);
