@@ -3482,6 +3482,27 @@ HOST_TEST(train_checkpoint_header) {
     expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
 }
 
+// The MFU denominator: data-sheet peaks by name (variants before general names), the estimate from SMs x clock
+// for other GPUs of a known architecture, nothing for the rest.
+HOST_TEST(train_gpu_peak_table) {
+    struct Case { const char* name; int major, minor, sms, clock_khz; bool fp8; double want; };
+    const Case cases[] = {
+        {"NVIDIA H200", 9, 0, 132, 1980000, true, 1979}, {"NVIDIA H200", 9, 0, 132, 1980000, false, 989},
+        {"NVIDIA H100 80GB HBM3", 9, 0, 132, 1980000, true, 1979}, {"NVIDIA H100 PCIe", 9, 0, 114, 1755000, true, 1513},
+        {"NVIDIA H100 PCIe", 9, 0, 114, 1755000, false, 756}, {"NVIDIA H100 NVL", 9, 0, 132, 1785000, true, 1671},
+        {"NVIDIA GH200 480GB", 9, 0, 132, 1980000, false, 989}, {"NVIDIA A100-SXM4-80GB", 8, 0, 108, 1410000, false, 312},
+        {"NVIDIA A100-SXM4-80GB", 8, 0, 108, 1410000, true, 0}, {"NVIDIA L40S", 8, 9, 142, 2520000, true, 733},
+        {"Future Hopper", 9, 0, 100, 2000000, false, 4096.0 * 100 * 2e9 / 1e12},   // 819.2: the estimate
+        {"Future Hopper", 9, 0, 100, 2000000, true, 8192.0 * 100 * 2e9 / 1e12},
+        {"Tesla T4", 7, 5, 40, 1590000, false, 0},
+    };
+    for (const Case& c : cases) {
+        GpuPeak p = gpu_peak(c.name, c.major, c.minor, c.sms, c.clock_khz, c.fp8);
+        printf("    %-22s %s: %7.1f TFLOP/s (%s)\n", c.name, c.fp8 ? "FP8 " : "BF16", p.tflops, p.source.c_str());
+        expect(fabs(p.tflops - c.want) <= 1e-9 * c.want, "%s %s: peak %.3f, want %.3f", c.name, c.fp8 ? "FP8" : "BF16", p.tflops, c.want);
+    }
+}
+
 HOST_TEST(train_tokens_to_text) {
     std::string s = tokens_to_text({'I', 'n', ' ', 'a', '\n', 7, 200}, BYTE_VOCAB);
     expect(s == "In a\n\\x07\\xc8", "bytes to text: '%s'", s.c_str());

@@ -613,6 +613,34 @@ inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     return a;
 }
 
+// The GPU's dense tensor-core peak for this build's GEMMs (FP8 build: FP8; BF16 build: BF16) in TFLOP/s, the
+// denominator of MFU. By name from the data sheets (dense, without sparsity; the first entry whose name is part of
+// the device's name). Other GPUs of a known architecture: SMs x boost clock x the architecture's dense FLOP per SM
+// and clock (Hopper 4096 BF16 / 8192 FP8, B200 8192 / 16384, A100 2048 BF16), an upper bound: the data sheets
+// count a lower clock (H100 SXM's 989 TFLOP/s is 132 SMs at 1.83 GHz, its boost clock 1.98). Else 0: no MFU.
+struct GpuPeak {
+    double tflops;
+    std::string source;
+};
+inline GpuPeak gpu_peak(const std::string& name, int major, int minor, int sms, int clock_khz, bool fp8) {
+    struct Entry { const char* name; double bf16, fp8; };
+    static const Entry table[] = {   // the variants before the general names; "GH200" contains "H200"
+        {"H100 PCIe", 756, 1513}, {"H100 NVL", 835, 1671}, {"H200 NVL", 835, 1671}, {"H100", 989, 1979},
+        {"H200", 989, 1979},       {"B200", 2250, 4500},    {"L40S", 362, 733},      {"A100", 312, 0},
+    };
+    for (const Entry& e : table) {
+        const double t = fp8 ? e.fp8 : e.bf16;
+        if (name.find(e.name) != std::string::npos && t > 0) return {t, strprintf("data sheet of the %s", e.name)};
+    }
+    double per_clock = 0;
+    if (major == 9) per_clock = fp8 ? 8192 : 4096;
+    else if (major == 10 && minor == 0) per_clock = fp8 ? 16384 : 8192;
+    else if (major == 8 && minor == 0 && !fp8) per_clock = 2048;
+    if (per_clock == 0) return {0, strprintf("not known for %s (sm_%d%d)", name.c_str(), major, minor)};
+    return {per_clock * sms * (clock_khz * 1e3) / 1e12,
+            strprintf("estimated: %d SMs x %.2f GHz x %.0f FLOP per SM and clock", sms, clock_khz / 1e6, per_clock)};
+}
+
 // One GPU of the run (tensor parallelism: one rank of the group; --tp 0: the only one, without a group): its
 // model shard and optimizer shard, its batch buffers, and its own validation loader and sampling RNG, so that
 // every rank evaluates and samples exactly as the others (the logits are the same bits on every rank).
@@ -721,6 +749,17 @@ inline TrainResult train(const TrainOptions& o) {
         printf("device %d: %s (sm_%d%d), build PRECISION=%s\n", r, prop.name, prop.major, prop.minor, BUILD_PRECISION == 8 ? "FP8" : "BF16");
     }
     cudaCheck(cudaSetDevice(0));   // this thread's GPU: rank 0's
+    GpuPeak peak;   // of GPU 0, taken for every GPU of the group
+    {
+        cudaDeviceProp prop;
+        int clock_khz;
+        cudaCheck(cudaGetDeviceProperties(&prop, 0));
+        cudaCheck(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+        peak = gpu_peak(prop.name, prop.major, prop.minor, prop.multiProcessorCount, clock_khz, BUILD_PRECISION == 8);
+        const char* precision = BUILD_PRECISION == 8 ? "FP8" : "BF16";
+        if (peak.tflops > 0) printf("MFU: model FLOP/s over %d x %.0f TFLOP/s, the dense %s peak (%s)\n", P, peak.tflops, precision, peak.source.c_str());
+        else printf("MFU: not shown, the dense %s peak is %s\n", precision, peak.source.c_str());
+    }
     printf("batch: %d x %d tokens x %d micro-batches = %ld tokens per step; steps %d (warm-up %d), lr %g -> %g\n",
            B, T, accum, o.total_batch, o.steps, o.warmup, o.lr, o.lr * o.final_lr_frac);
     if (o.tp == 0) printf("tensor parallel: off (--tp 0): one GPU, no NCCL\n");
@@ -795,7 +834,7 @@ inline TrainResult train(const TrainOptions& o) {
         bool fresh = o.resume.empty() || stat(path.c_str(), &st) != 0 || st.st_size == 0;
         log = fopen(path.c_str(), fresh ? "w" : "a");
         if (!log) fail("cannot write %s: %s", path.c_str(), strerror(errno));
-        if (fresh) fprintf(log, "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped\n");
+        if (fresh) fprintf(log, "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent\n");
     }
 #if defined(PRECISION_FP8)
     FILE* fp8_csv = nullptr;
@@ -819,7 +858,7 @@ inline TrainResult train(const TrainOptions& o) {
         float val = evaluate();
         result.val_losses.push_back({0, val});
         printf("step %5d | val loss %.4f\n", 0, val);
-        if (log) fprintf(log, "0,,%.6f,,,,,,\n", val);
+        if (log) fprintf(log, "0,,%.6f,,,,,,,\n", val);
     }
 
     // ---- the loop
@@ -920,13 +959,14 @@ inline TrainResult train(const TrainOptions& o) {
         }
         double tokens_per_s = tokens_per_step / (ms / 1000.0);
         double tflops = flops_per_token * tokens_per_s / 1e12;
+        const double mfu = peak.tflops > 0 ? 100.0 * tflops / (peak.tflops * P) : NAN;   // percent; NaN: no peak known
         if (step > first_step) { time_sum += ms; timed_steps++; }
         result.losses.push_back(loss);
         result.grad_norms.push_back(grad_norm);
         result.lrs.push_back(lr);
         result.last_step = step;
-        printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s\n", step, o.steps,
-               loss, lr, grad_norm, ms, tokens_per_s, tflops,
+        printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s%s\n", step, o.steps,
+               loss, lr, grad_norm, ms, tokens_per_s, tflops, std::isnan(mfu) ? "" : strprintf(" | MFU %.1f%%", mfu).c_str(),
                bad ? strprintf(" | non-finite: update skipped (%lld in a row)", (long long)bad_in_row).c_str() : "");
 
 #if defined(PRECISION_FP8)
@@ -942,8 +982,8 @@ inline TrainResult train(const TrainOptions& o) {
             printf("step %5d | val loss %.4f\n", step, val);
         }
         if (log) {
-            fprintf(log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d\n", step, loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
-                    lr, grad_norm, ms, tokens_per_s, tflops, bad ? 1 : 0);
+            fprintf(log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s\n", step, loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
+                    lr, grad_norm, ms, tokens_per_s, tflops, bad ? 1 : 0, std::isnan(mfu) ? "" : strprintf("%.2f", mfu).c_str());
             fflush(log);
         }
         if (o.sample_every > 0 && (step % o.sample_every == 0 || last)) {
