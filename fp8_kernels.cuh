@@ -555,7 +555,8 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
         if (full) {
             p.load16(v, gr, gc);
         } else {
-            for (int k = 0; k < CAST_VEC; k++) {
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) {   // constant indices (unrolled): v stays in registers
                 float e[O];
                 for (int o = 0; o < O; o++) e[o] = 0.0f;   // outside the tensor: code 0, never stored
                 if (gr < rows && gc + k < cols) p.load1(e, gr, gc + k);
@@ -577,6 +578,7 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
                     q[2 * k + 1] = pair >> 8;
                 }
                 if (health)
+#pragma unroll
                     for (int k = 0; k < CAST_VEC; k++) {
                         sat += fabsf(v[o][k] * scale) > fp8_max(F);
                         flush += v[o][k] != 0.0f && (q[k] & 0x7F) == 0;
@@ -584,7 +586,9 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
                 if (full) {
                     *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = *reinterpret_cast<const uint4*>(q);
                 } else if (gr < rows) {
-                    for (int k = 0; k < CAST_VEC && gc + k < cols; k++) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = q[k];
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++)
+                        if (gc + k < cols) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = q[k];
                 }
                 uint32_t* tile_row = &tile_words[o][(tr * (CT_TILE + 4) + tc) / 4];
 #pragma unroll
@@ -604,8 +608,13 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
             for (int k = 0; k < CAST_VEC; k++) q[k] = tile[tr + k][tc];
             if (gc < cols) {
                 fp8* dst = out_t + ((size_t)o * cols + gc) * rows + gr;
-                if (vec_cols && gr + CAST_VEC <= rows) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q);
-                else for (int k = 0; k < CAST_VEC && gr + k < rows; k++) dst[k] = q[k];
+                if (vec_cols && gr + CAST_VEC <= rows) {
+                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++)
+                        if (gr + k < rows) dst[k] = q[k];
+                }
             }
         }
         if (health) {
