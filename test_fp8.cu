@@ -4229,6 +4229,68 @@ static void fill_random_device(void* p, size_t bytes, DType t) {
     cudaCheck(cudaMemcpy(p, h.data(), bytes, cudaMemcpyHostToDevice));
 }
 
+// The casts fused into their producers against the producer's BF16 kernel then a plain cast, on the 1B shapes
+// at 16384 tokens (D 2048, F 5632, QKV 2560): median ms of each way, both scalings, in one run.
+static void bench_fused_casts() {
+    const int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
+    const size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
+    bf16 *a, *b, *c, *w, *resid_out;
+    fp8 *q, *qt;
+    float *rstd, *tables;
+    Fp8Meta* meta;
+    cudaCheck(cudaMalloc(&a, big * 2));               // resid / gate_up
+    cudaCheck(cudaMalloc(&b, (size_t)N * F * 2));     // branch / the SwiGLU's output gradient
+    cudaCheck(cudaMalloc(&c, big * 2));               // BF16 outputs of the unfused path; dqkv
+    cudaCheck(cudaMalloc(&w, D * 2));
+    cudaCheck(cudaMalloc(&resid_out, (size_t)N * D * 2));
+    cudaCheck(cudaMalloc(&q, big));
+    cudaCheck(cudaMalloc(&qt, big));
+    cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
+    cudaCheck(cudaMalloc(&meta, sizeof(Fp8Meta)));
+    fill_random_device(a, big * 2, DT_BF16);
+    fill_random_device(b, (size_t)N * F * 2, DT_BF16);
+    fill_random_device(w, D * 2, DT_BF16);
+    cudaCheck(cudaMemcpy(c, a, big * 2, cudaMemcpyDeviceToDevice));
+    std::vector<float> cos_t, sin_t;
+    rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
+    cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
+    cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+    const float *d_cos = tables, *d_sin = tables + cos_t.size();
+    Fp8Meta m0 = fp8_meta_initial();
+    cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
+    printf("\nFP8 casts fused into their producers (1B shapes, %d tokens): the BF16 kernel then a plain cast+transpose, "
+           "against the fused kernels; median ms\n", N);
+    printf("%-30s %-8s %11s %9s %9s\n", "producer -> FP8 tensor", "scaling", "unfused ms", "fused ms", "speed-up");
+    for (bool delayed : {false, true}) {
+        Fp8Recipe r;
+        if (delayed) r.history_len = 16;
+        const Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
+        auto row = [&](const char* name, const std::function<void()>& unfused, const std::function<void()>& fused) {
+            float t_unfused = bench_median_ms(unfused), t_fused = bench_median_ms(fused);
+            printf("%-30s %-8s %11.3f %9.3f %8.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused, t_unfused / t_fused);
+        };
+        row("rmsnorm (+ add) -> X", [&] {
+            rmsnorm_forward(resid_out, c, rstd, a, b, w, N, D, 1e-5f, 0);
+            fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0);
+        }, [&] { rmsnorm_forward_fp8(x_out, resid_out, rstd, a, b, w, N, D, 1e-5f, 0); });
+        row("swiglu -> X", [&] {
+            swiglu_forward(c, a, N, F, 0);
+            fp8_cast_transpose(q, qt, c, N, F, E4M3, meta, r, 0);
+        }, [&] { swiglu_forward_fp8(x_out, a, N, F, 0); });
+        row("swiglu backward -> dY", [&] {
+            swiglu_backward(c, b, a, N, F, 0);
+            fp8_cast_transpose(q, qt, c, N, 2 * F, E5M2, meta, r, 0);
+        }, [&] { swiglu_backward_fp8(dy_out, b, a, N, F, 0); });
+        row("rope backward -> dY", [&] {   // in place on c: a rotation keeps the values finite run after run
+            rope_backward(c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0);
+            fp8_cast_transpose(q, qt, c, N, QKV, E5M2, meta, r, 0);
+        }, [&] { rope_backward_fp8(dy_out, c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0); });
+    }
+    for (void* p : {(void*)a, (void*)b, (void*)c, (void*)w, (void*)resid_out, (void*)q, (void*)qt, (void*)rstd, (void*)tables, (void*)meta})
+        cudaCheck(cudaFree(p));
+}
+
 struct GemmShape { const char* name; int M, N, K; };
 
 static void bench_gemms(MatmulContext* ctx) {
@@ -4469,7 +4531,10 @@ static void run_benchmarks(const std::vector<std::string>& which) {
     MatmulContext ctx;
     matmul_context_create(&ctx);
     if (want("gemm")) bench_gemms(&ctx);
-    if (want("cast")) bench_casts();
+    if (want("cast")) {
+        bench_casts();
+        bench_fused_casts();
+    }
     if (want("model")) {
         printf("\nModel forward+backward (one micro-batch; FLOPs = model_flops_per_token)\n");
         bench_model("110m", 32, 1024);
