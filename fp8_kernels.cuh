@@ -1,10 +1,11 @@
 // fp8_kernels.cuh: everything FP8, and everything every kernel shares.
 //   1. error checks          cudaCheck / cublasCheck / ncclCheck, with file, line, call and message
 //   2. types and packed loads bf16, fp8 bytes, 16-byte vectors
-//   3. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
-//   4. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
-//   5. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
-//   6. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
+//   3. the step profile      NVTX ranges, and the CUDA-event timing of a step's phases (--profile)
+//   4. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
+//   5. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
+//   6. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
+//   7. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -12,6 +13,8 @@
 #include <cublasLt.h>
 #include <nccl.h>
 #include <climits>
+#include <nvtx3/nvToolsExt.h>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +26,7 @@
 #include <string>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 
 // ----------------------------------------------------------------------------------------------
 // 1. Error checks: every CUDA, cuBLASLt and NCCL call goes through one of these.
@@ -107,7 +111,150 @@ __host__ __device__ inline float to_float(float x) { return x; }
 __host__ __device__ inline float to_float(bf16 x) { return __bfloat162float(x); }
 
 // ----------------------------------------------------------------------------------------------
-// 3. The two FP8 formats.
+// 3. The step profile. Every launch site of a training step sits in a ProfileRange naming its phase. A range
+// is always an NVTX range, so Nsight Systems shows the step's structure (step > micro-batch > forward or
+// backward > layer > phase), and while a StepProfile records the range's stream (train_fp8 --profile N) it is
+// also a pair of CUDA events. Afterwards a phase's time is the sum of its ranges: GPU time from the range's
+// first launch to the end of its last, idle moments between the launches of one range included. "Idle" is
+// the step's GPU span minus every range: the GPU waiting for the host between ranges (launch overhead, host
+// synchronizations, host work). Ranges do not nest: one opened inside another is NVTX only and its time
+// counts in the outer one's phase.
+
+enum ProfilePhase {
+    PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_FP8_CAST, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE,
+    PHASE_SWIGLU, PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_TP_COMM, PHASE_DATA, PHASE_OPTIMIZER,
+    PHASE_WEIGHT_QUANT, PHASE_OTHER, PHASE_COUNT
+};
+inline const char* profile_phase_name(ProfilePhase p) {
+    static const char* names[PHASE_COUNT] = {
+        "forward GEMMs (decoder linears)", "backward GEMMs (decoder linears)", "FP8 casts, amax, scales",
+        "attention forward", "attention backward", "RMSNorm (+ residual add)", "RoPE", "SwiGLU", "embedding",
+        "lm_head GEMMs", "cross-entropy, loss", "tensor-parallel all-reduces", "input copies to the GPU",
+        "optimizer (zero grads, grad norm, AdamW)", "weight re-quantization (W8, W8^T)", "other (memsets)"};
+    return names[p];
+}
+
+struct StepProfile {
+    cudaStream_t stream = nullptr;          // the stream timed (one GPU's: rank 0's under --tp)
+    cudaEvent_t step_begin = nullptr, step_end = nullptr;
+    std::vector<cudaEvent_t> events;        // a pool; range i of this step recorded events[2i] and events[2i+1]
+    std::vector<ProfilePhase> phases;       // the phase of range i
+    size_t used = 0;                        // events recorded this step
+    bool in_range = false;
+};
+// The profile recording now, or nullptr. Set and cleared between steps by the thread that runs the loop.
+inline StepProfile* g_step_profile = nullptr;
+
+struct NvtxRange {
+    explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+    explicit NvtxRange(const std::string& name) { nvtxRangePushA(name.c_str()); }
+    ~NvtxRange() { nvtxRangePop(); }
+    NvtxRange(const NvtxRange&) = delete;
+    NvtxRange& operator=(const NvtxRange&) = delete;
+};
+
+inline cudaEvent_t profile_next_event(StepProfile* p) {
+    if (p->used == p->events.size()) {
+        cudaEvent_t e;
+        cudaCheck(cudaEventCreate(&e));
+        p->events.push_back(e);
+    }
+    return p->events[p->used++];
+}
+
+// The work launched on `stream` while it lives belongs to `phase`; `name` (default: the phase's) is its NVTX name.
+struct ProfileRange {
+    StepProfile* profile = nullptr;
+    cudaStream_t stream;
+    NvtxRange nvtx;
+    ProfileRange(ProfilePhase phase, cudaStream_t s, const char* name = nullptr) : stream(s), nvtx(name ? name : profile_phase_name(phase)) {
+        StepProfile* p = g_step_profile;
+        if (!p || p->stream != s || p->in_range) return;
+        profile = p;
+        p->in_range = true;
+        p->phases.push_back(phase);
+        cudaCheck(cudaEventRecord(profile_next_event(p), s));
+    }
+    ~ProfileRange() {
+        if (!profile) return;
+        cudaCheck(cudaEventRecord(profile_next_event(profile), stream));
+        profile->in_range = false;
+    }
+    ProfileRange(const ProfileRange&) = delete;
+    ProfileRange& operator=(const ProfileRange&) = delete;
+};
+
+// Start recording the ranges launched on `stream` (events for `expected_ranges` made beforehand, so that
+// creating them does not slow the step); the current device must be the stream's.
+inline void profile_begin(StepProfile* p, cudaStream_t stream, size_t expected_ranges) {
+    if (!p->step_begin) {
+        cudaCheck(cudaEventCreate(&p->step_begin));
+        cudaCheck(cudaEventCreate(&p->step_end));
+    }
+    while (p->events.size() < 2 * expected_ranges) {
+        cudaEvent_t e;
+        cudaCheck(cudaEventCreate(&e));
+        p->events.push_back(e);
+    }
+    p->stream = stream;
+    p->used = 0;
+    p->phases.clear();
+    p->in_range = false;
+    cudaCheck(cudaEventRecord(p->step_begin, stream));
+    g_step_profile = p;
+}
+inline void profile_end(StepProfile* p) {
+    cudaCheck(cudaEventRecord(p->step_end, p->stream));
+    g_step_profile = nullptr;
+}
+inline void profile_destroy(StepProfile* p) {
+    for (cudaEvent_t e : p->events) cudaCheck(cudaEventDestroy(e));
+    if (p->step_begin) {
+        cudaCheck(cudaEventDestroy(p->step_begin));
+        cudaCheck(cudaEventDestroy(p->step_end));
+    }
+    *p = StepProfile();
+}
+
+// The recorded step, per phase: milliseconds and number of ranges; span: step_begin to step_end.
+struct ProfileReport {
+    double ms[PHASE_COUNT] = {};
+    int ranges[PHASE_COUNT] = {};
+    double span_ms = 0, busy_ms = 0;
+    double idle_ms() const { return span_ms - busy_ms; }
+};
+// Waits for the step's events.
+inline ProfileReport profile_report(const StepProfile* p) {
+    ProfileReport r;
+    cudaCheck(cudaEventSynchronize(p->step_end));
+    float span;
+    cudaCheck(cudaEventElapsedTime(&span, p->step_begin, p->step_end));
+    r.span_ms = span;
+    for (size_t i = 0; i < p->phases.size(); i++) {
+        float t0, t1;   // from step_begin: one rounding per event, none accumulated
+        cudaCheck(cudaEventElapsedTime(&t0, p->step_begin, p->events[2 * i]));
+        cudaCheck(cudaEventElapsedTime(&t1, p->step_begin, p->events[2 * i + 1]));
+        r.ms[p->phases[i]] += t1 - t0;
+        r.ranges[p->phases[i]] += 1;
+        r.busy_ms += t1 - t0;
+    }
+    return r;
+}
+inline void profile_print(const ProfileReport& r, const char* title) {
+    printf("%s\n", title);
+    printf("  %-42s %9s %7s %7s\n", "phase", "ms", "%", "ranges");
+    for (int p = 0; p < PHASE_COUNT; p++) {
+        if (r.ranges[p] == 0) continue;
+        printf("  %-42s %9.3f %6.1f%% %7d\n", profile_phase_name((ProfilePhase)p), r.ms[p], 100.0 * r.ms[p] / r.span_ms, r.ranges[p]);
+    }
+    printf("  %-42s %9.3f %6.1f%%\n", "idle (GPU span - all ranges)", r.idle_ms(), 100.0 * r.idle_ms() / r.span_ms);
+    printf("  %-42s %9.3f %6.1f%%\n", "GPU span of the step", r.span_ms, 100.0);
+    const double gemm_attn = r.ms[PHASE_GEMM_FWD] + r.ms[PHASE_GEMM_BWD] + r.ms[PHASE_LM_HEAD] + r.ms[PHASE_ATTN_FWD] + r.ms[PHASE_ATTN_BWD];
+    printf("  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 4. The two FP8 formats.
 // E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa; no infinity; S.1111.111 is NaN; max 448.
 // E5M2: 1 sign, 5 exponent (bias 15), 2 mantissa; IEEE-like (inf and NaNs); max 57344.
 // Every cast in this project saturates: a finite value beyond the max becomes +-max, as does +-inf;
@@ -179,7 +326,7 @@ __device__ inline uint16_t fp8x2_encode(float lo, float hi) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 4. The scale rule (DESIGN.md): scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
+// 5. The scale rule (DESIGN.md): scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
 // and the GEMM dequantizes with 1/scale. Powers of two make scaling exact: it only moves the exponent.
 // amax is clamped to AMAX_FLOOR so that an all-zero tensor gets a finite scale (2^108 for E4M3), and a
 // non-finite amax (inf or NaN somewhere in the tensor) keeps the previous scale.
@@ -198,8 +345,8 @@ __host__ __device__ inline float fp8_scale_from_amax(float amax, float fmax, int
 
 // Per-tensor FP8 state, one small struct in device memory per tensor (saved in checkpoints).
 // Current scaling: amax of this tensor -> scale -> cast. Delayed scaling: cast with the scale that
-// the amax history gave, record this tensor's amax, and every `interval` uses recompute the scale from
-// the max over the last `history_len` amaxes.
+// the amax history gave, record this tensor's amax (once per optimizer step: the MAX over its casts), and
+// every `interval` records recompute the scale from the max over the last `history_len` amaxes.
 constexpr int FP8_MAX_HISTORY = 1024;
 // inv_scale comes first and the struct is 16-byte aligned: cuBLASLt refuses scale pointers that are not.
 struct alignas(16) Fp8Meta {
@@ -207,15 +354,18 @@ struct alignas(16) Fp8Meta {
     float scale;              // x_fp8 = saturate(x * scale)
     float amax;               // amax of the last tensor seen (written by fp8_amax / the casts)
     unsigned int nonfinite;   // how many times a non-finite amax kept the old scale
-    unsigned int uses;        // scale updates so far (delayed scaling counts these)
+    unsigned int uses;        // amaxes recorded so far (delayed scaling counts these)
     unsigned int amax_pending;   // bits of the amax being gathered by a kernel (atomicMax on |x| bits)
     float history[FP8_MAX_HISTORY];   // ring buffer of amaxes (delayed scaling)
+    unsigned int blocks_done;    // blocks of a current-scaling cast that have finished (section 6); 0 between casts
 };
+// Checkpoints hold Fp8Meta as it is: blocks_done went into what was padding (zero in older files).
+static_assert(offsetof(Fp8Meta, history) == 24 && sizeof(Fp8Meta) == 4128, "Fp8Meta's layout is in checkpoints");
 struct Fp8Recipe {
     int margin = 0;           // scale = 2^(floor(log2(max/amax)) - margin)
     int history_len = 1;      // 1 = current (just-in-time) scaling
     int interval = 1;         // recompute the scale every `interval` uses (delayed scaling)
-    bool delayed() const { return history_len > 1 || interval > 1; }
+    __host__ __device__ bool delayed() const { return history_len > 1 || interval > 1; }
 };
 inline Fp8Meta fp8_meta_initial() {
     Fp8Meta m;
@@ -243,12 +393,23 @@ __host__ __device__ inline void fp8_meta_update(Fp8Meta* m, float amax, Fp8Forma
 }
 
 // ----------------------------------------------------------------------------------------------
-// 5. FP8 kernels: amax, quantize, cast+transpose, dequantize.
+// 6. FP8 kernels: amax, quantize, cast+transpose, dequantize.
 // Each thread moves 16 elements: one 16-byte FP8 store, and 16 * sizeof(T) bytes of input in 16-byte
 // loads. Tails (n not a multiple of 16, tiles at the edges) take a scalar path.
 // The amax is gathered with atomicMax on the bits of |x|: for non-negative floats the unsigned order of
 // the bits is the numeric order, and NaN (0x7fc00000 and up) sorts above inf, so a NaN anywhere makes
 // the amax NaN. Integer max is exact and order-free: the result is deterministic.
+//
+// The scale bookkeeping has no launches of its own; Fp8Meta::amax_pending is 0 between casts.
+//   current scaling  the tensor's amax is gathered into amax_pending just before its cast (by an amax pass, or
+//                    by the kernel that produced the tensor); every block of the cast derives the scale from it
+//                    as fp8_meta_update will (fp8_cast_scale), and the last block to finish records the amax and
+//                    clears amax_pending and the block counter (fp8_cast_done). Two launches per cast, or one
+//                    where the producer gathers the amax; no memset, no one-thread kernel.
+//   delayed scaling  the cast uses Fp8Meta::scale (from the history) and gathers its amax into amax_pending,
+//                    where the amaxes of a step's micro-batches accumulate (MAX) until fp8_update_scales records
+//                    every tensor of the step in one launch and clears them, so the history advances once per
+//                    optimizer step. One launch per cast.
 
 constexpr int CAST_THREADS = 256;
 constexpr int CAST_VEC = 16;    // elements per thread per step
@@ -281,6 +442,41 @@ __device__ inline void load16_as_float(float* out, const T* p) {
     }
 }
 
+// The scale a cast multiplies by (see above); every block reads it before it casts.
+__device__ inline float fp8_cast_scale(const Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r) {
+    if (r.delayed()) return meta->scale;
+    return fp8_scale_from_amax(__uint_as_float(meta->amax_pending), fp8_max(f), r.margin, meta->scale);
+}
+// Current scaling, the end of every block of a cast: the last block of the grid records the amax (which sets
+// the scale all blocks used) and clears the slots for the next cast. A block counts itself done after the
+// barrier, so after all its threads' reads of meta: no block reads meta after the update.
+__device__ inline void fp8_cast_done(Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r) {
+    if (r.delayed()) return;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (atomicAdd(&meta->blocks_done, 1u) != gridDim.x * gridDim.y - 1) return;
+    fp8_meta_update(meta, __uint_as_float(meta->amax_pending), f, r);
+    meta->amax_pending = 0u;
+    meta->blocks_done = 0u;
+}
+
+// Per-tensor FP8 health for --fp8-stats, counted by the casts with the scale they used: of the values
+// cast, how many saturated (|x * scale| beyond the format's max) and how many non-zero values flushed to
+// zero (their code is +-0). Integer atomics: exact and order-free. Called by every thread of the block.
+struct Fp8Health { unsigned long long saturated, flushed, total; };
+__device__ inline void fp8_health_add(Fp8Health* health, unsigned long long sat, unsigned long long flush, unsigned long long total) {
+    for (int o = 16; o > 0; o >>= 1) {
+        sat += __shfl_xor_sync(0xffffffffu, sat, o);
+        flush += __shfl_xor_sync(0xffffffffu, flush, o);
+    }
+    if (threadIdx.x % 32 == 0) {
+        if (sat) atomicAdd(&health->saturated, sat);
+        if (flush) atomicAdd(&health->flushed, flush);
+    }
+    if (total) atomicAdd(&health->total, total);
+}
+
 template <class T>
 __global__ void amax_kernel(unsigned int* amax_bits, const T* x, size_t n) {
     unsigned int m = 0;
@@ -296,15 +492,10 @@ __global__ void amax_kernel(unsigned int* amax_bits, const T* x, size_t n) {
     block_atomic_max(amax_bits, m);
 }
 
-// The scale update between the amax and the cast (current scaling) or after the cast (delayed).
-__global__ void fp8_update_scale_kernel(Fp8Meta* meta, Fp8Format f, Fp8Recipe r) {
-    fp8_meta_update(meta, __uint_as_float(meta->amax_pending), f, r);
-}
-
-// out = fp8(x * scale); with amax_bits, also gathers amax(x) (delayed scaling).
+// out = fp8(x * scale), scaled as above.
 template <Fp8Format F, class T>
-__global__ void quantize_kernel(fp8* out, const T* x, size_t n, const Fp8Meta* meta, unsigned int* amax_bits) {
-    const float scale = meta->scale;
+__global__ void quantize_kernel(fp8* out, const T* x, size_t n, Fp8Meta* meta, Fp8Recipe r) {
+    const float scale = fp8_cast_scale(meta, F, r);
     unsigned int m = 0;
     size_t n16 = n / CAST_VEC;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
@@ -324,71 +515,121 @@ __global__ void quantize_kernel(fp8* out, const T* x, size_t n, const Fp8Meta* m
         out[tail] = fp8_encode<F>(v * scale);
         m = max(m, abs_bits(v));
     }
-    if (amax_bits) block_atomic_max(amax_bits, m);
+    if (r.delayed()) block_atomic_max(&meta->amax_pending, m);
+    fp8_cast_done(meta, F, r);
 }
 
-// Cast + transpose of a row-major [rows, cols] tensor: out = fp8(x * scale) [rows, cols] and
-// out_t = its transpose [cols, rows], through a 64 x 64 tile in shared memory. A thread converts 16
-// consecutive elements of a row (one 16-byte store to out), then gathers 16 consecutive rows of one
-// column from the tile (one 16-byte store to out_t).
+// What a cast reads. A producer gives the values of one row as floats, 16 consecutive columns at a time
+// (load16: col a multiple of 16, cols a multiple of 16) or one column (load1), for each of its `outs`
+// outputs, rounded as the kernel that would store them as a tensor rounds them. The cast of a producer with
+// two outputs is [rows, 2 cols]: output o's column c is its column o * cols + c. CastPlain, a tensor as it is,
+// is the producer of a plain cast; llama2.cuh casts RMSNorm, SwiGLU and RoPE outputs where they are made.
+template <class T>
+struct CastPlain {
+    static constexpr int outs = 1;
+    const T* x;   // [rows, cols]
+    int cols;
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const { load16_as_float(v[0], x + (size_t)row * cols + col); }
+    __device__ void load1(float* v, int row, int col) const { v[0] = to_float(x[(size_t)row * cols + col]); }
+};
+
+// Cast + transpose of a producer's values [rows, outs * cols]: out = fp8(v * scale) and out_t = its transpose
+// [outs * cols, rows], through 64 x 64 tiles in shared memory (one block per tile row/column block, all
+// outputs). A thread converts 16 consecutive elements of a row (one 16-byte store to out), then gathers 16
+// consecutive rows of one column from the tile (one 16-byte store to out_t). STORE false: the amax pass of
+// current scaling (the values' amax into meta->amax_pending; nothing stored). record: delayed scaling gathers
+// the amax (false in evaluation); health: --fp8-stats counts, or nullptr.
 constexpr int CT_TILE = 64;
-template <Fp8Format F, class T>
-__global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(fp8* out, fp8* out_t, const T* x, int rows, int cols,
-                                                                      const Fp8Meta* meta, unsigned int* amax_bits) {
+template <Fp8Format F, bool STORE, class P>
+__global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* out, fp8* out_t, int rows, int cols, Fp8Meta* meta,
+                                                                      Fp8Recipe r, bool record, Fp8Health* health) {
+    constexpr int O = P::outs;
     // Row pitch 68 bytes (17 words): the column gathers of one warp (4 row groups, 16 rows apart) then
     // fall in 2 banks' worth of words instead of 1 (a pitch of 64 or 80 puts all 4 in one bank).
-    __shared__ uint32_t tile_words[CT_TILE * (CT_TILE + 4) / 4];
-    fp8 (*tile)[CT_TILE + 4] = reinterpret_cast<fp8 (*)[CT_TILE + 4]>(tile_words);
-    const float scale = meta->scale;
+    __shared__ uint32_t tile_words[O][CT_TILE * (CT_TILE + 4) / 4];
+    const float scale = STORE ? fp8_cast_scale(meta, F, r) : 0.0f;
     const int r0 = blockIdx.y * CT_TILE, c0 = blockIdx.x * CT_TILE;
     const bool vec_rows = (cols % CAST_VEC) == 0, vec_cols = (rows % CAST_VEC) == 0;
+    const size_t ld = (size_t)O * cols;   // the row length of out
     unsigned int m = 0;
+    unsigned long long sat = 0, flush = 0;
     {   // phase 1: rows
-        int r = threadIdx.x / (CT_TILE / CAST_VEC), c = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
-        int gr = r0 + r, gc = c0 + c;
-        alignas(16) fp8 q[CAST_VEC];
-        if (gr < rows && vec_rows && gc + CAST_VEC <= cols) {
-            float v[CAST_VEC];
-            load16_as_float(v, x + (size_t)gr * cols + gc);
-#pragma unroll
-            for (int k = 0; k < CAST_VEC / 2; k++) {
-                uint16_t pair = fp8x2_encode<F>(v[2 * k] * scale, v[2 * k + 1] * scale);
-                q[2 * k] = pair & 0xff;
-                q[2 * k + 1] = pair >> 8;
-                m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
-            }
-            *reinterpret_cast<uint4*>(out + (size_t)gr * cols + gc) = *reinterpret_cast<uint4*>(q);
+        const int tr = threadIdx.x / (CT_TILE / CAST_VEC), tc = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
+        const int gr = r0 + tr, gc = c0 + tc;
+        const bool full = gr < rows && vec_rows && gc + CAST_VEC <= cols;
+        float v[O][CAST_VEC];
+        if (full) {
+            p.load16(v, gr, gc);
         } else {
-            for (int k = 0; k < CAST_VEC; k++) {
-                q[k] = 0;
-                if (gr < rows && gc + k < cols) {
-                    float v = to_float(x[(size_t)gr * cols + gc + k]);
-                    q[k] = fp8_encode<F>(v * scale);
-                    out[(size_t)gr * cols + gc + k] = q[k];
-                    m = max(m, abs_bits(v));
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) {   // constant indices (unrolled): v stays in registers
+                float e[O];
+                for (int o = 0; o < O; o++) e[o] = 0.0f;   // outside the tensor: code 0, never stored
+                if (gr < rows && gc + k < cols) p.load1(e, gr, gc + k);
+                for (int o = 0; o < O; o++) v[o][k] = e[o];
+            }
+        }
+#pragma unroll
+        for (int o = 0; o < O; o++)
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) m = max(m, abs_bits(v[o][k]));
+        if constexpr (STORE) {
+#pragma unroll
+            for (int o = 0; o < O; o++) {
+                alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+                for (int k = 0; k < CAST_VEC / 2; k++) {
+                    uint16_t pair = fp8x2_encode<F>(v[o][2 * k] * scale, v[o][2 * k + 1] * scale);
+                    q[2 * k] = pair & 0xff;
+                    q[2 * k + 1] = pair >> 8;
+                }
+                if (health)
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++) {
+                        sat += fabsf(v[o][k] * scale) > fp8_max(F);
+                        flush += v[o][k] != 0.0f && (q[k] & 0x7F) == 0;
+                    }
+                if (full) {
+                    *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = *reinterpret_cast<const uint4*>(q);
+                } else if (gr < rows) {
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++)
+                        if (gc + k < cols) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = q[k];
+                }
+                uint32_t* tile_row = &tile_words[o][(tr * (CT_TILE + 4) + tc) / 4];
+#pragma unroll
+                for (int k = 0; k < CAST_VEC / 4; k++) tile_row[k] = reinterpret_cast<const uint32_t*>(q)[k];
+            }
+        }
+    }
+    if constexpr (STORE) {   // phase 2: columns
+        __syncthreads();
+        const int tc = threadIdx.x / (CT_TILE / CAST_VEC), tr = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
+        const int gc = c0 + tc, gr = r0 + tr;
+#pragma unroll
+        for (int o = 0; o < O; o++) {
+            const fp8(*tile)[CT_TILE + 4] = reinterpret_cast<const fp8(*)[CT_TILE + 4]>(tile_words[o]);
+            alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) q[k] = tile[tr + k][tc];
+            if (gc < cols) {
+                fp8* dst = out_t + ((size_t)o * cols + gc) * rows + gr;
+                if (vec_cols && gr + CAST_VEC <= rows) {
+                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++)
+                        if (gr + k < rows) dst[k] = q[k];
                 }
             }
         }
-#pragma unroll
-        for (int k = 0; k < CAST_VEC / 4; k++)
-            reinterpret_cast<uint32_t*>(&tile[r][c])[k] = reinterpret_cast<const uint32_t*>(q)[k];
-    }
-    __syncthreads();
-    {   // phase 2: columns
-        int c = threadIdx.x / (CT_TILE / CAST_VEC), r = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
-        int gc = c0 + c, gr = r0 + r;
-        alignas(16) fp8 q[CAST_VEC];
-#pragma unroll
-        for (int k = 0; k < CAST_VEC; k++) q[k] = tile[r + k][c];
-        if (gc < cols) {
-            if (vec_cols && gr + CAST_VEC <= rows) {
-                *reinterpret_cast<uint4*>(out_t + (size_t)gc * rows + gr) = *reinterpret_cast<uint4*>(q);
-            } else {
-                for (int k = 0; k < CAST_VEC && gr + k < rows; k++) out_t[(size_t)gc * rows + gr + k] = q[k];
-            }
+        if (health) {
+            const bool first = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+            fp8_health_add(health, sat, flush, first ? (unsigned long long)rows * ld : 0ull);
         }
     }
-    if (amax_bits) block_atomic_max(amax_bits, m);
+    if (!STORE || (r.delayed() && record)) block_atomic_max(&meta->amax_pending, m);
+    if constexpr (STORE) fp8_cast_done(meta, F, r);
 }
 
 // out = decode(code) * inv_scale
@@ -411,13 +652,34 @@ __global__ void dequantize_kernel(T* out, const fp8* x, size_t n, const Fp8Meta*
     if (tail < n) out[tail] = (T)(fp8_decode<F>(x[tail]) * inv_scale);
 }
 
+// Delayed scaling, once per optimizer step: record the amax gathered for each tensor metas[ids[i]] (E4M3 for
+// i < n_e4m3, E5M2 after), refresh its scale when due, and clear amax_pending. All of a step's tensors at once.
+__global__ void fp8_update_scales_kernel(Fp8Meta* metas, const int* ids, int n, int n_e4m3, Fp8Recipe r) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    Fp8Meta* meta = &metas[ids[i]];
+    fp8_meta_update(meta, __uint_as_float(meta->amax_pending), i < n_e4m3 ? E4M3 : E5M2, r);
+    meta->amax_pending = 0u;
+}
+
 // ---- launchers
+// The number of SMs of the current device, queried once per device.
+inline int device_sm_count() {
+    constexpr int MAX_DEVICES = 64;
+    static std::atomic<int> sms[MAX_DEVICES];   // 0: not yet known
+    int dev;
+    cudaCheck(cudaGetDevice(&dev));
+    if (dev >= MAX_DEVICES) fail("device %d: this program handles devices 0..%d", dev, MAX_DEVICES - 1);
+    int n = sms[dev].load();
+    if (n == 0) {
+        cudaCheck(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        sms[dev].store(n);
+    }
+    return n;
+}
 // Grid for the element-wise kernels: enough blocks to fill the GPU several times; the loops stride.
 inline int cast_grid(size_t n) {
-    int dev, sms;
-    cudaCheck(cudaGetDevice(&dev));
-    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    long max_blocks = sms * 8L;
+    long max_blocks = device_sm_count() * 8L;
     long needed = ceil_div((long)(n / CAST_VEC) + 1, CAST_THREADS);
     return (int)std::max(1L, std::min(max_blocks, needed));
 }
@@ -427,75 +689,85 @@ inline void check_cast_pointers(const char* what, const void* a, const void* b, 
              what, a, b, c);
 }
 
-// amax(|x|) into meta->amax_pending (as float bits).
+// amax(|x|) gathered (MAX) into meta->amax_pending, which is 0 between casts: the first pass of a
+// current-scaling fp8_quantize.
 template <class T>
 void fp8_amax(Fp8Meta* meta, const T* x, size_t n, cudaStream_t stream) {
     check_cast_pointers("fp8_amax", x, x);
-    cudaCheck(cudaMemsetAsync(&meta->amax_pending, 0, sizeof(unsigned int), stream));
     if (n == 0) return;
     amax_kernel<<<cast_grid(n), CAST_THREADS, 0, stream>>>(&meta->amax_pending, x, n);
     cudaCheckLaunch();
 }
-inline void fp8_update_scale(Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r, cudaStream_t stream) {
-    fp8_update_scale_kernel<<<1, 1, 0, stream>>>(meta, f, r);
-    cudaCheckLaunch();
-}
-// The same for many tensors in one launch: metas[ids[i]], i < n.
-__global__ void fp8_update_scales_kernel(Fp8Meta* metas, const int* ids, int n, Fp8Format f, Fp8Recipe r) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) fp8_meta_update(&metas[ids[i]], __uint_as_float(metas[ids[i]].amax_pending), f, r);
-}
-inline void fp8_update_scales(Fp8Meta* metas, const int* ids, int n, Fp8Format f, const Fp8Recipe& r, cudaStream_t stream) {
+// See fp8_update_scales_kernel: ids (device) lists n tensors, the E4M3 ones first.
+inline void fp8_update_scales(Fp8Meta* metas, const int* ids, int n, int n_e4m3, const Fp8Recipe& r, cudaStream_t stream) {
     if (n == 0) return;
-    fp8_update_scales_kernel<<<ceil_div(n, 128), 128, 0, stream>>>(metas, ids, n, f, r);
+    fp8_update_scales_kernel<<<ceil_div(n, 128), 128, 0, stream>>>(metas, ids, n, n_e4m3, r);
     cudaCheckLaunch();
 }
 
-// x -> FP8 with the recipe's scaling. Current: amax, scale, cast. Delayed: cast with the scale the
-// history gives while gathering amax into meta->amax_pending; the caller records it (fp8_update_scale)
-// only after every GEMM that reads this cast's inv_scale has run, so that they see the scale it used.
+// x [n] -> FP8 with the recipe's scaling: current, an amax pass and the cast (which records the amax);
+// delayed, the cast with the history's scale, gathering amax(x) for fp8_update_scales.
 template <class T>
 void fp8_quantize(fp8* out, const T* x, size_t n, Fp8Format f, Fp8Meta* meta, const Fp8Recipe& r, cudaStream_t stream) {
     check_cast_pointers("fp8_quantize", out, x);
-    unsigned int* amax_bits = nullptr;
-    if (r.delayed()) {
-        cudaCheck(cudaMemsetAsync(&meta->amax_pending, 0, sizeof(unsigned int), stream));
-        amax_bits = &meta->amax_pending;
-    } else {
-        fp8_amax(meta, x, n, stream);
-        fp8_update_scale(meta, f, r, stream);
-    }
-    if (n > 0) {
-        if (f == E4M3) quantize_kernel<E4M3><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, amax_bits);
-        else           quantize_kernel<E5M2><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, amax_bits);
-        cudaCheckLaunch();
-    }
+    if (n == 0) return;
+    if (!r.delayed()) fp8_amax(meta, x, n, stream);
+    if (f == E4M3) quantize_kernel<E4M3><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, r);
+    else           quantize_kernel<E5M2><<<cast_grid(n), CAST_THREADS, 0, stream>>>(out, x, n, meta, r);
+    cudaCheckLaunch();
 }
 
-// x [rows, cols] -> out [rows, cols] and out_t [cols, rows] in FP8, scaled as fp8_quantize.
-// amax_group (current scaling; nullptr = none): the amax is the MAX over the group (--tp-amax-sync), taken
-// between the amax kernel and the scale update. The amax is the bits of |x| as an unsigned word, whose integer
-// order is the numeric order, so an ncclMax on ncclUint32 is exact. (Delayed scaling syncs when it records
-// the amaxes: llama2.cuh, model_fp8_record_amax.)
+// One use of an FP8 tensor: where its cast goes and how it is scaled.
+struct Fp8CastOut {
+    fp8* q;                               // [rows, outs * cols] codes
+    fp8* q_t;                             // [outs * cols, rows] codes: the transposed copy the TN GEMMs need
+    Fp8Format format;
+    Fp8Meta* meta;
+    Fp8Recipe recipe;
+    Fp8Health* health = nullptr;          // --fp8-stats counts, or nullptr
+    const TpGroup* amax_group = nullptr;  // current scaling: the scale from the MAX of amax over this group
+    bool record = true;                   // delayed scaling: gather the amax for the step's record (false: evaluation)
+};
+
+template <bool STORE, class P>
+void cast_transpose_launch(const P& p, const Fp8CastOut& o, int rows, int cols, cudaStream_t stream) {
+    if (ceil_div(rows, CT_TILE) > 65535) fail("FP8 cast of %d rows: more than the grid's 65535 tiles of %d rows", rows, CT_TILE);
+    dim3 grid(ceil_div(cols, CT_TILE), ceil_div(rows, CT_TILE));
+    if (o.format == E4M3)
+        cast_transpose_kernel<E4M3, STORE><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_t, rows, cols, o.meta, o.recipe, o.record, o.health);
+    else
+        cast_transpose_kernel<E5M2, STORE><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_t, rows, cols, o.meta, o.recipe, o.record, o.health);
+    cudaCheckLaunch();
+}
+
+// Producer p's values [rows, outs * cols] -> o.q and o.q_t in FP8. Current scaling: the amax pass (unless
+// the producer's own kernel gathered the amax: amax_gathered), the MAX over o.amax_group, then the cast;
+// delayed scaling: the cast alone. The group's MAX is an ncclMax on the amax bits as ncclUint32, exact (their
+// integer order is the numeric order). (Delayed scaling syncs when it records: llama2.cuh, model_fp8_record_amax.)
+template <class P>
+void fp8_cast_produced(const Fp8CastOut& o, const P& p, int rows, int cols, cudaStream_t stream, bool amax_gathered = false) {
+    check_cast_pointers("FP8 cast", o.q, o.q_t);
+    if (rows <= 0 || cols <= 0) return;
+    if (!o.recipe.delayed()) {
+        if (!amax_gathered) cast_transpose_launch<false>(p, o, rows, cols, stream);
+        if (o.amax_group) tp_all_reduce(o.amax_group, &o.meta->amax_pending, 1, ncclUint32, ncclMax, stream);
+    }
+    cast_transpose_launch<true>(p, o, rows, cols, stream);
+}
+
+// x [rows, cols] -> out [rows, cols] and out_t [cols, rows] in FP8; amax_group: fp8_cast_produced's.
 template <class T>
 void fp8_cast_transpose(fp8* out, fp8* out_t, const T* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
                         const Fp8Recipe& r, cudaStream_t stream, const TpGroup* amax_group = nullptr) {
-    check_cast_pointers("fp8_cast_transpose", out, out_t, x);
-    unsigned int* amax_bits = nullptr;
-    if (r.delayed()) {
-        cudaCheck(cudaMemsetAsync(&meta->amax_pending, 0, sizeof(unsigned int), stream));
-        amax_bits = &meta->amax_pending;
-    } else {
-        fp8_amax(meta, x, (size_t)rows * cols, stream);
-        if (amax_group) tp_all_reduce(amax_group, &meta->amax_pending, 1, ncclUint32, ncclMax, stream);
-        fp8_update_scale(meta, f, r, stream);
-    }
-    if (rows > 0 && cols > 0) {
-        dim3 grid(ceil_div(cols, CT_TILE), ceil_div(rows, CT_TILE));
-        if (f == E4M3) cast_transpose_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(out, out_t, x, rows, cols, meta, amax_bits);
-        else           cast_transpose_kernel<E5M2><<<grid, CAST_THREADS, 0, stream>>>(out, out_t, x, rows, cols, meta, amax_bits);
-        cudaCheckLaunch();
-    }
+    check_cast_pointers("fp8_cast_transpose", x, x);
+    fp8_cast_produced(Fp8CastOut{out, out_t, f, meta, r, nullptr, amax_group}, CastPlain<T>{x, cols}, rows, cols, stream);
+}
+// The same, counting --fp8-stats health into *health (nullptr: none).
+inline void fp8_cast_transpose_counted(fp8* q, fp8* q_t, const bf16* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
+                                       Fp8Health* health, const Fp8Recipe& recipe, cudaStream_t stream,
+                                       const TpGroup* amax_group = nullptr) {
+    check_cast_pointers("fp8_cast_transpose", x, x);
+    fp8_cast_produced(Fp8CastOut{q, q_t, f, meta, recipe, health, amax_group}, CastPlain<bf16>{x, cols}, rows, cols, stream);
 }
 
 template <class T>
@@ -507,52 +779,8 @@ void fp8_dequantize(T* out, const fp8* x, size_t n, Fp8Format f, const Fp8Meta* 
     cudaCheckLaunch();
 }
 
-// Per-tensor FP8 health for --fp8-stats: of the n values cast, how many saturated (|x * scale| beyond
-// the format's max) and how many non-zero values flushed to zero (their code is +-0).
-struct Fp8Health { unsigned long long saturated, flushed, total; };
-
-template <Fp8Format F, class T>
-__global__ void fp8_health_kernel(Fp8Health* health, const T* x, size_t n, const Fp8Meta* meta) {
-    const float scale = meta->scale, fmax = fp8_max(F);
-    unsigned long long sat = 0, flush = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float v = to_float(x[i]), s = v * scale;
-        sat += fabsf(s) > fmax;
-        flush += v != 0.0f && (fp8_encode<F>(s) & 0x7F) == 0;
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        sat += __shfl_xor_sync(0xffffffffu, sat, o);
-        flush += __shfl_xor_sync(0xffffffffu, flush, o);
-    }
-    if (threadIdx.x % 32 == 0) {   // integer atomics: exact and order-free
-        if (sat) atomicAdd(&health->saturated, sat);
-        if (flush) atomicAdd(&health->flushed, flush);
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&health->total, (unsigned long long)n);
-}
-
-// Counts into *health (accumulates; zero it to start) for x cast with meta's current scale.
-template <class T>
-void fp8_health(Fp8Health* health, const T* x, size_t n, Fp8Format f, const Fp8Meta* meta, cudaStream_t stream) {
-    if (n == 0) return;
-    int grid = cast_grid(n * CAST_VEC);   // one element per thread per step (cast_grid counts 16)
-    if (f == E4M3) fp8_health_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(health, x, n, meta);
-    else           fp8_health_kernel<E5M2><<<grid, CAST_THREADS, 0, stream>>>(health, x, n, meta);
-    cudaCheckLaunch();
-}
-
-// cast_transpose, plus the health counts with the scale the cast used: delayed scaling casts with the
-// scale it had before the call, current scaling with the one it computes first.
-inline void fp8_cast_transpose_counted(fp8* q, fp8* q_t, const bf16* x, int rows, int cols, Fp8Format f, Fp8Meta* meta,
-                                       Fp8Health* health, const Fp8Recipe& recipe, cudaStream_t stream,
-                                       const TpGroup* amax_group = nullptr) {
-    if (health && recipe.delayed()) fp8_health(health, x, (size_t)rows * cols, f, meta, stream);
-    fp8_cast_transpose(q, q_t, x, rows, cols, f, meta, recipe, stream, amax_group);
-    if (health && !recipe.delayed()) fp8_health(health, x, (size_t)rows * cols, f, meta, stream);
-}
-
 // ----------------------------------------------------------------------------------------------
-// 6. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
+// 7. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
 //   D[M,N] (+)= op(A)[M,K] * op(B)[N,K]^T        (row-major; a linear layer is X * W^T with W [out,in])
 // An operand is stored K-contiguous ([M,K] / [N,K], "transposed = false") or, for BF16 only, as
 // [K,M] / [K,N] ("transposed = true"). Hopper FP8 GEMMs accept only the K-contiguous ("TN") form:
@@ -587,7 +815,7 @@ struct MatmulPlan {
     cublasLtMatrixLayout_t a_layout, b_layout, d_layout;
     cublasLtMatmulAlgo_t algo;
 };
-typedef std::tuple<int, int, int, int, int, int, int, int, int, int, int> MatmulKey;
+typedef std::tuple<int, int, int, int, int, int, int, int, int, int, int, int> MatmulKey;
 
 struct MatmulContext {
     cublasLtHandle_t handle = nullptr;
@@ -651,16 +879,20 @@ inline std::string matmul_check(const void* D, DType d_type, const MatmulOperand
     return "";
 }
 
+// The rules are checked when a plan is made: everything matmul_check looks at is part of the plan's key (the
+// shape, types, layouts, options, the pointers' alignments and whether the scale pointers are usable), so a
+// call that finds a plan is legal, and no string is formatted on the hot path.
 inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, MatmulOperand B,
                    int M, int N, int K, bool accumulate, bool fast_accum, cudaStream_t stream) {
-    std::string err = matmul_check(D, d_type, A, B, M, N, K, fast_accum);
-    if (!err.empty()) fail("%s", err.c_str());
     bool fp8 = dtype_is_fp8(A.type);
     int align_a = pointer_alignment(A.ptr), align_b = pointer_alignment(B.ptr), align_d = pointer_alignment(D);
+    bool scales_usable = A.inv_scale && B.inv_scale && is_aligned16(A.inv_scale) && is_aligned16(B.inv_scale);
     MatmulKey key(M, N, K, A.type | (A.transposed << 4), B.type | (B.transposed << 4), d_type, accumulate, fast_accum,
-                  align_a, align_b, align_d);
+                  align_a, align_b, align_d, scales_usable);
     auto it = ctx->plans.find(key);
     if (it == ctx->plans.end()) {
+        std::string err = matmul_check(D, d_type, A, B, M, N, K, fast_accum);
+        if (!err.empty()) fail("%s", err.c_str());
         // Column-major view: row-major D[M,N] is column-major D'[N,M], and
         // cuBLASLt computes D'(N x M) = Bc^T (N x K) * Ac (K x M), with Bc = our B as column-major
         // K x N (ld K) and Ac = our A as column-major K x M (ld K): the TN form. Transposed operands are

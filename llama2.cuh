@@ -19,6 +19,7 @@
 #include "attention.cuh"
 #include "dataloader.h"   // strprintf, splitmix64
 #include <atomic>
+#include <functional>
 #include <thread>
 
 // ----------------------------------------------------------------------------------------------
@@ -363,6 +364,7 @@ __global__ void __launch_bounds__(EMB_BWD_THREADS) embedding_backward_kernel(flo
 
 inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int N, int V, int D, cudaStream_t s) {
     check_rows("embedding_forward", D, {out, emb});
+    ProfileRange range(PHASE_EMBEDDING, s);
     size_t threads = (size_t)N * (D / BF16_PER_16B);
     embedding_forward_kernel<<<grid_for(threads, EMB_THREADS), EMB_THREADS, 0, s>>>(out, emb, tokens, N, V, D);
     cudaCheckLaunch();
@@ -370,6 +372,7 @@ inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int
 // demb [V,D] FP32 accumulates.
 inline void embedding_backward(float* demb, const bf16* dout, const int* tokens, int N, int V, int D, cudaStream_t s) {
     check_rows("embedding_backward", D, {demb, dout});
+    ProfileRange range(PHASE_EMBEDDING, s);
     dim3 grid(ceil_div(V, EMB_BWD_ROWS), ceil_div(D, EMB_BWD_THREADS * BF16_PER_16B));
     embedding_backward_kernel<<<grid, EMB_BWD_THREADS, 0, s>>>(demb, dout, tokens, N, V, D);
     cudaCheckLaunch();
@@ -387,39 +390,51 @@ inline void embedding_backward(float* demb, const bf16* dout, const int* tokens,
 constexpr int RMSNORM_THREADS = 256;
 constexpr int RMSNORM_BWD_ROWS = 32;
 
+// y of one element, as the forward writes it (the one formula of both the BF16 output and the fused FP8 cast).
+__device__ inline bf16 rmsnorm_value(float x, float r, float w) { return __float2bfloat16(x * r * w); }
+
+// y may be null (an FP8 consumer: the cast recomputes y from resid_out, rstd and w); amax_bits (or null)
+// gathers amax(y) for the current scaling of that cast.
 __global__ void rmsnorm_forward_kernel(bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch,
-                                       const bf16* w, int N, int D, float eps) {
+                                       const bf16* w, int N, int D, float eps, unsigned int* amax_bits) {
     const int lane = threadIdx.x % 32;
     const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (n >= N) return;
-    const size_t row = (size_t)n * D;
-    const bf16* x = resid + row;
-    float sumsq = 0.0f;
-    if (branch) {
-        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-            Packed128<bf16> a = load128(resid + row + c), b = load128(branch + row + c), sum;
-            for (int k = 0; k < BF16_PER_16B; k++) {
-                sum.v[k] = __float2bfloat16(to_float(a.v[k]) + to_float(b.v[k]));
-                float v = to_float(sum.v[k]);
-                sumsq += v * v;
+    unsigned int m = 0;
+    if (n < N) {
+        const size_t row = (size_t)n * D;
+        const bf16* x = resid + row;
+        float sumsq = 0.0f;
+        if (branch) {
+            for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+                Packed128<bf16> a = load128(resid + row + c), b = load128(branch + row + c), sum;
+                for (int k = 0; k < BF16_PER_16B; k++) {
+                    sum.v[k] = __float2bfloat16(to_float(a.v[k]) + to_float(b.v[k]));
+                    float v = to_float(sum.v[k]);
+                    sumsq += v * v;
+                }
+                store128(resid_out + row + c, sum);
             }
-            store128(resid_out + row + c, sum);
+            x = resid_out + row;   // this lane reads back only what it wrote
+        } else {
+            for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+                Packed128<bf16> a = load128(x + c);
+                for (int k = 0; k < BF16_PER_16B; k++) sumsq += to_float(a.v[k]) * to_float(a.v[k]);
+            }
         }
-        x = resid_out + row;   // this lane reads back only what it wrote
-    } else {
-        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-            Packed128<bf16> a = load128(x + c);
-            for (int k = 0; k < BF16_PER_16B; k++) sumsq += to_float(a.v[k]) * to_float(a.v[k]);
-        }
+        sumsq = attention_warp_sum(sumsq);
+        const float r = 1.0f / sqrtf(sumsq / D + eps);
+        if (lane == 0) rstd[n] = r;
+        if (y || amax_bits)
+            for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
+                Packed128<bf16> a = load128(x + c), wv = load128(w + c), out;
+                for (int k = 0; k < BF16_PER_16B; k++) {
+                    out.v[k] = rmsnorm_value(to_float(a.v[k]), r, to_float(wv.v[k]));
+                    m = max(m, abs_bits(to_float(out.v[k])));
+                }
+                if (y) store128(y + row + c, out);
+            }
     }
-    sumsq = attention_warp_sum(sumsq);
-    const float r = 1.0f / sqrtf(sumsq / D + eps);
-    if (lane == 0) rstd[n] = r;
-    for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-        Packed128<bf16> a = load128(x + c), wv = load128(w + c), out;
-        for (int k = 0; k < BF16_PER_16B; k++) out.v[k] = __float2bfloat16(to_float(a.v[k]) * r * to_float(wv.v[k]));
-        store128(y + row + c, out);
-    }
+    if (amax_bits) block_atomic_max(amax_bits, m);
 }
 
 __global__ void rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const bf16* dy, const bf16* x,
@@ -467,15 +482,51 @@ __global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int
     dw[j] = accumulate ? dw[j] + s : s;
 }
 
-// resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add).
+// resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add). y null: only
+// resid_out and rstd (rmsnorm_forward_fp8's first kernel), with amax(y) into *amax_bits if that is set.
 inline void rmsnorm_forward(bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch, const bf16* w,
-                            int N, int D, float eps, cudaStream_t s) {
+                            int N, int D, float eps, cudaStream_t s, unsigned int* amax_bits = nullptr) {
     check_rows("rmsnorm_forward", D, {resid_out, y, resid, branch, w});
     if ((resid_out == nullptr) != (branch == nullptr))
         fail("rmsnorm_forward: resid_out and branch go together (the fused residual add), got %p and %p", resid_out, branch);
+    ProfileRange range(PHASE_NORM, s, "rmsnorm forward");
     const int rows_per_block = RMSNORM_THREADS / 32;
-    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_THREADS, 0, s>>>(resid_out, y, rstd, resid, branch, w, N, D, eps);
+    rmsnorm_forward_kernel<<<ceil_div(N, rows_per_block), RMSNORM_THREADS, 0, s>>>(resid_out, y, rstd, resid, branch, w, N, D, eps,
+                                                                                   amax_bits);
     cudaCheckLaunch();
+}
+
+// The RMSNorm output y [N,D] recomputed for a cast from what the forward keeps: x (resid_out, or resid without
+// a residual add), rstd and w; bit for bit the y rmsnorm_forward writes (the same formula on the same floats).
+struct RmsNormCast {
+    static constexpr int outs = 1;
+    const bf16* x;
+    const float* rstd;
+    const bf16* w;
+    int cols;   // D
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const float r = rstd[row];
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> a = load128(x + (size_t)row * cols + col + h), wv = load128(w + col + h);
+            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(rmsnorm_value(to_float(a.v[k]), r, to_float(wv.v[k])));
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        v[0] = to_float(rmsnorm_value(to_float(x[(size_t)row * cols + col]), rstd[row], to_float(w[col])));
+    }
+};
+
+// rmsnorm_forward into an FP8 linear's input: X8 and X8^T as o says, no BF16 y. Two kernels in both scalings:
+// the statistics (resid_out and rstd, which the backward keeps anyway) and the cast recomputing y from them. The
+// BF16 y is never written nor read back (the unfused path writes it, reads it for the amax, reads it again for
+// the cast). Current scaling: the statistics kernel also computes y in registers for amax(y), so the cast knows
+// its scale; delayed scaling: it skips y, and the cast gathers the amax.
+inline void rmsnorm_forward_fp8(const Fp8CastOut& o, bf16* resid_out, float* rstd, const bf16* resid, const bf16* branch,
+                                const bf16* w, int N, int D, float eps, cudaStream_t s) {
+    const bool current = !o.recipe.delayed();
+    rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, current ? &o.meta->amax_pending : nullptr);
+    ProfileRange range(PHASE_FP8_CAST, s, "rmsnorm: cast X");
+    fp8_cast_produced(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, current);
 }
 // Floats of scratch that rmsnorm_backward needs: one partial dw row per block of rows.
 inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * D; }
@@ -484,6 +535,7 @@ inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N
 inline void rmsnorm_backward(bf16* dresid, float* dw, float* scratch, const bf16* dy, const bf16* x, const float* rstd,
                              const bf16* w, int N, int D, cudaStream_t s, bool accumulate = true) {
     check_rows("rmsnorm_backward", D, {dresid, dw, scratch, dy, x, w});
+    ProfileRange range(PHASE_NORM, s, "rmsnorm backward");
     int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
     rmsnorm_backward_kernel<<<blocks, RMSNORM_THREADS, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
     cudaCheckLaunch();
@@ -510,7 +562,15 @@ inline void rope_tables(std::vector<float>* cos_t, std::vector<float>* sin_t, in
     }
 }
 
-// sign +1: forward rotation; -1: the inverse (backward). One thread rotates 4 pairs (16 bytes).
+// One pair rotated, with s = sign * sin (sign +1: forward; -1: the inverse, the backward): the one formula of
+// rope_kernel and of the fused backward cast, the products' rounding fixed by fmaf.
+__device__ inline void rope_rotate(float x0, float x1, float c, float sin, float sign, bf16* y0, bf16* y1) {
+    const float s = sign * sin;
+    *y0 = __float2bfloat16(fmaf(x0, c, -(x1 * s)));
+    *y1 = __float2bfloat16(fmaf(x0, s, x1 * c));
+}
+
+// One thread rotates 4 pairs (16 bytes).
 __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, int N, int T, int rot_heads,
                             int qkv_cols, int HD, float sign) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -523,10 +583,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, i
     Packed128<bf16> v = load128(p);
     for (int q = 0; q < BF16_PER_16B / 2; q++) {
         const size_t pair = (size_t)t * (HD / 2) + chunk * (BF16_PER_16B / 2) + q;
-        const float c = cos_t[pair], s = sign * sin_t[pair];
-        const float x0 = to_float(v.v[2 * q]), x1 = to_float(v.v[2 * q + 1]);
-        v.v[2 * q] = __float2bfloat16(x0 * c - x1 * s);
-        v.v[2 * q + 1] = __float2bfloat16(x0 * s + x1 * c);
+        rope_rotate(to_float(v.v[2 * q]), to_float(v.v[2 * q + 1]), cos_t[pair], sin_t[pair], sign, &v.v[2 * q], &v.v[2 * q + 1]);
     }
     store128(p, v);
 }
@@ -534,6 +591,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, i
 inline void rope_launch(const char* who, bf16* qkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV,
                         int HD, float sign, cudaStream_t s) {
     check_rows(who, HD, {qkv});
+    ProfileRange range(PHASE_ROPE, s, who);
     size_t threads = (size_t)B * T * (NH + NKV) * (HD / BF16_PER_16B);
     rope_kernel<<<grid_for(threads, ROPE_THREADS), ROPE_THREADS, 0, s>>>(qkv, cos_t, sin_t, B * T, T, NH + NKV,
                                                                          (NH + 2 * NKV) * HD, HD, sign);
@@ -546,9 +604,66 @@ inline void rope_backward(bf16* dqkv, const float* cos_t, const float* sin_t, in
     rope_launch("rope_backward", dqkv, cos_t, sin_t, B, T, NH, NKV, HD, -1.0f, s);
 }
 
+// dqkv [N, cols] after rope_backward, for a cast, from dqkv before it: the Q and K columns (the first rot_cols)
+// rotated back, V as it is; bit for bit what rope_backward writes in place. A 16-column chunk lies in one head.
+struct RopeBackwardCast {
+    static constexpr int outs = 1;
+    const bf16* dqkv;
+    const float *cos_t, *sin_t;
+    int T, HD, rot_cols, cols;
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        float x[CAST_VEC];
+        load16_as_float(x, dqkv + (size_t)row * cols + col);
+        if (col >= rot_cols) {
+            for (int k = 0; k < CAST_VEC; k++) v[0][k] = x[k];
+            return;
+        }
+        const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
+        for (int q = 0; q < CAST_VEC / 2; q++) {
+            bf16 y0, y1;
+            rope_rotate(x[2 * q], x[2 * q + 1], cos_t[pair0 + q], sin_t[pair0 + q], -1.0f, &y0, &y1);
+            v[0][2 * q] = to_float(y0);
+            v[0][2 * q + 1] = to_float(y1);
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        const bf16* x = dqkv + (size_t)row * cols;
+        if (col >= rot_cols) {
+            v[0] = to_float(x[col]);
+            return;
+        }
+        const int c0 = col & ~1;   // the pair (c0, c0 + 1)
+        const size_t pair = (size_t)(row % T) * (HD / 2) + (c0 % HD) / 2;
+        bf16 y0, y1;
+        rope_rotate(to_float(x[c0]), to_float(x[c0 + 1]), cos_t[pair], sin_t[pair], -1.0f, &y0, &y1);
+        v[0] = to_float(col & 1 ? y1 : y0);
+    }
+};
+
+// rope_backward into an FP8 linear's dY (dY8 and dY8^T of wqkv, the whole row, V included), dqkv left as it is.
+// Delayed scaling: one kernel (reads dqkv, writes the codes); current scaling: an amax pass that rotates too,
+// then the cast: dqkv read twice and never written, against the unfused path's in-place rotation (a read and a
+// write) and its two reads for the amax and the cast.
+inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH,
+                              int NKV, int HD, cudaStream_t s) {
+    check_rows("rope_backward_fp8", HD, {dqkv});
+    if (HD % CAST_VEC != 0) fail("rope_backward_fp8: head_dim %d must be a multiple of %d (a cast chunk within one head)", HD, CAST_VEC);
+    ProfileRange range(PHASE_FP8_CAST, s, "rope backward: cast dY");
+    const int cols = (NH + 2 * NKV) * HD;
+    fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
+}
+
 // ---- SwiGLU: out[n,j] = silu(g) * u with g = gate_up[n,j], u = gate_up[n,F+j], silu(g) = g sigmoid(g).
 // Backward: du = dout silu(g); dg = dout u silu'(g), silu'(g) = sig(g) (1 + g (1 - sig(g))).
 constexpr int SWIGLU_THREADS = 256;
+
+// The formulas, shared by the kernels below and the fused casts.
+__device__ inline bf16 swiglu_value(float g, float u) { return __float2bfloat16(g / (1.0f + expf(-g)) * u); }
+__device__ inline void swiglu_grads(float g, float u, float dy, bf16* dg, bf16* du) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    *dg = __float2bfloat16(dy * u * sig * fmaf(g, 1.0f - sig, 1.0f));
+    *du = __float2bfloat16(dy * g * sig);
+}
 
 __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int F) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -557,10 +672,7 @@ __global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int
     const size_t n = i / chunks;
     const int c = (int)(i % chunks) * BF16_PER_16B;
     Packed128<bf16> g = load128(gate_up + n * 2 * F + c), u = load128(gate_up + n * 2 * F + F + c), o;
-    for (int k = 0; k < BF16_PER_16B; k++) {
-        float gk = to_float(g.v[k]);
-        o.v[k] = __float2bfloat16(gk / (1.0f + expf(-gk)) * to_float(u.v[k]));
-    }
+    for (int k = 0; k < BF16_PER_16B; k++) o.v[k] = swiglu_value(to_float(g.v[k]), to_float(u.v[k]));
     store128(out + n * F + c, o);
 }
 
@@ -572,27 +684,87 @@ __global__ void swiglu_backward_kernel(bf16* dgate_up, const bf16* dout, const b
     const int c = (int)(i % chunks) * BF16_PER_16B;
     Packed128<bf16> g = load128(gate_up + n * 2 * F + c), u = load128(gate_up + n * 2 * F + F + c);
     Packed128<bf16> dy = load128(dout + n * F + c), dg, du;
-    for (int k = 0; k < BF16_PER_16B; k++) {
-        float gk = to_float(g.v[k]), uk = to_float(u.v[k]), dk = to_float(dy.v[k]);
-        float sig = 1.0f / (1.0f + expf(-gk));
-        dg.v[k] = __float2bfloat16(dk * uk * sig * (1.0f + gk * (1.0f - sig)));
-        du.v[k] = __float2bfloat16(dk * gk * sig);
-    }
+    for (int k = 0; k < BF16_PER_16B; k++) swiglu_grads(to_float(g.v[k]), to_float(u.v[k]), to_float(dy.v[k]), &dg.v[k], &du.v[k]);
     store128(dgate_up + n * 2 * F + c, dg);
     store128(dgate_up + n * 2 * F + F + c, du);
 }
 
 inline void swiglu_forward(bf16* out, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_forward", F, {out, gate_up});
+    ProfileRange range(PHASE_SWIGLU, s, "swiglu forward");
     size_t threads = (size_t)N * (F / BF16_PER_16B);
     swiglu_forward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(out, gate_up, N, F);
     cudaCheckLaunch();
 }
 inline void swiglu_backward(bf16* dgate_up, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_backward", F, {dgate_up, dout, gate_up});
+    ProfileRange range(PHASE_SWIGLU, s, "swiglu backward");
     size_t threads = (size_t)N * (F / BF16_PER_16B);
     swiglu_backward_kernel<<<grid_for(threads, SWIGLU_THREADS), SWIGLU_THREADS, 0, s>>>(dgate_up, dout, gate_up, N, F);
     cudaCheckLaunch();
+}
+
+// The SwiGLU output [N,F] for a cast, from gate_up [N,2F]: what swiglu_forward writes.
+struct SwigluCast {
+    static constexpr int outs = 1;
+    const bf16* gate_up;
+    int cols;   // F
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h);
+            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(swiglu_value(to_float(gv.v[k]), to_float(uv.v[k])));
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        v[0] = to_float(swiglu_value(to_float(g[0]), to_float(g[cols])));
+    }
+};
+// dgate_up [N,2F] for a cast, from dout [N,F] and gate_up: what swiglu_backward writes; output 0 is the gate
+// half (dg), output 1 the up half (du), each made once from one read of g, u and dout.
+struct SwigluBackwardCast {
+    static constexpr int outs = 2;
+    const bf16* dout;
+    const bf16* gate_up;
+    int cols;   // F
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        const bf16* dy = dout + (size_t)row * cols + col;
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h), dv = load128(dy + h);
+            for (int k = 0; k < BF16_PER_16B; k++) {
+                bf16 dg, du;
+                swiglu_grads(to_float(gv.v[k]), to_float(uv.v[k]), to_float(dv.v[k]), &dg, &du);
+                v[0][h + k] = to_float(dg);
+                v[1][h + k] = to_float(du);
+            }
+        }
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        const bf16* g = gate_up + (size_t)row * 2 * cols + col;
+        bf16 dg, du;
+        swiglu_grads(to_float(g[0]), to_float(g[cols]), to_float(dout[(size_t)row * cols + col]), &dg, &du);
+        v[0] = to_float(dg);
+        v[1] = to_float(du);
+    }
+};
+
+// swiglu_forward into an FP8 linear's input (X8 and X8^T of w_down), no BF16 output. Delayed scaling: one kernel
+// (reads gate_up, writes the codes); current scaling: an amax pass computing the SwiGLU, then the cast computing
+// it again: gate_up read twice, nothing written but the codes, against the unfused path's BF16 write and its two
+// reads back (amax, cast).
+inline void swiglu_forward_fp8(const Fp8CastOut& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    check_rows("swiglu_forward_fp8", F, {gate_up});
+    ProfileRange range(PHASE_FP8_CAST, s, "swiglu forward: cast X");
+    fp8_cast_produced(o, SwigluCast{gate_up, F}, N, F, s);
+}
+// swiglu_backward into an FP8 linear's dY (dY8 [N,2F] and dY8^T of w_gate_up), no BF16 dgate_up: costs as above,
+// dout and gate_up read once per pass.
+inline void swiglu_backward_fp8(const Fp8CastOut& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    check_rows("swiglu_backward_fp8", F, {dout, gate_up});
+    ProfileRange range(PHASE_FP8_CAST, s, "swiglu backward: cast dY");
+    fp8_cast_produced(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s);
 }
 
 // ---- Cross-entropy of FP32 logits rows [N,V], one block per row:
@@ -659,6 +831,7 @@ __global__ void __launch_bounds__(CE_THREADS) cross_entropy_kernel(float* losses
 inline void cross_entropy_forward_backward(float* losses, bf16* dlogits, const float* logits, const int* targets, int N,
                                            int V, float grad_scale, cudaStream_t s) {
     check_rows("cross_entropy_forward_backward", V, {dlogits, logits});
+    ProfileRange range(PHASE_LOSS, s, "cross-entropy");
     cross_entropy_kernel<<<N, CE_THREADS, 0, s>>>(losses, dlogits, logits, targets, V, grad_scale);
     cudaCheckLaunch();
 }
@@ -677,10 +850,14 @@ inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, fl
     for (int c0 = 0; c0 < N; c0 += chunk) {
         const int rows = std::min(chunk, N - c0);
         const bf16* xc = x + (size_t)c0 * D;
-        matmul(mm, logits_chunk, DT_FP32, {xc, DT_BF16}, {lm_head, DT_BF16}, rows, V, D, false, false, s);
+        {
+            ProfileRange range(PHASE_LM_HEAD, s, "lm_head forward");
+            matmul(mm, logits_chunk, DT_FP32, {xc, DT_BF16}, {lm_head, DT_BF16}, rows, V, D, false, false, s);
+        }
         cross_entropy_forward_backward(losses + c0, dx ? dlogits_chunk : nullptr, logits_chunk, targets + c0, rows, V,
                                        grad_scale, s);
         if (!dx) continue;
+        ProfileRange range(PHASE_LM_HEAD, s, "lm_head backward");
         // dx [rows,D] = dlogits [rows,V] lm_head [V,D]: lm_head is the [K,N] operand, stored transposed
         matmul(mm, dx + (size_t)c0 * D, DT_BF16, {dlogits_chunk, DT_BF16}, {lm_head, DT_BF16, true}, rows, D, V, false,
                false, s);
@@ -758,6 +935,9 @@ struct Fp8Options {
     bool all_layers = false;    // FP8 in the first and last decoder layers too (the recipe keeps them BF16)
     bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
     bool tp_amax_sync = false;  // tensor parallelism: the amax of a sharded X or dY is the MAX over the group
+    bool fused_casts = true;    // RMSNorm, SwiGLU and the RoPE backward cast their outputs for an FP8 linear themselves;
+                                // false: they write BF16 and a plain cast follows (the unfused path: the reference of
+                                // the fused casts' tests and the benchmark's baseline)
 };
 
 #if defined(PRECISION_FP8)
@@ -776,6 +956,7 @@ struct ModelFp8 {
     int* weight_ids = nullptr;        // device: meta indices of W of the FP8 linears (n)
     int n_fp8_linears = 0;
     bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
+    bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
 };
 #endif
 
@@ -795,6 +976,7 @@ struct Model {
     int ce_chunk = 0;          // tokens per lm_head + cross-entropy chunk: a multiple of 16, at most model_create's
     MatmulContext matmul;
     cudaStream_t stream = nullptr;
+    std::map<int, cudaGraphExec_t> graphs;   // model_graph_launch's, by key
     Fp8Options fp8_options;
     // Tensor parallelism (section 7): the group (nullptr: none, no collectives) and this rank's share of the
     // heads and the FFN width (the whole model's without a group).
@@ -827,44 +1009,30 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 //             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
 // Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
 // transposed copies. W8 and W8^T are made once per optimizer step (model_weights_changed), not per micro-batch.
+// The casts of X and dY are the caller's (fp8_cast_produced): the kernel that produces the tensor, or a plain cast.
 
 
-// W [out, in] (BF16) -> W8 and W8^T with the scale already in meta[FP8_W] (current scaling: set from this W's
-// amax), and W's health counts when they are on. Reads 2 bytes a parameter, writes 2.
-inline void fp8_weight_cast(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
-    check_cast_pointers("fp8_weight_cast", lin->w8, lin->w8_t, w);
-    dim3 grid(ceil_div(in, CT_TILE), ceil_div(out, CT_TILE));
-    cast_transpose_kernel<E4M3><<<grid, CAST_THREADS, 0, stream>>>(lin->w8, lin->w8_t, w, out, in, &lin->meta[FP8_W], nullptr);
-    cudaCheckLaunch();
-    if (lin->health) fp8_health(&lin->health[FP8_W], w, (size_t)out * in, E4M3, &lin->meta[FP8_W], stream);
-}
-// W (BF16) -> W8 and W8^T with current scaling: amax, scale, cast (one layer on its own; the model rebuilds
-// all of its layers in model_weights_changed).
-inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream) {
-    fp8_amax(&lin->meta[FP8_W], w, (size_t)out * in, stream);
-    fp8_update_scale(&lin->meta[FP8_W], E4M3, Fp8Recipe(), stream);
-    fp8_weight_cast(lin, w, out, in, stream);
+// W [out, in] (BF16) -> W8 and W8^T with current scaling (the weights just changed), counting W's health when
+// --fp8-stats is on. amax_gathered: W's amax is already in meta[FP8_W].amax_pending (the optimizer's update pass
+// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice.
+inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false) {
+    fp8_cast_produced(Fp8CastOut{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr},
+                      CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
 }
 
-// x8 is scratch [N,in]; x8_t [in,N] is kept for backward.
-// amax_group: take the MAX of X's amax over this group (--tp-amax-sync; nullptr = this rank's own).
-inline void fp8_linear_forward(MatmulContext* mm, bf16* y, fp8* x8, fp8* x8_t, const bf16* x, Fp8Linear* lin, int N, int in,
-                               int out, const Fp8Recipe& recipe, bool fast_accum, cudaStream_t stream,
-                               const TpGroup* amax_group = nullptr) {
-    fp8_cast_transpose_counted(x8, x8_t, x, N, in, E4M3, &lin->meta[FP8_X], lin->health ? &lin->health[FP8_X] : nullptr, recipe,
-                               stream, amax_group);
+// Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
+inline void fp8_linear_forward(MatmulContext* mm, bf16* y, const fp8* x8, const Fp8Linear* lin, int N, int in, int out, bool fast_accum,
+                               cudaStream_t stream) {
+    ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward");
     matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, out, in, false, fast_accum, stream);
 }
 
-// dy8, dy8_t are scratch ([N,out], [out,N]); dw accumulates (FP32, across micro-batches), or is written
-// when accumulate is false.
-// amax_group: take the MAX of dY's amax over this group (--tp-amax-sync; nullptr = this rank's own).
-inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, fp8* dy8, fp8* dy8_t, const bf16* dy, const fp8* x8_t,
-                                Fp8Linear* lin, int N, int in, int out, const Fp8Recipe& recipe, cudaStream_t stream,
-                                const TpGroup* amax_group = nullptr, bool accumulate = true) {
-    fp8_cast_transpose_counted(dy8, dy8_t, dy, N, out, E5M2, &lin->meta[FP8_DY], lin->health ? &lin->health[FP8_DY] : nullptr,
-                               recipe, stream, amax_group);
+// dX = dY8 W8 and dW += dY8^T X8 (FP32, accumulating over micro-batches; written when accumulate is false):
+// dY8 [N,out] and dY8^T [out,N] cast with lin->meta[FP8_DY], X8^T [in,N] kept from the forward.
+inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp8* dy8, const fp8* dy8_t, const fp8* x8_t,
+                                const Fp8Linear* lin, int N, int in, int out, cudaStream_t stream, bool accumulate = true) {
+    ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward");
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
@@ -903,59 +1071,128 @@ inline const TpGroup* model_amax_group(const Model* m, int param, bool dy) {
     bool row_parallel = kind == WO || kind == W_DOWN;
     return dy != row_parallel ? m->tp : nullptr;
 }
+// Where the cast of FP8 linear `param`'s X (forward) or dY (backward) goes: X8 (scratch) and X8^T (kept for the
+// backward), or dY8 and dY8^T (scratch); its scale record and health counter, the recipe, the TP amax group, and
+// whether delayed scaling records its amax (training passes do, evaluation does not).
+inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
+    Fp8Linear* lin = model_fp8_linear(m, param);
+    const int t = dy ? FP8_DY : FP8_X;
+    Fp8CastOut o{dy ? m->fp8.dy8 : m->fp8.x8, dy ? m->fp8.dy8_t : m->fp8.saved_x8_t[model_linear_index(param)], dy ? E5M2 : E4M3,
+                 &lin->meta[t], m->fp8_options.recipe};
+    o.health = lin->health ? &lin->health[t] : nullptr;
+    o.amax_group = model_amax_group(m, param, dy);
+    o.record = m->fp8.training;
+    return o;
+}
+// Whether FP8 linear `param`'s X (dy: its dY) is cast by the kernel that produces it (section 6's producers:
+// RMSNorm makes the X of wqkv and w_gate_up, SwiGLU that of w_down, the SwiGLU backward the dY of w_gate_up, the
+// RoPE backward that of wqkv). The others (X of wo, attention's output; dY of wo and w_down, the residual
+// stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
+inline bool model_fp8_fused(Model* m, int param, bool dy) {
+    if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
+    const int kind = (param - 1) % PARAMS_PER_LAYER;
+    return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
+}
 #endif
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        fp8_linear_forward(&m->matmul, out, m->fp8.x8, m->fp8.saved_x8_t[model_linear_index(param)], inp, lin, N, w.cols, w.rows,
-                           m->fp8_options.recipe, m->fp8_options.fast_accum, m->stream, model_amax_group(m, param, false));
+        if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X");
+            fp8_cast_produced(model_fp8_cast(m, param, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
+        }
+        fp8_linear_forward(&m->matmul, out, m->fp8.x8, lin, N, w.cols, w.rows, m->fp8_options.fast_accum, m->stream);
         return;
     }
 #endif
+    ProfileRange range(PHASE_GEMM_FWD, m->stream, "BF16 GEMM forward");
     matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {model_weight(m, param), DT_BF16}, N, w.rows, w.cols, false, false,
            m->stream);
 }
-// inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer).
+// inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer, and so may
+// dout when its producer cast it).
 inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, int param, int N) {
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, dout,
-                            m->fp8.saved_x8_t[model_linear_index(param)], lin, N, w.cols, w.rows, m->fp8_options.recipe, m->stream,
-                            model_amax_group(m, param, true), m->accumulate_grads);
+        if (!model_fp8_fused(m, param, true)) {   // else dY8 and dY8^T came from the producer of dout
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
+            fp8_cast_produced(model_fp8_cast(m, param, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
+        }
+        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
+                            lin, N, w.cols, w.rows, m->stream, m->accumulate_grads);
         return;
     }
 #endif
+    ProfileRange range(PHASE_GEMM_BWD, m->stream, "BF16 GEMMs backward");
     matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
            false, m->stream);
     matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N,
            m->accumulate_grads, false, m->stream);
 }
 
+// The producers of the linears' inputs and output gradients, which know their consumer `param`: BF16 into the
+// given tensor, or for an FP8 consumer that casts where it is produced (model_fp8_fused), the FP8 cast
+// straight into the consumer's X8 / dY8 buffers (the BF16 tensor is then not written).
+inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch, int norm_param,
+                                  int consumer, int N) {
+    const ModelConfig& c = m->config;
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, false)) {
+        rmsnorm_forward_fp8(model_fp8_cast(m, consumer, false), resid_out, rstd, resid, branch, model_weight(m, norm_param), N, c.dim,
+                            c.norm_eps, m->stream);
+        return;
+    }
+#endif
+    rmsnorm_forward(resid_out, y, rstd, resid, branch, model_weight(m, norm_param), N, c.dim, c.norm_eps, m->stream);
+}
+inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, int consumer, int N) {
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, false)) {
+        swiglu_forward_fp8(model_fp8_cast(m, consumer, false), gate_up, N, m->ffn_dim, m->stream);
+        return;
+    }
+#endif
+    swiglu_forward(out, gate_up, N, m->ffn_dim, m->stream);
+}
+inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, int consumer, int N) {
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, true)) {
+        swiglu_backward_fp8(model_fp8_cast(m, consumer, true), dout, gate_up, N, m->ffn_dim, m->stream);
+        return;
+    }
+#endif
+    swiglu_backward(dgate_up, dout, gate_up, N, m->ffn_dim, m->stream);
+}
+inline void model_rope_backward(Model* m, bf16* dqkv, int consumer, int B, int T) {
+    const int HD = m->config.head_dim;
+#if defined(PRECISION_FP8)
+    if (model_fp8_fused(m, consumer, true)) {
+        rope_backward_fp8(model_fp8_cast(m, consumer, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+        return;
+    }
+#endif
+    rope_backward(dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+}
+
 // The weights changed (optimizer step, upload, load): the FP8 build rebuilds W8 and W8^T of its FP8 layers
-// with current scaling: each W's amax, all their scales in one launch, one cast+transpose per layer.
-// after_step: the change was an optimizer step whose update pass gathered each W's amax into its meta
-// (adamw_gather_weight_amax with model_weight_amax_slots), so no amax pass runs (2 bytes a parameter
-// less); the codes and scales are the same bits as with the amax pass.
+// with current scaling, one cast+transpose per layer (fp8_weight_update). after_step: the change was an
+// optimizer step whose update pass gathered each W's amax into its meta (adamw_gather_weight_amax with
+// model_weight_amax_slots), so no amax pass runs (2 bytes a parameter less); the codes and scales are the same
+// bits as with the amax pass.
 inline void model_weights_changed(Model* m, bool after_step = false) {
 #if defined(PRECISION_FP8)
-    ModelFp8& f = m->fp8;
-    if (after_step && !f.amax_from_optimizer)
+    if (after_step && !m->fp8.amax_from_optimizer)
         fail("model_weights_changed after a step: the optimizer does not gather the weights' amax; hand it "
              "model_weight_amax_slots (adamw_gather_weight_amax) or rebuild with after_step = false");
-    for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1) fp8_update_scales(f.metas, f.weight_ids, f.n_fp8_linears, E4M3, Fp8Recipe(), m->stream);
-        for (int l = 0; l < m->config.n_layers; l++)
-            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-                if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
-                    const TensorSpec& w = m->params[param_layer(l, p)];
-                    const bf16* wb = model_weight(m, param_layer(l, p));
-                    if (pass == 0 && !after_step) fp8_amax(&lin->meta[FP8_W], wb, w.numel, m->stream);
-                    if (pass == 1) fp8_weight_cast(lin, wb, w.rows, w.cols, m->stream);
-                }
-    }
+    for (int l = 0; l < m->config.n_layers; l++)
+        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
+                const TensorSpec& w = m->params[param_layer(l, p)];
+                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream, after_step);
+            }
 #else
     (void)m, (void)after_step;
 #endif
@@ -978,7 +1215,9 @@ inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
 // Tensor parallelism: the in-place BF16 sum over the group of a row-parallel layer's output (forward) or of a
 // column-parallel layer's input gradient (backward); nothing without a group.
 inline void model_tp_all_reduce(Model* m, bf16* x, size_t n) {
-    if (m->tp) tp_all_reduce(m->tp, x, n, ncclBfloat16, ncclSum, m->stream);
+    if (!m->tp) return;
+    ProfileRange range(PHASE_TP_COMM, m->stream, "tensor-parallel all-reduce");
+    tp_all_reduce(m->tp, x, n, ncclBfloat16, ncclSum, m->stream);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1103,11 +1342,14 @@ inline void model_fp8_create(Model* m) {
     cudaCheck(cudaMemcpy(f.weight_ids, w_ids.data(), w_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
 }
 
-// Delayed scaling: after a training step's backward, every GEMM that read the X and dY scales has run;
-// now their amaxes enter the histories (eval passes record nothing: the history is of training steps).
+// Delayed scaling, once per optimizer step, after the backward of its last micro-batch: every GEMM that read
+// the X and dY scales has run; now the step's amaxes (the MAX over its micro-batches) enter the histories, all
+// tensors in one launch, so that --amax-history and --quant-interval count optimizer steps. Evaluation passes
+// gather nothing: the history is of training steps. Nothing under current scaling (each cast records its own).
 inline void model_fp8_record_amax(Model* m) {
     const Fp8Recipe& r = m->fp8_options.recipe;
     if (!r.delayed()) return;
+    ProfileRange range(PHASE_FP8_CAST, m->stream, "record amax (delayed scaling)");
     ModelFp8& f = m->fp8;
     if (m->tp && m->fp8_options.tp_amax_sync)   // the amaxes of this rank's slices (model_amax_group), one word each
         for (int l = 0; l < m->config.n_layers; l++)
@@ -1116,8 +1358,7 @@ inline void model_fp8_record_amax(Model* m) {
                     bool dy = model_amax_group(m, param_layer(l, p), true) != nullptr;
                     tp_all_reduce(m->tp, &lin->meta[dy ? FP8_DY : FP8_X].amax_pending, 1, ncclUint32, ncclMax, m->stream);
                 }
-    fp8_update_scales(f.metas, f.delayed_ids, f.n_fp8_linears, E4M3, r, m->stream);
-    fp8_update_scales(f.metas, f.delayed_ids + f.n_fp8_linears, f.n_fp8_linears, E5M2, r, m->stream);
+    fp8_update_scales(f.metas, f.delayed_ids, 2 * f.n_fp8_linears, f.n_fp8_linears, r, m->stream);   // X (E4M3), then dY
 }
 
 // --fp8-stats: count saturation and underflow in the casts of the steps between begin and end.
@@ -1231,6 +1472,7 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
 }
 
 inline void model_destroy(Model* m) {
+    for (auto& kv : m->graphs) cudaCheck(cudaGraphExecDestroy(kv.second));
 #if defined(PRECISION_FP8)
     cudaCheck(cudaFree(m->fp8.memory));
     cudaCheck(cudaFree(m->fp8.metas));
@@ -1306,30 +1548,35 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     ModelActivations& a = m->acts;
     const int N = B * T, D = c.dim, L = c.n_layers;
     cudaStream_t s = m->stream;
+    NvtxRange nvtx("forward");
     LayerActs first = model_layer_acts(m, 0);
     embedding_forward(first.resid_attn, model_weight(m, PARAM_TOK_EMBEDDING), d_inputs, N, c.vocab_size, D, s);
-    rmsnorm_forward(nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr,
-                    model_weight(m, param_layer(0, ATTN_NORM)), N, D, c.norm_eps, s);
+    model_rmsnorm_forward(m, nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr, param_layer(0, ATTN_NORM),
+                          param_layer(0, WQKV), N);
     for (int l = 0; l < L; l++) {
+        NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
-        // attention block (resid_attn and attn_norm were written by the previous layer's last step)
+        // attention block (resid_attn and attn_norm, or its FP8 cast, were written by the previous layer's last step)
         linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
-        attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        {
+            ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
+            attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        }
         linear_forward(m, a.branch, la.att, param_layer(l, WO), N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' heads
-        rmsnorm_forward(la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch,
-                        model_weight(m, param_layer(l, FFN_NORM)), N, D, c.norm_eps, s);
+        model_rmsnorm_forward(m, la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch, param_layer(l, FFN_NORM),
+                              param_layer(l, W_GATE_UP), N);
         // feed-forward block
         linear_forward(m, la.gate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
-        swiglu_forward(la.swiglu, la.gate_up, N, m->ffn_dim, s);
+        model_swiglu_forward(m, la.swiglu, la.gate_up, param_layer(l, W_DOWN), N);
         linear_forward(m, a.branch, la.swiglu, param_layer(l, W_DOWN), N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' FFN slices
         // the residual add, fused with the next norm: the next layer's attn_norm, or the final norm
         if (l + 1 < L) {
             LayerActs next = model_layer_acts(m, l + 1);
-            rmsnorm_forward(next.resid_attn, next.attn_norm, next.attn_rstd, la.resid_ffn, a.branch,
-                            model_weight(m, param_layer(l + 1, ATTN_NORM)), N, D, c.norm_eps, s);
+            model_rmsnorm_forward(m, next.resid_attn, next.attn_norm, next.attn_rstd, la.resid_ffn, a.branch,
+                                  param_layer(l + 1, ATTN_NORM), param_layer(l + 1, WQKV), N);
         } else {
             rmsnorm_forward(a.resid_final, a.final_norm, a.final_rstd, la.resid_ffn, a.branch,
                             model_weight(m, param_final_norm(c)), N, D, c.norm_eps, s);
@@ -1337,10 +1584,14 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     }
 }
 
-// The mean of acts.losses[0..N) to the host (waits for the stream).
-inline float model_loss_mean(Model* m, int N) {
+// The mean of acts.losses[0..N) into acts.loss_mean (on the GPU; nothing waits).
+inline void model_loss_mean(Model* m, int N) {
+    ProfileRange range(PHASE_LOSS, m->stream, "loss mean");
     loss_mean_kernel<<<1, LOSS_MEAN_THREADS, 0, m->stream>>>(m->acts.loss_mean, m->acts.losses, N);
     cudaCheckLaunch();
+}
+// acts.loss_mean on the host (waits for the stream).
+inline float model_read_loss(Model* m) {
     float mean;
     cudaCheck(cudaMemcpyAsync(&mean, m->acts.loss_mean, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
     cudaCheck(cudaStreamSynchronize(m->stream));
@@ -1349,34 +1600,47 @@ inline float model_loss_mean(Model* m, int N) {
 
 // Forward + backward of one micro-batch of B x T tokens (device int arrays). Accumulates into m->grads
 // grad_scale * d(sum of token losses)/dparam (grad_scale = 1/(B*T*accum) gives the mean), or writes them
-// after model_zero_grads. Returns the mean loss of this micro-batch.
-inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
+// after model_zero_grads; the mean loss of the micro-batch goes to acts.loss_mean. Only launches on m->stream,
+// never waits for the GPU: a CUDA graph can capture it (model_graph_launch; the first micro-batch of a step
+// writes the gradients and the others add, so they are two graphs). Delayed FP8 scaling: after a step's last
+// micro-batch, model_fp8_record_amax.
+inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
     const ModelConfig& c = m->config;
     ModelActivations& a = m->acts;
-    const int B = m->B, T = m->T, N = B * T, D = c.dim, F = m->ffn_dim;
+    const int B = m->B, T = m->T, N = B * T, D = c.dim;
     cudaStream_t s = m->stream;
+#if defined(PRECISION_FP8)
+    m->fp8.training = true;
+#endif
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
                           a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
                           grad_scale, s, m->accumulate_grads);
-    // dresid: the gradient of the residual stream, from the top down
-    cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
+    NvtxRange nvtx("backward");
+    {   // dresid: the gradient of the residual stream, from the top down
+        ProfileRange range(PHASE_OTHER, s, "zero dresid");
+        cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
+    }
     rmsnorm_backward(a.dresid, model_grad(m, param_final_norm(c)), a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd,
                      model_weight(m, param_final_norm(c)), N, D, s, m->accumulate_grads);
     for (int l = c.n_layers - 1; l >= 0; l--) {
+        NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
         // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
         linear_backward(m, a.dswiglu, a.dresid, la.swiglu, param_layer(l, W_DOWN), N);
-        swiglu_backward(a.dgate_up, a.dswiglu, la.gate_up, N, F, s);
+        model_swiglu_backward(m, a.dgate_up, a.dswiglu, la.gate_up, param_layer(l, W_GATE_UP), N);
         linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);   // column-parallel: every rank's slice fed this input
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
                          la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s, m->accumulate_grads);
         // attention block
         linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
-        attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
-                           c.head_dim, s);
-        rope_backward(a.dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        {
+            ProfileRange range(PHASE_ATTN_BWD, s, "attention backward");
+            attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
+                               c.head_dim, s);
+        }
+        model_rope_backward(m, a.dqkv, param_layer(l, WQKV), B, T);
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
@@ -1385,9 +1649,35 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
     embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
     m->accumulate_grads = true;   // every gradient has been written: the next micro-batch adds
 #if defined(PRECISION_FP8)
-    model_fp8_record_amax(m);
+    m->fp8.training = false;
 #endif
-    return model_loss_mean(m, N);
+    model_loss_mean(m, N);
+}
+// model_micro_batch, then its mean loss on the host (waits for the stream).
+inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_targets, float grad_scale) {
+    model_micro_batch(m, d_inputs, d_targets, grad_scale);
+    return model_read_loss(m);
+}
+
+// A CUDA graph of a model's work: `enqueue` (launches on m->stream only, no host synchronization) is captured the
+// first time `key` comes, then replayed: one launch instead of thousands, no host work per kernel. A graph keeps
+// the arguments its kernels had at capture (buffers, shapes, options, scalars, the FP8 health pointers), so a key
+// must always stand for the same work; train_fp8.cu's micro-batches are (it runs eagerly the first micro-batch,
+// which loads every kernel and makes every GEMM plan, the profiled step and --fp8-stats steps). Thread-local
+// capture: the other ranks' threads go on meanwhile.
+inline void model_graph_launch(Model* m, int key, const std::function<void()>& enqueue) {
+    auto it = m->graphs.find(key);
+    if (it == m->graphs.end()) {
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        cudaCheck(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal));
+        enqueue();
+        cudaCheck(cudaStreamEndCapture(m->stream, &graph));
+        cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+        cudaCheck(cudaGraphDestroy(graph));
+        it = m->graphs.emplace(key, exec).first;
+    }
+    cudaCheck(cudaGraphLaunch(it->second, m->stream));
 }
 
 // Evaluation: the mean loss over B x T tokens (B, T at most the allocated ones), no gradients.
@@ -1397,7 +1687,8 @@ inline float model_loss(Model* m, const int* d_inputs, const int* d_targets, int
     lm_head_cross_entropy(&m->matmul, m->acts.losses, nullptr, nullptr, m->acts.logits, nullptr, m->acts.final_norm,
                           model_weight(m, param_lm_head(c)), d_targets, B * T, c.dim, c.vocab_size, m->ce_chunk, 1.0f,
                           m->stream);
-    return model_loss_mean(m, B * T);
+    model_loss_mean(m, B * T);
+    return model_read_loss(m);
 }
 
 // All logits [B*T, V] FP32 into d_logits (sampling, tests). Waits for the stream.

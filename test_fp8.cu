@@ -357,12 +357,12 @@ GPU_TEST(fp8_amax_exact) {
         std::vector<bf16> xb = to_bf16(xf);
         DeviceBuffer<float> df(xf);
         DeviceBuffer<bf16> db(xb);
-        DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{fp8_meta_initial()});
+        DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{fp8_meta_initial()}), meta_b(std::vector<Fp8Meta>{fp8_meta_initial()});
         fp8_amax(meta.ptr, df.ptr, n, 0);
         float got = float_from_bits(meta.download()[0].amax_pending);
         expect(got == host_amax(xf), "float n=%zu: amax %.9g, want %.9g", n, got, host_amax(xf));
-        fp8_amax(meta.ptr, db.ptr, n, 0);
-        got = float_from_bits(meta.download()[0].amax_pending);
+        fp8_amax(meta_b.ptr, db.ptr, n, 0);
+        got = float_from_bits(meta_b.download()[0].amax_pending);
         expect(got == host_amax(xb), "bf16 n=%zu: amax %.9g, want %.9g", n, got, host_amax(xb));
     }
     // A NaN or an inf anywhere shows in the amax (the last element: the tail path).
@@ -389,6 +389,9 @@ static bool same_meta(const Fp8Meta& a, const Fp8Meta& b) {
     return same_bits(a.scale, b.scale) && same_bits(a.inv_scale, b.inv_scale) && a.uses == b.uses && a.nonfinite == b.nonfinite &&
            memcmp(a.history, b.history, sizeof(a.history)) == 0;
 }
+// After a cast has been recorded (current: by the cast itself; delayed: by fp8_update_scales) the slots are
+// clear for the next one.
+static bool meta_slots_clear(const Fp8Meta& m) { return m.amax_pending == 0 && m.blocks_done == 0; }
 
 template <class T>
 static void check_quantize(size_t n, float stddev, Fp8Format f) {
@@ -406,8 +409,9 @@ static void check_quantize(size_t n, float stddev, Fp8Format f) {
     Fp8Meta gm = meta.download()[0];
     size_t bad = 0;
     for (size_t i = 0; i < n; i++) bad += got[i] != want[i];
-    expect(bad == 0 && same_meta(gm, host_meta), "%s %s n=%zu std %g: %zu code mismatches, scale %g (host %g)", fp8_name(f),
-           sizeof(T) == 4 ? "float" : "bf16", n, stddev, bad, gm.scale, host_meta.scale);
+    expect(bad == 0 && same_meta(gm, host_meta) && meta_slots_clear(gm), "%s %s n=%zu std %g: %zu code mismatches, scale %g (host %g), "
+           "amax slot %08x, blocks %u", fp8_name(f), sizeof(T) == 4 ? "float" : "bf16", n, stddev, bad, gm.scale, host_meta.scale,
+           gm.amax_pending, gm.blocks_done);
 }
 
 GPU_TEST(fp8_quantize_bitexact) {
@@ -435,7 +439,8 @@ static void check_cast_transpose(int rows, int cols, Fp8Format f, bool delayed) 
     dq.poison();
     dqt.poison();
     fp8_cast_transpose(dq.ptr, dqt.ptr, dx.ptr, rows, cols, f, meta.ptr, r, 0);
-    if (delayed) fp8_update_scale(meta.ptr, f, r, 0);   // recording the amax is the caller's step
+    DeviceBuffer<int> id(std::vector<int>{0});
+    if (delayed) fp8_update_scales(meta.ptr, id.ptr, 1, f == E4M3 ? 1 : 0, r, 0);   // recording the amax is the caller's step
     std::vector<uint8_t> want(n);
     if (delayed) {   // cast with the old scale, then record this tensor's amax
         for (size_t i = 0; i < n; i++) want[i] = fp8_encode_ref(to_float(x[i]) * host_meta.scale, f);
@@ -451,7 +456,7 @@ static void check_cast_transpose(int rows, int cols, Fp8Format f, bool delayed) 
             bad_t += qt[(size_t)j * rows + i] != want[(size_t)i * cols + j];
         }
     Fp8Meta gm = meta.download()[0];
-    expect(bad == 0 && bad_t == 0 && same_meta(gm, host_meta),
+    expect(bad == 0 && bad_t == 0 && same_meta(gm, host_meta) && meta_slots_clear(gm),
            "%s %s [%d,%d] %s: %zu mismatches in X, %zu in X^T, scale %g (host %g), amax %g (host %g)", fp8_name(f),
            sizeof(T) == 4 ? "float" : "bf16", rows, cols, delayed ? "delayed" : "current", bad, bad_t, gm.scale, host_meta.scale,
            gm.amax, host_meta.amax);
@@ -504,6 +509,7 @@ GPU_TEST(fp8_update_scale_matches_host) {
     r.interval = 3;
     Fp8Meta host = fp8_meta_initial();
     DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{host});
+    DeviceBuffer<int> id(std::vector<int>{0});
     std::vector<float> amaxes = random_normal(40, 10.0f);
     amaxes[7] = NAN;
     amaxes[20] = INFINITY;
@@ -512,22 +518,66 @@ GPU_TEST(fp8_update_scale_matches_host) {
         unsigned int bits;
         memcpy(&bits, &v, 4);
         cudaCheck(cudaMemcpy(&meta.ptr->amax_pending, &bits, 4, cudaMemcpyHostToDevice));
-        fp8_update_scale(meta.ptr, E5M2, r, 0);
+        fp8_update_scales(meta.ptr, id.ptr, 1, 0, r, 0);
         fp8_meta_update(&host, v, E5M2, r);
     }
     Fp8Meta got = meta.download()[0];
-    expect(same_meta(got, host), "device scale %g (host %g), uses %u/%u, nonfinite %u/%u", got.scale, host.scale, got.uses, host.uses,
-           got.nonfinite, host.nonfinite);
-    // The batched update touches exactly the listed tensors, each as the single update would.
+    expect(same_meta(got, host) && meta_slots_clear(got), "device scale %g (host %g), uses %u/%u, nonfinite %u/%u, amax slot %08x",
+           got.scale, host.scale, got.uses, host.uses, got.nonfinite, host.nonfinite, got.amax_pending);
+    // The batched update touches exactly the listed tensors, each as the single update would, in its format
+    // (the first n_e4m3 listed are E4M3, the others E5M2: the scales differ by the formats' maxima).
     std::vector<Fp8Meta> metas(5, fp8_meta_initial());
     for (int i = 0; i < 5; i++) metas[i].amax_pending = 0x3f800000u + i * 0x00200000u;   // 1.0, 1.25, 1.5, ...
     std::vector<Fp8Meta> want = metas;
     DeviceBuffer<Fp8Meta> dmetas(metas);
     DeviceBuffer<int> ids(std::vector<int>{4, 1, 2});
-    fp8_update_scales(dmetas.ptr, ids.ptr, 3, E4M3, r, 0);
-    for (int i : {4, 1, 2}) fp8_meta_update(&want[i], float_from_bits(want[i].amax_pending), E4M3, r);
+    fp8_update_scales(dmetas.ptr, ids.ptr, 3, 2, r, 0);
+    for (int i : {4, 1}) fp8_meta_update(&want[i], float_from_bits(want[i].amax_pending), E4M3, r);
+    fp8_meta_update(&want[2], float_from_bits(want[2].amax_pending), E5M2, r);
+    for (int i : {4, 1, 2}) want[i].amax_pending = 0;
     std::vector<Fp8Meta> gotv = dmetas.download();
-    for (int i = 0; i < 5; i++) expect(same_meta(gotv[i], want[i]), "batched update: tensor %d differs", i);
+    for (int i = 0; i < 5; i++)
+        expect(same_meta(gotv[i], want[i]) && gotv[i].amax_pending == want[i].amax_pending, "batched update: tensor %d differs", i);
+}
+
+// Delayed scaling records once per optimizer step: the casts of a step's micro-batches use the scale of the
+// history and gather the MAX of their amaxes; an evaluation cast (record false) gathers nothing; one
+// fp8_update_scales then enters that MAX into the history. Two micro-batches of one tensor (amax 3 and 7 x
+// its std), an evaluation cast of a third with a larger amax, then the record: uses 1, amax the larger of the
+// two training ones. The codes of each cast use the scale from before the step.
+GPU_TEST(fp8_delayed_scaling_records_per_step) {
+    const int rows = 128, cols = 96;
+    Fp8Recipe r;
+    r.history_len = 4;
+    Fp8Meta host = fp8_meta_initial();
+    host.scale = 8.0f;
+    host.inv_scale = 0.125f;
+    DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{host});
+    DeviceBuffer<int> id(std::vector<int>{0});
+    DeviceBuffer<fp8> q((size_t)rows * cols), qt((size_t)rows * cols);
+    std::vector<std::vector<bf16>> xs = {to_bf16(random_normal((size_t)rows * cols, 0.5f)), to_bf16(random_normal((size_t)rows * cols, 1.5f)),
+                                         to_bf16(random_normal((size_t)rows * cols, 9.0f))};
+    for (int i = 0; i < 3; i++) {
+        DeviceBuffer<bf16> dx(xs[i]);
+        q.poison();
+        Fp8CastOut o{q.ptr, qt.ptr, E4M3, meta.ptr, r};
+        o.record = i < 2;   // the third is an evaluation pass
+        fp8_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+        std::vector<fp8> got = q.download();
+        size_t bad = 0;
+        for (size_t k = 0; k < got.size(); k++) bad += got[k] != fp8_encode_ref(to_float(xs[i][k]) * host.scale, E4M3);
+        expect(bad == 0, "cast %d: %zu codes differ from the host's with the step's scale %g", i, bad, host.scale);
+    }
+    Fp8Meta mid = meta.download()[0];
+    const float want_amax = std::max(host_amax(xs[0]), host_amax(xs[1]));
+    expect(float_from_bits(mid.amax_pending) == want_amax && mid.uses == 0,
+           "before the record: gathered amax %g (want %g, the MAX of the training casts only), uses %u", float_from_bits(mid.amax_pending),
+           want_amax, mid.uses);
+    fp8_update_scales(meta.ptr, id.ptr, 1, 1, r, 0);
+    fp8_meta_update(&host, want_amax, E4M3, r);
+    Fp8Meta got = meta.download()[0];
+    expect(same_meta(got, host) && meta_slots_clear(got) && got.uses == 1, "after the record: uses %u, amax %g, scale %g (host %g)",
+           got.uses, got.amax, got.scale, host.scale);
 }
 
 // ---- the matmul against a float64 host GEMM of the dequantized operands
@@ -2410,8 +2460,10 @@ GPU_TEST(fp8_linear_vs_host) {
         ddx.poison();
         Fp8Recipe current;
         fp8_weight_update(&lin, dw_in.ptr, out, in, 0);
-        fp8_linear_forward(&mm, dy_out.ptr, x8.ptr, x8t.ptr, dx_in.ptr, &lin, N, in, out, current, false, 0);
-        fp8_linear_backward(&mm, ddx.ptr, ddw.ptr, dy8.ptr, dy8t.ptr, ddy.ptr, x8t.ptr, &lin, N, in, out, current, 0);
+        fp8_cast_transpose_counted(x8.ptr, x8t.ptr, dx_in.ptr, N, in, E4M3, &dmeta.ptr[FP8_X], &dhealth.ptr[FP8_X], current, 0);
+        fp8_linear_forward(&mm, dy_out.ptr, x8.ptr, &lin, N, in, out, false, 0);
+        fp8_cast_transpose_counted(dy8.ptr, dy8t.ptr, ddy.ptr, N, out, E5M2, &dmeta.ptr[FP8_DY], &dhealth.ptr[FP8_DY], current, 0);
+        fp8_linear_backward(&mm, ddx.ptr, ddw.ptr, dy8.ptr, dy8t.ptr, x8t.ptr, &lin, N, in, out, 0);
 
         // host: the same casts, then float64 GEMMs
         Fp8Meta mx = fp8_meta_initial(), mw = fp8_meta_initial(), mdy = fp8_meta_initial();
@@ -2467,19 +2519,126 @@ GPU_TEST(fp8_linear_vs_host) {
 }
 
 GPU_TEST(fp8_health_counts_saturation) {
-    // A delayed scale that is too large saturates: the counts must match the host exactly.
-    std::vector<bf16> x = to_bf16(random_normal(100003, 3.0f));
+    // A delayed scale that is too large saturates: the cast's counts must match the host exactly (ragged
+    // edges: the scalar path counts too).
+    const int rows = 317, cols = 315;
+    std::vector<bf16> x = to_bf16(random_normal((size_t)rows * cols, 3.0f));
     DeviceBuffer<bf16> dx(x);
+    DeviceBuffer<fp8> q(x.size()), qt(x.size());
     Fp8Meta m = fp8_meta_initial();
     m.scale = 512.0f;   // 3 * 512 >> 448: many saturate
     m.inv_scale = 1.0f / 512;
     DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{m});
     DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0}});
-    fp8_health(h.ptr, dx.ptr, x.size(), E4M3, meta.ptr, 0);
-    unsigned long long sat = 0;
-    for (auto& v : x) sat += fabsf(to_float(v) * 512.0f) > 448.0f;
+    Fp8Recipe delayed;
+    delayed.history_len = 2;
+    fp8_cast_transpose_counted(q.ptr, qt.ptr, dx.ptr, rows, cols, E4M3, meta.ptr, h.ptr, delayed, 0);
+    unsigned long long sat = 0, flushed = 0;
+    for (auto& v : x) {
+        float s = to_float(v) * 512.0f;
+        sat += fabsf(s) > 448.0f;
+        flushed += to_float(v) != 0.0f && (fp8_encode_ref(s, E4M3) & 0x7F) == 0;
+    }
     Fp8Health got = h.download()[0];
-    expect(got.saturated == sat && sat > 0, "saturated %llu, host %llu", got.saturated, sat);
+    expect(got.saturated == sat && sat > 0 && got.flushed == flushed && got.total == x.size(),
+           "saturated %llu (host %llu), flushed %llu (host %llu), total %llu of %zu", got.saturated, sat, got.flushed, flushed, got.total,
+           x.size());
+}
+
+// ---- The casts fused into their producers (llama2.cuh: RMSNorm, SwiGLU forward and backward, RoPE backward)
+// against the unfused path: the producer's BF16 kernel (tested against float64 above), its output cast by the
+// host codec with the host's scale record. X8 and X8^T bit for bit, and the record: current scaling, updated by
+// the cast with its slots cleared; delayed, the scale of before (what the codes used) and the gathered amax.
+// Rows not a multiple of 16 (the transposed copy's scalar path); widths a multiple of 16 (the 16-byte path)
+// and not (the scalar path); both scalings. Before the fused kernels run, their outputs are poisoned.
+struct FusedCastCase {
+    Fp8Recipe recipe;
+    Fp8Meta before;
+    DeviceBuffer<fp8> q, qt;
+    DeviceBuffer<Fp8Meta> meta;
+    FusedCastCase(size_t n, Fp8Format f, bool delayed)
+        : before(fp8_meta_initial()), q(n), qt(n), meta(std::vector<Fp8Meta>{fp8_meta_initial()}) {
+        if (delayed) recipe.history_len = 4;
+        before.scale = f == E4M3 ? 64.0f : 65536.0f;   // the scale a delayed recipe casts with
+        before.inv_scale = 1.0f / before.scale;
+        meta.upload(std::vector<Fp8Meta>{before});
+        q.poison();
+        qt.poison();
+    }
+    Fp8CastOut out(Fp8Format f) { return Fp8CastOut{q.ptr, qt.ptr, f, meta.ptr, recipe}; }
+    // y [rows, ld]: the unfused path's BF16 tensor.
+    void expect_cast_of(const char* what, const std::vector<bf16>& y, int rows, int ld, Fp8Format f) {
+        Fp8Meta want = before;
+        if (!recipe.delayed()) fp8_meta_update(&want, host_amax(y), f, recipe);
+        const float scale = recipe.delayed() ? before.scale : want.scale;
+        std::vector<fp8> gq = q.download(), gqt = qt.download();
+        size_t bad = 0, bad_t = 0;
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < ld; j++) {
+                fp8 code = fp8_encode_ref(to_float(y[(size_t)i * ld + j]) * scale, f);
+                bad += gq[(size_t)i * ld + j] != code;
+                bad_t += gqt[(size_t)j * rows + i] != code;
+            }
+        Fp8Meta got = meta.download()[0];
+        bool record_ok = same_meta(got, want) && got.blocks_done == 0 &&
+                         (recipe.delayed() ? float_from_bits(got.amax_pending) == host_amax(y) : got.amax_pending == 0);
+        expect(bad == 0 && bad_t == 0 && record_ok, "%s, %s, %s scaling: %zu codes differ in X, %zu in X^T; scale %g (host %g), amax slot %g",
+               what, fp8_name(f), recipe.delayed() ? "delayed" : "current", bad, bad_t, got.scale, want.scale,
+               float_from_bits(got.amax_pending));
+    }
+};
+
+GPU_TEST(fp8_fused_casts_bitexact) {
+    for (bool delayed : {false, true}) {
+        // RMSNorm -> X (E4M3) of wqkv / w_gate_up, with and without the residual add; resid_out and rstd too
+        for (int D : {128, 136})
+            for (bool add : {true, false}) {
+                const int N = 100;
+                std::vector<bf16> resid = to_bf16(random_normal((size_t)N * D, 1.0f)), branch = to_bf16(random_normal((size_t)N * D, 0.5f));
+                std::vector<float> wf = random_normal(D, 0.2f);
+                for (float& v : wf) v += 1.0f;
+                DeviceBuffer<bf16> d_resid(resid), d_branch(branch), d_w(to_bf16(wf)), out_ref((size_t)N * D), y((size_t)N * D), out((size_t)N * D);
+                DeviceBuffer<float> rstd_ref(N), rstd(N);
+                rmsnorm_forward(add ? out_ref.ptr : nullptr, y.ptr, rstd_ref.ptr, d_resid.ptr, add ? d_branch.ptr : nullptr, d_w.ptr, N, D,
+                                1e-5f, 0);
+                FusedCastCase c((size_t)N * D, E4M3, delayed);
+                out.poison();
+                rstd.poison();
+                rmsnorm_forward_fp8(c.out(E4M3), add ? out.ptr : nullptr, rstd.ptr, d_resid.ptr, add ? d_branch.ptr : nullptr, d_w.ptr, N, D,
+                                    1e-5f, 0);
+                std::string what = strprintf("rmsnorm D=%d%s", D, add ? " with the residual add" : "");
+                c.expect_cast_of(what.c_str(), y.download(), N, D, E4M3);
+                expect(model_test_same_bits(rstd.download(), rstd_ref.download()) && (!add || model_test_same_bits(out.download(), out_ref.download())),
+                       "%s: rstd or resid_out differ from rmsnorm_forward's", what.c_str());
+            }
+        // SwiGLU -> X (E4M3) of w_down; its backward -> dY (E5M2) of w_gate_up, both halves
+        for (int F : {64, 40}) {
+            const int N = 100;
+            std::vector<bf16> gate_up = to_bf16(random_normal((size_t)N * 2 * F, 2.0f)), dout = to_bf16(random_normal((size_t)N * F, 1e-3f));
+            DeviceBuffer<bf16> d_gate_up(gate_up), d_dout(dout), y((size_t)N * F), dgate_up((size_t)N * 2 * F);
+            swiglu_forward(y.ptr, d_gate_up.ptr, N, F, 0);
+            swiglu_backward(dgate_up.ptr, d_dout.ptr, d_gate_up.ptr, N, F, 0);
+            FusedCastCase fwd((size_t)N * F, E4M3, delayed), bwd((size_t)N * 2 * F, E5M2, delayed);
+            swiglu_forward_fp8(fwd.out(E4M3), d_gate_up.ptr, N, F, 0);
+            swiglu_backward_fp8(bwd.out(E5M2), d_dout.ptr, d_gate_up.ptr, N, F, 0);
+            fwd.expect_cast_of(strprintf("swiglu forward F=%d", F).c_str(), y.download(), N, F, E4M3);
+            bwd.expect_cast_of(strprintf("swiglu backward F=%d", F).c_str(), dgate_up.download(), N, 2 * F, E5M2);
+        }
+        // RoPE backward -> dY (E5M2) of wqkv: Q and K rotated back, V as it is; dqkv itself left unchanged
+        for (int HD : {64, 128}) {
+            const int B = 2, T = 50, NH = 4, NKV = 2, N = B * T, C3 = (NH + 2 * NKV) * HD;
+            std::vector<float> cos_t, sin_t;
+            rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
+            std::vector<bf16> dqkv = to_bf16(random_normal((size_t)N * C3, 1e-3f));
+            DeviceBuffer<float> d_cos(cos_t), d_sin(sin_t);
+            DeviceBuffer<bf16> rotated(dqkv), d_dqkv(dqkv);
+            rope_backward(rotated.ptr, d_cos.ptr, d_sin.ptr, B, T, NH, NKV, HD, 0);
+            FusedCastCase c((size_t)N * C3, E5M2, delayed);
+            rope_backward_fp8(c.out(E5M2), d_dqkv.ptr, d_cos.ptr, d_sin.ptr, B, T, NH, NKV, HD, 0);
+            c.expect_cast_of(strprintf("rope backward HD=%d", HD).c_str(), rotated.download(), N, C3, E5M2);
+            expect(model_test_same_bits(d_dqkv.download(), dqkv), "rope_backward_fp8 changed its input");
+        }
+    }
 }
 
 #if defined(PRECISION_FP8)
@@ -2503,6 +2662,7 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     model_zero_grads(&m);
     float loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads = model_test_grads(&m);
+    model_fp8_record_amax(&m);   // delayed scaling: the step's amaxes enter the history; the next step casts with them
     // a second identical step: FP8 (amax atomics included) is deterministic
     model_zero_grads(&m);
     float loss2 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
@@ -2528,6 +2688,54 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     printf("    worst gradient SQNR %.1f dB (%s), bound 10 dB\n", worst, worst_name.c_str());
     expect(worst >= 10.0, "gradient %s SQNR %.1f dB < 10", worst_name.c_str(), worst);
     model_destroy(&m);
+}
+
+// The whole model with the fused casts against the unfused path (Fp8Options::fused_casts false: BF16 outputs
+// and plain casts, the code before the fusion): two training steps (the second with the scales the first
+// recorded) and an evaluation, bit for bit: losses, every gradient, every scale record. Current and delayed
+// scaling; every layer FP8, and the recipe's first and last layers BF16 (a BF16 layer's norm feeding an FP8 one).
+static void check_fused_model(int n_layers, Fp8Options fp8, const char* what) {
+    const int B = 2, T = 32, N = B * T;
+    struct Run { std::vector<float> losses, grads; std::vector<Fp8Meta> metas; };
+    std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
+    DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    auto run = [&](bool fused) {
+        Run r;
+        Model m;
+        std::vector<float> w;
+        fp8.fused_casts = fused;
+        test_rng().seed(TEST_SEED);   // the same norm weights in both runs
+        model_test_setup(&m, B, T, &w, n_layers, fp8);
+        for (int step = 0; step < 2; step++) {
+            model_zero_grads(&m);
+            r.losses.push_back(model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N));
+            model_fp8_record_amax(&m);
+        }
+        r.losses.push_back(model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T));
+        r.grads = model_test_grads(&m);
+        r.metas.resize(m.fp8.linears.size() * 3);
+        cudaCheck(cudaMemcpy(r.metas.data(), m.fp8.metas, r.metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
+        model_destroy(&m);
+        return r;
+    };
+    Run fused = run(true), unfused = run(false);
+    int metas_differ = 0;
+    for (size_t i = 0; i < fused.metas.size(); i++)
+        metas_differ += !same_meta(fused.metas[i], unfused.metas[i]) || fused.metas[i].amax_pending != unfused.metas[i].amax_pending;
+    printf("    %s: losses %.9g %.9g, evaluation %.9g (unfused %.9g %.9g, %.9g); scale records differing: %d\n", what, fused.losses[0],
+           fused.losses[1], fused.losses[2], unfused.losses[0], unfused.losses[1], unfused.losses[2], metas_differ);
+    expect(model_test_same_bits(fused.losses, unfused.losses) && model_test_same_bits(fused.grads, unfused.grads) && metas_differ == 0,
+           "%s: the fused casts should give the unfused path's losses, gradients and scale records bit for bit", what);
+}
+
+GPU_TEST(fp8_model_fused_casts_match_unfused) {
+    Fp8Options all;
+    all.all_layers = true;
+    check_fused_model(2, all, "all layers FP8, current scaling");
+    check_fused_model(4, Fp8Options(), "the recipe (first and last layers BF16)");
+    Fp8Options delayed = all;
+    delayed.recipe.history_len = 4;
+    check_fused_model(2, delayed, "all layers FP8, delayed scaling (history 4)");
 }
 
 GPU_TEST(fp8_model_vs_reference) {
@@ -3349,6 +3557,8 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--temperature", "-1"}, {"--temperature", "-1"}},
         {{"--max-bad-steps", "0"}, {"--max-bad-steps", "0"}},
         {{"--stop-after", "20", "--steps", "10", "--warmup", "0"}, {"--stop-after", "20", "--steps 10"}},
+        {{"--profile", "20", "--steps", "10", "--warmup", "0"}, {"--profile", "20", "--steps 10"}},
+        {{"--profile", "-1"}, {"--profile", "-1"}},
         {{"--model", "13b"}, {"--model", "13b", "preset"}},
         {{"--dim", "100"}, {"--dim", "100", "multiple of 16"}},
         {{"--heads", "5"}, {"--heads", "5"}},
@@ -3472,6 +3682,27 @@ HOST_TEST(train_checkpoint_header) {
     expect(err.find("100 bytes") != std::string::npos, "a 100-byte file should be refused as short: '%s'", err.c_str());
     err = checkpoint_read_header(dir.file("missing.bin").c_str(), &back);
     expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
+}
+
+// The MFU denominator: data-sheet peaks by name (variants before general names), the estimate from SMs x clock
+// for other GPUs of a known architecture, nothing for the rest.
+HOST_TEST(train_gpu_peak_table) {
+    struct Case { const char* name; int major, minor, sms, clock_khz; bool fp8; double want; };
+    const Case cases[] = {
+        {"NVIDIA H200", 9, 0, 132, 1980000, true, 1979}, {"NVIDIA H200", 9, 0, 132, 1980000, false, 989},
+        {"NVIDIA H100 80GB HBM3", 9, 0, 132, 1980000, true, 1979}, {"NVIDIA H100 PCIe", 9, 0, 114, 1755000, true, 1513},
+        {"NVIDIA H100 PCIe", 9, 0, 114, 1755000, false, 756}, {"NVIDIA H100 NVL", 9, 0, 132, 1785000, true, 1671},
+        {"NVIDIA GH200 480GB", 9, 0, 132, 1980000, false, 989}, {"NVIDIA A100-SXM4-80GB", 8, 0, 108, 1410000, false, 312},
+        {"NVIDIA A100-SXM4-80GB", 8, 0, 108, 1410000, true, 0}, {"NVIDIA L40S", 8, 9, 142, 2520000, true, 733},
+        {"Future Hopper", 9, 0, 100, 2000000, false, 4096.0 * 100 * 2e9 / 1e12},   // 819.2: the estimate
+        {"Future Hopper", 9, 0, 100, 2000000, true, 8192.0 * 100 * 2e9 / 1e12},
+        {"Tesla T4", 7, 5, 40, 1590000, false, 0},
+    };
+    for (const Case& c : cases) {
+        GpuPeak p = gpu_peak(c.name, c.major, c.minor, c.sms, c.clock_khz, c.fp8);
+        printf("    %-22s %s: %7.1f TFLOP/s (%s)\n", c.name, c.fp8 ? "FP8 " : "BF16", p.tflops, p.source.c_str());
+        expect(fabs(p.tflops - c.want) <= 1e-9 * c.want, "%s %s: peak %.3f, want %.3f", c.name, c.fp8 ? "FP8" : "BF16", p.tflops, c.want);
+    }
 }
 
 HOST_TEST(train_tokens_to_text) {
@@ -3916,6 +4147,19 @@ GPU_TEST(train_resume_is_bit_identical) {
     printf("    log.csv: %zu rows straight, %zu resumed (header, step 0's evaluation, 6 steps)\n", log_straight.size(), log_split.size());
     expect(log_straight.size() == 8 && log_split == log_straight, "the resumed run's log.csv rows differ from the straight run's");
 #if defined(PRECISION_FP8)
+    // Delayed scaling records once per optimizer step: 6 steps of 2 micro-batches (evaluation and sampling between
+    // them record nothing) leave every X and dY record of the 2 layers at 6 amaxes. The records end the file.
+    const size_t n_meta = 2 * 4 * 3;
+    if (ckpt_straight.size() > n_meta * sizeof(Fp8Meta)) {
+        std::vector<Fp8Meta> metas(n_meta);
+        memcpy(metas.data(), ckpt_straight.data() + ckpt_straight.size() - n_meta * sizeof(Fp8Meta), n_meta * sizeof(Fp8Meta));
+        for (size_t i = 0; i < n_meta; i++)
+            if (i % 3 != FP8_W)
+                expect(metas[i].uses == 6 && meta_slots_clear(metas[i]), "linear %zu %s: %u amaxes recorded in 6 steps (want 6), slots %08x %u",
+                       i / 3, i % 3 == FP8_X ? "X" : "dY", metas[i].uses, metas[i].amax_pending, metas[i].blocks_done);
+    }
+#endif
+#if defined(PRECISION_FP8)
     std::vector<char> stats_straight = read_whole_file(straight_dir.file("fp8_stats.csv"));
     std::vector<char> stats_split = read_whole_file(split_dir.file("fp8_stats.csv"));
     printf("    fp8_stats.csv: %zu and %zu bytes\n", stats_straight.size(), stats_split.size());
@@ -3924,6 +4168,75 @@ GPU_TEST(train_resume_is_bit_identical) {
     expect(straight.val_losses.size() == 3 && first.val_losses.size() == 3 && second.val_losses.size() == 1 &&
            memcmp(&straight.val_losses[2].second, &second.val_losses[0].second, 4) == 0,
            "validation losses at steps 0, 3, 6: the resumed run's at step 6 should equal the straight run's");
+}
+
+// A micro-batch replayed from its CUDA graph equals the eager one bit for bit: 4 steps of 2 micro-batches with
+// --cuda-graph 1 (the first micro-batch eager, the 7 others replayed) and 0 give the same losses and gradient
+// norms and the same final checkpoint, byte for byte. The FP8 build runs every layer in FP8, with current and
+// with delayed scaling (whose record between steps is outside the graph).
+GPU_TEST(train_cuda_graph_matches_eager) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    std::vector<std::vector<std::string>> configs = {{}};
+#if defined(PRECISION_FP8)
+    configs = {{"--fp8-all-layers"}, {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2"}};
+#endif
+    for (const std::vector<std::string>& config : configs) {
+        TempDir graph_dir, eager_dir;
+        auto run = [&](const TempDir& out, const char* graph) {
+            std::vector<std::string> args = {"--steps", "4", "--warmup", "1", "--lr", "3e-3", "--checkpoint-every", "0", "--out", out.path,
+                                             "--cuda-graph", graph};
+            args.insert(args.end(), config.begin(), config.end());
+            return train(tiny_run_options(data, args));
+        };
+        TrainResult graph = run(graph_dir, "1"), eager = run(eager_dir, "0");
+        std::string what;
+        for (const std::string& a : config) what += a + " ";
+        printf("    %s: %ld micro-batches replayed from the graph, %ld in the eager run\n", what.c_str(), graph.graph_launches,
+               eager.graph_launches);
+        expect(graph.graph_launches == 7 && eager.graph_launches == 0, "%s: %ld and %ld graph launches, want 7 and 0", what.c_str(),
+               graph.graph_launches, eager.graph_launches);
+        for (size_t s = 0; s < graph.losses.size() && s < eager.losses.size(); s++)
+            printf("    step %zu: loss %.9g / %.9g, grad norm %.9g / %.9g (graph / eager)\n", s + 1, graph.losses[s], eager.losses[s],
+                   graph.grad_norms[s], eager.grad_norms[s]);
+        expect(graph.losses.size() == 4 && model_test_same_bits(graph.losses, eager.losses) &&
+               model_test_same_bits(graph.grad_norms, eager.grad_norms), "%s: the graph run's losses or norms differ from the eager run's",
+               what.c_str());
+        std::vector<char> a = read_whole_file(graph_dir.file("ckpt.bin")), b = read_whole_file(eager_dir.file("ckpt.bin"));
+        expect(!a.empty() && a == b, "%s: the final checkpoints differ (%zu and %zu bytes)", what.c_str(), a.size(), b.size());
+    }
+}
+
+// --profile: the table of one step adds up and profiling changes no number. Every phase a step runs has
+// ranges (two micro-batches: two input copies), the ranges never overlap (one stream), so together they
+// fit in the step's GPU span (1 us of slack for the events' rounding), and the losses and gradient norms
+// equal an unprofiled run's bit for bit.
+GPU_TEST(train_profile_adds_up) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    std::vector<std::string> args = {"--steps", "3", "--warmup", "1", "--lr", "3e-3"};
+#if defined(PRECISION_FP8)
+    args.push_back("--fp8-all-layers");   // tiny's two layers would otherwise both be BF16: no casts to time
+#endif
+    TrainResult plain = train(tiny_run_options(data, args));
+    args.insert(args.end(), {"--profile", "2"});
+    TrainResult profiled = train(tiny_run_options(data, args));
+    expect(profiled.profiled && !plain.profiled, "only the run with --profile 2 should report a profile");
+    expect(model_test_same_bits(plain.losses, profiled.losses) && model_test_same_bits(plain.grad_norms, profiled.grad_norms) &&
+           plain.losses.size() == 3, "profiling changed the losses or gradient norms");
+    const ProfileReport& r = profiled.profile;
+    for (ProfilePhase p : {PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE, PHASE_SWIGLU,
+                           PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_DATA, PHASE_OPTIMIZER, PHASE_WEIGHT_QUANT})
+        expect(r.ranges[p] > 0 && r.ms[p] >= 0.0, "phase '%s': %d ranges, %.4f ms", profile_phase_name(p), r.ranges[p], r.ms[p]);
+    expect(r.ranges[PHASE_DATA] == 2, "two micro-batches should make 2 input-copy ranges, not %d", r.ranges[PHASE_DATA]);
+#if defined(PRECISION_FP8)
+    expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
+#else
+    expect(r.ranges[PHASE_FP8_CAST] == 0, "the BF16 build has no FP8 casts, yet %d cast ranges", r.ranges[PHASE_FP8_CAST]);
+#endif
+    printf("    GPU span %.3f ms, ranges %.3f ms, idle %.3f ms\n", r.span_ms, r.busy_ms, r.idle_ms());
+    expect(r.span_ms > 0.0 && r.busy_ms > 0.0 && r.busy_ms <= r.span_ms + 1e-3, "the ranges (%.4f ms) should fit in the span (%.4f ms)",
+           r.busy_ms, r.span_ms);
 }
 
 // 20 steps of the tiny model (2 micro-batches per step) against the same run in float64 on the host: the
@@ -4693,6 +5006,9 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
     cudaCheck(cudaMemset(whole.act_memory, 0xFF, whole.act_bytes));
     model_zero_grads(&whole);
     float loss_whole = model_forward_backward(&whole, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+#if defined(PRECISION_FP8)
+    model_fp8_record_amax(&whole);   // delayed scaling: the step's record (with --tp-amax-sync, its MAX over the group)
+#endif
     std::vector<float> grads_whole = model_test_grads(&whole);
     std::vector<Fp8Meta> metas_whole = metas_of(&whole);
     model_destroy(&whole);
@@ -4718,6 +5034,9 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
             cudaCheck(cudaMemset(m.act_memory, 0xFF, m.act_bytes));
             model_zero_grads(&m);
             losses[r] = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+#if defined(PRECISION_FP8)
+            model_fp8_record_amax(&m);
+#endif
             grads[r] = model_test_grads(&m);
             metas[r] = metas_of(&m);
             model_destroy(&m);
@@ -4935,6 +5254,68 @@ static void fill_random_device(void* p, size_t bytes, DType t) {
     cudaCheck(cudaMemcpy(p, h.data(), bytes, cudaMemcpyHostToDevice));
 }
 
+// The casts fused into their producers against the producer's BF16 kernel then a plain cast, on the 1B shapes
+// at 16384 tokens (D 2048, F 5632, QKV 2560): median ms of each way, both scalings, in one run.
+static void bench_fused_casts() {
+    const int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
+    const size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
+    bf16 *a, *b, *c, *w, *resid_out;
+    fp8 *q, *qt;
+    float *rstd, *tables;
+    Fp8Meta* meta;
+    cudaCheck(cudaMalloc(&a, big * 2));               // resid / gate_up
+    cudaCheck(cudaMalloc(&b, (size_t)N * F * 2));     // branch / the SwiGLU's output gradient
+    cudaCheck(cudaMalloc(&c, big * 2));               // BF16 outputs of the unfused path; dqkv
+    cudaCheck(cudaMalloc(&w, D * 2));
+    cudaCheck(cudaMalloc(&resid_out, (size_t)N * D * 2));
+    cudaCheck(cudaMalloc(&q, big));
+    cudaCheck(cudaMalloc(&qt, big));
+    cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
+    cudaCheck(cudaMalloc(&meta, sizeof(Fp8Meta)));
+    fill_random_device(a, big * 2, DT_BF16);
+    fill_random_device(b, (size_t)N * F * 2, DT_BF16);
+    fill_random_device(w, D * 2, DT_BF16);
+    cudaCheck(cudaMemcpy(c, a, big * 2, cudaMemcpyDeviceToDevice));
+    std::vector<float> cos_t, sin_t;
+    rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
+    cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
+    cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+    const float *d_cos = tables, *d_sin = tables + cos_t.size();
+    Fp8Meta m0 = fp8_meta_initial();
+    cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
+    printf("\nFP8 casts fused into their producers (1B shapes, %d tokens): the BF16 kernel then a plain cast+transpose, "
+           "against the fused kernels; median ms\n", N);
+    printf("%-30s %-8s %11s %9s %9s\n", "producer -> FP8 tensor", "scaling", "unfused ms", "fused ms", "speed-up");
+    for (bool delayed : {false, true}) {
+        Fp8Recipe r;
+        if (delayed) r.history_len = 16;
+        const Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
+        auto row = [&](const char* name, const std::function<void()>& unfused, const std::function<void()>& fused) {
+            float t_unfused = bench_median_ms(unfused), t_fused = bench_median_ms(fused);
+            printf("%-30s %-8s %11.3f %9.3f %8.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused, t_unfused / t_fused);
+        };
+        row("rmsnorm (+ add) -> X", [&] {
+            rmsnorm_forward(resid_out, c, rstd, a, b, w, N, D, 1e-5f, 0);
+            fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0);
+        }, [&] { rmsnorm_forward_fp8(x_out, resid_out, rstd, a, b, w, N, D, 1e-5f, 0); });
+        row("swiglu -> X", [&] {
+            swiglu_forward(c, a, N, F, 0);
+            fp8_cast_transpose(q, qt, c, N, F, E4M3, meta, r, 0);
+        }, [&] { swiglu_forward_fp8(x_out, a, N, F, 0); });
+        row("swiglu backward -> dY", [&] {
+            swiglu_backward(c, b, a, N, F, 0);
+            fp8_cast_transpose(q, qt, c, N, 2 * F, E5M2, meta, r, 0);
+        }, [&] { swiglu_backward_fp8(dy_out, b, a, N, F, 0); });
+        row("rope backward -> dY", [&] {   // in place on c: a rotation keeps the values finite run after run
+            rope_backward(c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0);
+            fp8_cast_transpose(q, qt, c, N, QKV, E5M2, meta, r, 0);
+        }, [&] { rope_backward_fp8(dy_out, c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0); });
+    }
+    for (void* p : {(void*)a, (void*)b, (void*)c, (void*)w, (void*)resid_out, (void*)q, (void*)qt, (void*)rstd, (void*)tables, (void*)meta})
+        cudaCheck(cudaFree(p));
+}
+
 struct GemmShape { const char* name; int M, N, K; };
 
 static void bench_gemms(MatmulContext* ctx) {
@@ -5044,7 +5425,8 @@ __global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
 }
 
 // One training micro-step (forward + backward) of a preset: ms, tokens/s and model TFLOP/s, for the
-// model as built (FP8 linears in the FP8 build) and, in the FP8 build, with every layer BF16 (one run).
+// model as built (FP8 linears in the FP8 build) and, in the FP8 build, with every layer BF16, with the casts
+// not fused into their producers, and with delayed scaling (one run).
 static void bench_model(const char* preset, int B, int T) {
     ModelConfig c = model_config_preset(preset, 256);
     c.max_seq_len = std::max(c.max_seq_len, T);
@@ -5074,7 +5456,15 @@ static void bench_model(const char* preset, int B, int T) {
     Fp8Options all;
     all.all_layers = true;
     float t_all = time_step(all, "FP8 (all layers)");
-    printf("%-6s FP8/BF16 speed-up: recipe %.2fx, all layers %.2fx\n", preset, t_bf16 / t_fp8, t_bf16 / t_all);
+    Fp8Options unfused;
+    unfused.fused_casts = false;
+    float t_unfused = time_step(unfused, "FP8 (recipe, unfused)");
+    Fp8Options delayed;
+    delayed.recipe.history_len = 16;
+    float t_delayed = time_step(delayed, "FP8 (recipe, delayed)");
+    printf("%-6s FP8/BF16 speed-up: recipe %.2fx, all layers %.2fx; casts fused into their producers: %.2fx the unfused "
+           "recipe; delayed scaling (history 16): %.2fx current\n", preset, t_bf16 / t_fp8, t_bf16 / t_all, t_unfused / t_fp8,
+           t_fp8 / t_delayed);
 #else
     time_step(Fp8Options(), "BF16 build");
 #endif
@@ -5195,8 +5585,10 @@ static float bench_tp_linear_ms(int S, int n, bool use_fp8) {
             const Fp8Recipe recipe;
             auto step = [&] {
                 if (use_fp8) {
-                    fp8_linear_forward(&mm, y, x8, x8_t, x, &lin, (int)M, (int)K, (int)out, recipe, true, 0);
-                    fp8_linear_backward(&mm, dx, dw, dy8, dy8_t, dy, x8_t, &lin, (int)M, (int)K, (int)out, recipe, 0);
+                    fp8_cast_transpose(x8, x8_t, x, (int)M, (int)K, E4M3, &meta[FP8_X], recipe, 0);
+                    fp8_linear_forward(&mm, y, x8, &lin, (int)M, (int)K, (int)out, true, 0);
+                    fp8_cast_transpose(dy8, dy8_t, dy, (int)M, (int)out, E5M2, &meta[FP8_DY], recipe, 0);
+                    fp8_linear_backward(&mm, dx, dw, dy8, dy8_t, x8_t, &lin, (int)M, (int)K, (int)out, 0);
                 } else {
                     matmul(&mm, y, DT_BF16, {x, DT_BF16}, {w, DT_BF16}, (int)M, (int)out, (int)K, false, false, 0);
                     matmul(&mm, dx, DT_BF16, {dy, DT_BF16}, {w, DT_BF16, true}, (int)M, (int)K, (int)out, false, false, 0);
@@ -5281,7 +5673,10 @@ static void run_benchmarks(const std::vector<std::string>& which) {
     MatmulContext ctx;
     matmul_context_create(&ctx);
     if (want("gemm")) bench_gemms(&ctx);
-    if (want("cast")) bench_casts();
+    if (want("cast")) {
+        bench_casts();
+        bench_fused_casts();
+    }
     if (want("model")) {
         printf("\nModel forward+backward (one micro-batch; FLOPs = model_flops_per_token)\n");
         bench_model("110m", 32, 1024);

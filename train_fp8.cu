@@ -83,6 +83,8 @@ struct TrainOptions {
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
+    int profile = 0;                         // time the phases of this step and print a table; 0 = off
+    int cuda_graph = 1;                      // replay each micro-batch from a CUDA graph (0: launch kernel by kernel)
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
@@ -157,6 +159,8 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
+        flag_int("--profile", "N", "time the phases of step N on the GPU (CUDA events) and print a table (0 = off)", &o->profile, 0, BIG),
+        flag_int("--cuda-graph", "0|1", "replay each micro-batch's forward and backward from a CUDA graph captured once (0: launch every kernel every time)", &o->cuda_graph, 0, 1),
     };
 }
 
@@ -349,6 +353,7 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         return strprintf("--total-batch %ld: must be a multiple of B*T = %d*%d = %ld", o->total_batch, o->batch, o->seq, bt);
     if (o->warmup > o->steps) return strprintf("--warmup %d: exceeds --steps %d", o->warmup, o->steps);
     if (o->stop_after > o->steps) return strprintf("--stop-after %d: exceeds --steps %d", o->stop_after, o->steps);
+    if (o->profile > o->steps) return strprintf("--profile %d: exceeds --steps %d (the step to profile must be run)", o->profile, o->steps);
     if (o->seq % 16 != 0) return strprintf("--seq %d: must be a multiple of 16 (the GEMM rule; sampling runs 1 x T tokens)", o->seq);
     std::string problem = model_config_problem(model_config_from_options(*o, BYTE_VOCAB));
     if (!problem.empty()) {
@@ -1240,6 +1245,34 @@ inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     return a;
 }
 
+// The GPU's dense tensor-core peak for this build's GEMMs (FP8 build: FP8; BF16 build: BF16) in TFLOP/s, the
+// denominator of MFU. By name from the data sheets (dense, without sparsity; the first entry whose name is part of
+// the device's name). Other GPUs of a known architecture: SMs x boost clock x the architecture's dense FLOP per SM
+// and clock (Hopper 4096 BF16 / 8192 FP8, B200 8192 / 16384, A100 2048 BF16), an upper bound: the data sheets
+// count a lower clock (H100 SXM's 989 TFLOP/s is 132 SMs at 1.83 GHz, its boost clock 1.98). Else 0: no MFU.
+struct GpuPeak {
+    double tflops;
+    std::string source;
+};
+inline GpuPeak gpu_peak(const std::string& name, int major, int minor, int sms, int clock_khz, bool fp8) {
+    struct Entry { const char* name; double bf16, fp8; };
+    static const Entry table[] = {   // the variants before the general names; "GH200" contains "H200"
+        {"H100 PCIe", 756, 1513}, {"H100 NVL", 835, 1671}, {"H200 NVL", 835, 1671}, {"H100", 989, 1979},
+        {"H200", 989, 1979},       {"B200", 2250, 4500},    {"L40S", 362, 733},      {"A100", 312, 0},
+    };
+    for (const Entry& e : table) {
+        const double t = fp8 ? e.fp8 : e.bf16;
+        if (name.find(e.name) != std::string::npos && t > 0) return {t, strprintf("data sheet of the %s", e.name)};
+    }
+    double per_clock = 0;
+    if (major == 9) per_clock = fp8 ? 8192 : 4096;
+    else if (major == 10 && minor == 0) per_clock = fp8 ? 16384 : 8192;
+    else if (major == 8 && minor == 0 && !fp8) per_clock = 2048;
+    if (per_clock == 0) return {0, strprintf("not known for %s (sm_%d%d)", name.c_str(), major, minor)};
+    return {per_clock * sms * (clock_khz * 1e3) / 1e12,
+            strprintf("estimated: %d SMs x %.2f GHz x %.0f FLOP per SM and clock", sms, clock_khz / 1e6, per_clock)};
+}
+
 // One GPU of the run (tensor parallelism: one rank of the group; --tp 0: the only one, without a group): its
 // model shard and optimizer shard, its batch buffers, and its own validation loader and sampling RNG, so that
 // every rank evaluates and samples exactly as the others (the logits are the same bits on every rank).
@@ -1249,9 +1282,12 @@ struct TrainRank {
     Model model;
     AdamW opt;
     DataLoader val_data;
-    int *d_inputs = nullptr, *d_targets = nullptr;
+    int *d_inputs = nullptr, *d_targets = nullptr;   // one allocation: inputs, then targets
+    int* h_batch[2] = {};                  // pinned staging of a micro-batch's inputs and targets, the two in turn
+    cudaEvent_t batch_copied[2] = {};      // the copy out of each staging buffer has run on the GPU
+    float *d_losses = nullptr, *h_losses = nullptr;   // [accum] this step's micro-batch losses, on the GPU and pinned
     float* d_logits = nullptr;
-    float loss = 0.0f, grad_norm = 0.0f, val_loss = 0.0f;
+    float grad_norm = 0.0f, val_loss = 0.0f;
     uint64_t sample_rng = 0;
     std::vector<int> sample;
 };
@@ -1280,6 +1316,9 @@ struct TrainResult {
     long bad_steps = 0;                   // non-finite steps skipped, whole run (resumes included)
     bool stopped_on_bad_steps = false;    // --max-bad-steps non-finite steps in a row ended the run
     double tokens_per_s = 0;              // mean over the steps after the first
+    long graph_launches = 0;              // micro-batches replayed from a CUDA graph
+    bool profiled = false;                // --profile: the step ran in this call, and its table is `profile`
+    ProfileReport profile;
 };
 
 inline TrainResult train(const TrainOptions& o) {
@@ -1343,6 +1382,17 @@ inline TrainResult train(const TrainOptions& o) {
         printf("device %d: %s (sm_%d%d), build PRECISION=%s\n", r, prop.name, prop.major, prop.minor, BUILD_PRECISION == 8 ? "FP8" : "BF16");
     }
     cudaCheck(cudaSetDevice(0));   // this thread's GPU: rank 0's
+    GpuPeak peak;   // of GPU 0, taken for every GPU of the group
+    {
+        cudaDeviceProp prop;
+        int clock_khz;
+        cudaCheck(cudaGetDeviceProperties(&prop, 0));
+        cudaCheck(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+        peak = gpu_peak(prop.name, prop.major, prop.minor, prop.multiProcessorCount, clock_khz, BUILD_PRECISION == 8);
+        const char* precision = BUILD_PRECISION == 8 ? "FP8" : "BF16";
+        if (peak.tflops > 0) printf("MFU: model FLOP/s over %d x %.0f TFLOP/s, the dense %s peak (%s)\n", P, peak.tflops, precision, peak.source.c_str());
+        else printf("MFU: not shown, the dense %s peak is %s\n", precision, peak.source.c_str());
+    }
     printf("batch: %d x %d tokens x %d micro-batches = %ld tokens per step; steps %d (warm-up %d), lr %g -> %g\n",
            B, T, accum, o.total_batch, o.steps, o.warmup, o.lr, o.lr * o.final_lr_frac);
     if (o.tp == 0) printf("tensor parallel: off (--tp 0): one GPU, no NCCL\n");
@@ -1383,8 +1433,14 @@ inline TrainResult train(const TrainOptions& o) {
             adamw_export_weights(&r.opt, r.model.weights, r.model.stream);   // BF16 weights (and FP8 copies)
             model_weights_changed(&r.model);
         }
-        cudaCheck(cudaMalloc(&r.d_inputs, (size_t)B * T * sizeof(int)));
-        cudaCheck(cudaMalloc(&r.d_targets, (size_t)B * T * sizeof(int)));
+        cudaCheck(cudaMalloc(&r.d_inputs, 2 * (size_t)B * T * sizeof(int)));
+        r.d_targets = r.d_inputs + (size_t)B * T;
+        for (int i = 0; i < 2; i++) {
+            cudaCheck(cudaMallocHost(&r.h_batch[i], 2 * (size_t)B * T * sizeof(int)));
+            cudaCheck(cudaEventCreateWithFlags(&r.batch_copied[i], cudaEventDisableTiming));
+        }
+        cudaCheck(cudaMalloc(&r.d_losses, accum * sizeof(float)));
+        cudaCheck(cudaMallocHost(&r.h_losses, accum * sizeof(float)));
         if (o.sample_every > 0) cudaCheck(cudaMalloc(&r.d_logits, (size_t)T * V * sizeof(float)));
         cudaCheck(cudaStreamSynchronize(r.model.stream));
     });
@@ -1409,7 +1465,7 @@ inline TrainResult train(const TrainOptions& o) {
     const long keep_rows_through = o.resume.empty() ? -1 : first_step - 1;
     FILE* log = nullptr;
     if (!o.out.empty())
-        log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped", keep_rows_through);
+        log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent", keep_rows_through);
 #if defined(PRECISION_FP8)
     FILE* fp8_csv = nullptr;
     if (o.fp8_stats > 0 && !o.out.empty())
@@ -1427,7 +1483,7 @@ inline TrainResult train(const TrainOptions& o) {
         float val = evaluate();
         result.val_losses.push_back({0, val});
         printf("step %5d | val loss %.4f\n", 0, val);
-        if (log) fprintf(log, "0,,%.6f,,,,,,\n", val);
+        if (log) fprintf(log, "0,,%.6f,,,,,,,\n", val);
     }
 
     // ---- the loop
@@ -1435,25 +1491,67 @@ inline TrainResult train(const TrainOptions& o) {
     if (first_step > last_step) printf("nothing to do: the checkpoint is at step %d and this run ends at step %d\n", first_step - 1, last_step);
     double time_sum = 0;
     int timed_steps = 0;
+    StepProfile profile;
     for (int step = first_step; step <= last_step; step++) {
+        NvtxRange step_range(strprintf("step %d", step));
         auto t0 = std::chrono::steady_clock::now();
-#if defined(PRECISION_FP8)
+        const bool profile_step = step == o.profile;   // rank 0's GPU, the stream of its model
+        if (profile_step) profile_begin(&profile, ranks[0].model.stream, (size_t)accum * (40 * config.n_layers + 40) + 20);
         const bool fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
+#if defined(PRECISION_FP8)
         if (fp8_stats_step) model_fp8_stats_begin(&ranks[0].model);   // under --tp: rank 0's shards
 #endif
-        double loss_sum = 0.0;
         for (int k = 0; k < accum; k++) {
             dataloader_next_batch(&train_data);
+            // Eager: the run's first micro-batch (it loads the kernels and makes the GEMM plans the capture then
+            // finds), the profiled step (its ranges time each phase) and --fp8-stats steps (their health counters).
+            const bool graph = o.cuda_graph && (step > first_step || k > 0) && !profile_step && !fp8_stats_step;
+            const int staging = (int)(((long)(step - first_step) * accum + k) % 2);
             on_ranks(ranks, [&](TrainRank& r) {   // every rank gets the whole batch
-                if (k == 0) model_zero_grads(&r.model);
-                cudaCheck(cudaMemcpy(r.d_inputs, train_data.inputs.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
-                cudaCheck(cudaMemcpy(r.d_targets, train_data.targets.data(), (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice));
-                r.loss = model_forward_backward(&r.model, r.d_inputs, r.d_targets, grad_scale);
+                NvtxRange micro_batch_range(strprintf("micro-batch %d", k));
+                cudaStream_t s = r.model.stream;
+                if (k == 0) {
+                    ProfileRange range(PHASE_OPTIMIZER, s, "zero gradients");
+                    model_zero_grads(&r.model);
+                }
+                {   // through pinned memory, one asynchronous copy: the host goes on while the copy waits its turn
+                    ProfileRange range(PHASE_DATA, s, "input copies");
+                    int* h = r.h_batch[staging];
+                    cudaCheck(cudaEventSynchronize(r.batch_copied[staging]));   // its previous copy, 2 micro-batches ago, has run
+                    memcpy(h, train_data.inputs.data(), (size_t)B * T * sizeof(int));
+                    memcpy(h + (size_t)B * T, train_data.targets.data(), (size_t)B * T * sizeof(int));
+                    cudaCheck(cudaMemcpyAsync(r.d_inputs, h, 2 * (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice, s));
+                    cudaCheck(cudaEventRecord(r.batch_copied[staging], s));
+                }
+                auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, grad_scale); };
+                // two graphs: the first micro-batch of a step writes the gradients, the others add to them
+                if (graph) {
+                    model_graph_launch(&r.model, k == 0 ? 0 : 1, micro_batch);
+                    r.model.accumulate_grads = true;   // as the micro-batch would leave it: a replay runs no host code
+                } else {
+                    micro_batch();
+                }
+                cudaCheck(cudaMemcpyAsync(r.d_losses + k, r.model.acts.loss_mean, sizeof(float), cudaMemcpyDeviceToDevice, s));
             });
-            loss_sum += ranks[0].loss;   // the same on every rank
+            result.graph_launches += graph;
         }
+#if defined(PRECISION_FP8)
+        on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
+#endif
+        on_ranks(ranks, [&](TrainRank& r) {
+            {
+                ProfileRange range(PHASE_LOSS, r.model.stream, "losses to the host");
+                cudaCheck(cudaMemcpyAsync(r.h_losses, r.d_losses, accum * sizeof(float), cudaMemcpyDeviceToHost, r.model.stream));
+            }
+            {
+                ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
+                r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp);
+            }
+            cudaCheck(cudaStreamSynchronize(r.model.stream));   // the losses are on the host
+        });
+        double loss_sum = 0.0;
+        for (int k = 0; k < accum; k++) loss_sum += ranks[0].h_losses[k];   // the same on every rank
         float loss = (float)(loss_sum / accum);
-        on_ranks(ranks, [&](TrainRank& r) { r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp); });
         float grad_norm = ranks[0].grad_norm;   // all-reduced: the same on every rank
         float lr = lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
         bool bad = !std::isfinite(loss) || !std::isfinite(grad_norm);
@@ -1462,7 +1560,11 @@ inline TrainResult train(const TrainOptions& o) {
             bad_in_row++;
         } else {
             on_ranks(ranks, [&](TrainRank& r) {
-                adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
+                {
+                    ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "AdamW");
+                    adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
+                }
+                ProfileRange range(PHASE_WEIGHT_QUANT, r.model.stream, "weight re-quantization");
                 model_weights_changed(&r.model, true);   // the FP8 build's W8 and W8^T (amax from the update pass)
             });
             bad_in_row = 0;
@@ -1474,17 +1576,27 @@ inline TrainResult train(const TrainOptions& o) {
             model_fp8_stats_end(&ranks[0].model);
         }
 #endif
+        if (profile_step) profile_end(&profile);
         on_ranks(ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
         double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (profile_step) {
+            result.profiled = true;
+            result.profile = profile_report(&profile);
+            profile_print(result.profile, strprintf("profile of step %d (PRECISION=%s, %d micro-batch%s of %d x %d tokens%s): %.3f ms on "
+                                                    "the host clock", step, BUILD_PRECISION == 8 ? "FP8" : "BF16", accum,
+                                                    accum > 1 ? "es" : "", B, T, P > 1 ? ", GPU 0 of the tensor-parallel group" : "",
+                                                    ms).c_str());
+        }
         double tokens_per_s = tokens_per_step / (ms / 1000.0);
         double tflops = flops_per_token * tokens_per_s / 1e12;
+        const double mfu = peak.tflops > 0 ? 100.0 * tflops / (peak.tflops * P) : NAN;   // percent; NaN: no peak known
         if (step > first_step) { time_sum += ms; timed_steps++; }
         result.losses.push_back(loss);
         result.grad_norms.push_back(grad_norm);
         result.lrs.push_back(lr);
         result.last_step = step;
-        printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s\n", step, o.steps,
-               loss, lr, grad_norm, ms, tokens_per_s, tflops,
+        printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s%s\n", step, o.steps,
+               loss, lr, grad_norm, ms, tokens_per_s, tflops, std::isnan(mfu) ? "" : strprintf(" | MFU %.1f%%", mfu).c_str(),
                bad ? strprintf(" | non-finite: update skipped (%lld in a row)", (long long)bad_in_row).c_str() : "");
 
 #if defined(PRECISION_FP8)
@@ -1500,8 +1612,8 @@ inline TrainResult train(const TrainOptions& o) {
             printf("step %5d | val loss %.4f\n", step, val);
         }
         if (log) {
-            fprintf(log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d\n", step, loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
-                    lr, grad_norm, ms, tokens_per_s, tflops, bad ? 1 : 0);
+            fprintf(log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s\n", step, loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
+                    lr, grad_norm, ms, tokens_per_s, tflops, bad ? 1 : 0, std::isnan(mfu) ? "" : strprintf("%.2f", mfu).c_str());
             fflush(log);
         }
         if (o.sample_every > 0 && (step % o.sample_every == 0 || last)) {
@@ -1541,6 +1653,7 @@ inline TrainResult train(const TrainOptions& o) {
             printf("checkpoint: %s (step %d)\n", path.c_str(), step);
         }
     }
+    profile_destroy(&profile);
     if (timed_steps > 0) result.tokens_per_s = tokens_per_step / (time_sum / timed_steps / 1000.0);
     if (result.bad_steps > 0) printf("non-finite steps skipped in this run so far: %ld\n", result.bad_steps);
 
@@ -1549,8 +1662,13 @@ inline TrainResult train(const TrainOptions& o) {
     if (fp8_csv) fclose(fp8_csv);
 #endif
     on_ranks(ranks, [&](TrainRank& r) {
-        cudaCheck(cudaFree(r.d_inputs));
-        cudaCheck(cudaFree(r.d_targets));
+        cudaCheck(cudaFree(r.d_inputs));   // and d_targets
+        for (int i = 0; i < 2; i++) {
+            cudaCheck(cudaFreeHost(r.h_batch[i]));
+            cudaCheck(cudaEventDestroy(r.batch_copied[i]));
+        }
+        cudaCheck(cudaFree(r.d_losses));
+        cudaCheck(cudaFreeHost(r.h_losses));
         if (r.d_logits) cudaCheck(cudaFree(r.d_logits));
         adamw_destroy(&r.opt);
         model_destroy(&r.model);
