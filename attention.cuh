@@ -85,6 +85,13 @@ __device__ inline void attention_mma(float* c, const uint32_t* a, const uint32_t
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// 2^x on the special-function unit (the softmax's exponentials; -inf gives +0).
+__device__ inline float attention_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ inline uint32_t attention_pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);   // .x (the lower column) in the low half
     return *reinterpret_cast<uint32_t*>(&v);
@@ -140,6 +147,39 @@ __device__ inline void attention_pack_a(uint32_t (*pa)[4], const float (*c)[4]) 
         pa[kk][3] = attention_pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
     }
 }
+// One step of the online softmax over a strip of NB 8-column blocks of raw scores s (masked ones -inf), rows
+// g and g+8 of the warp's 16 (one quad per row): in base 2 with scores scaled by scale_log2 = log2(e)/sqrt(HD),
+// m' = max(m, rowmax(s) scale_log2), alpha = 2^(m - m'), l' = l alpha + rowsum P, and s becomes
+// P = 2^(s scale_log2 - m'). The caller rescales O by alpha. l sums this lane's columns only (the quad's
+// partial sums are added at the end). Every row has an unmasked key in each tile it visits (key k0 <= its
+// first query), so m' is finite; the guard would keep a fully masked row at P = 0 instead of NaN.
+template <int NB>
+__device__ inline void attention_softmax_step(float (*s)[4], float* m, float* l, float* alpha, float scale_log2) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) mx[i / 2] = fmaxf(mx[i / 2], s[n][i]);
+    float m_use[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+        const float m_new = fmaxf(m[hr], mx[hr] * scale_log2);   // scale_log2 > 0: the max commutes with it
+        m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[hr] = attention_exp2(m[hr] - m_use[hr]);
+        m[hr] = m_new;
+        l[hr] *= alpha[hr];
+    }
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s[n][i] = attention_exp2(fmaf(s[n][i], scale_log2, -m_use[i / 2]));
+            l[i / 2] += s[n][i];
+        }
+}
+
 // acc (a 16 x HD strip: HD/8 blocks) += P (16 x 64, as A fragments) times X [64 x HD] in shared memory.
 template <int HD>
 __device__ inline void attention_strip_px(float (*acc)[4], const uint32_t (*pa)[4], const bf16* x_tile, int lane) {
@@ -198,10 +238,9 @@ __device__ inline void attention_prefetch_kv(bf16* kv_tiles, const bf16* k_src, 
 }
 
 // ----------------------------------------------------------------------------------------------
-// Forward. One block per (query tile, query head, batch). Online softmax in base 2 (scores pre-multiplied
-// by log2(e)/sqrt(HD)): for each K/V tile, m' = max(m, rowmax S), P = exp2(S - m'),
-// l' = l * exp2(m - m') + rowsum P, O' = O * exp2(m - m') + P V; at the end O / l and
-// lse = (m + log2 l) * ln 2, the natural log of the softmax denominator of the scaled scores.
+// Forward. One block per (query tile, query head, batch). For each K/V tile, the online softmax step
+// (attention_softmax_step: base 2, scores scaled by log2(e)/sqrt(HD)) and O' = O * exp2(m - m') + P V; at the
+// end O / l and lse = (m + log2 l) * ln 2, the natural log of the softmax denominator of the scaled scores.
 // P enters the tensor cores rounded to BF16; l sums the unrounded P.
 template <int HD>
 __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T,
@@ -243,37 +282,16 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
         float s[ATTN_TILE / 8][4];
         attention_strip_abt<HD>(s, q_tile, k_tile, row0, lane);
         const int k0 = kt * ATTN_TILE;
-        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < ATTN_TILE / 8; n++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int qi = q0 + row0 + g + 8 * (i / 2), key = k0 + n * 8 + 2 * t + i % 2;
-                s[n][i] = (key <= qi && key < T) ? s[n][i] * scale_log2 : -INFINITY;
-                mx[i / 2] = fmaxf(mx[i / 2], s[n][i]);
+                if (key > qi || key >= T) s[n][i] = -INFINITY;
             }
         }
-        float m_use[2], alpha[2];
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-            float m_new = fmaxf(m[hr], mx[hr]);
-            // Every row has an unmasked key in each tile it visits (key k0 <= q0 <= qi, and k0 < T), so
-            // m_new is finite; the guard would keep a fully masked row at P = 0 instead of NaN.
-            m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;
-            alpha[hr] = exp2f(m[hr] - m_use[hr]);
-            m[hr] = m_new;
-            l[hr] *= alpha[hr];
-        }
-#pragma unroll
-        for (int n = 0; n < ATTN_TILE / 8; n++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                s[n][i] = exp2f(s[n][i] - m_use[i / 2]);
-                l[i / 2] += s[n][i];
-            }
-        }
+        float alpha[2];
+        attention_softmax_step<ATTN_TILE / 8>(s, m, l, alpha, scale_log2);
 #pragma unroll
         for (int n = 0; n < HD / 8; n++) {
             o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
@@ -582,13 +600,6 @@ __device__ inline uint64_t hattn_desc(const void* smem, uint32_t sbo_bytes, uint
     return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo_bytes >> 4) << 32) | ((uint64_t)swizzle << 62);
 }
 
-// 2^x on the special-function unit (the softmax's exponentials; -inf gives +0).
-__device__ inline float hattn_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 __device__ inline void hattn_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void hattn_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -728,40 +739,17 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         hattn_wgmma_commit();
     };
-    // Online softmax of tile j's scores (complete in sc): mask the diagonal tile, new row maxima m, the factor
-    // alpha that rescales O and l, P = exp2(S scale - m) in place, l += rowsum P.
+    // Online softmax of tile j's scores (complete in sc), the diagonal tile masked.
     auto softmax = [&](int j, float* alpha) {
         const int k0 = j * BN;
-        const bool diagonal = k0 + BN > row_base - 16 * warp + 1;   // some key of the tile is past some row of the consumer
-        float mx[2] = {-INFINITY, -INFINITY};
+        if (k0 + BN > row_base - 16 * warp + 1) {   // some key of the tile is past some row of the consumer
 #pragma unroll
-        for (int n = 0; n < BN / 8; n++) {
+            for (int n = 0; n < BN / 8; n++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int qi = row_base + g + 8 * (i / 2), key = k0 + n * 8 + 2 * t + i % 2;
-                if (diagonal && key > qi) sc[n][i] = -INFINITY;
-                mx[i / 2] = fmaxf(mx[i / 2], sc[n][i]);
-            }
+                for (int i = 0; i < 4; i++)
+                    if (k0 + n * 8 + 2 * t + i % 2 > row_base + g + 8 * (i / 2)) sc[n][i] = -INFINITY;
         }
-        float m_use[2];
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-            const float m_new = fmaxf(m[hr], mx[hr] * scale_log2);   // scale_log2 > 0: the max commutes with it
-            m_use[hr] = m_new == -INFINITY ? 0.0f : m_new;   // key 0 is in every row's first tile: finite in practice
-            alpha[hr] = hattn_exp2(m[hr] - m_use[hr]);
-            m[hr] = m_new;
-            l[hr] *= alpha[hr];
-        }
-#pragma unroll
-        for (int n = 0; n < BN / 8; n++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                sc[n][i] = hattn_exp2(fmaf(sc[n][i], scale_log2, -m_use[i / 2]));
-                l[i / 2] += sc[n][i];
-            }
-        }
+        attention_softmax_step<BN / 8>(sc, m, l, alpha, scale_log2);
     };
 
     // The loop keeps the tensor cores fed while the exponentials run: for K/V tile j, P_j (bf16, registers)
@@ -992,7 +980,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = key_base + g + 8 * (e / 2), col = n * 8 + 2 * t + e % 2;
-                const float p = (!diagonal || key <= qt * BM + col) ? hattn_exp2(fmaf(st[n][e], scale_log2, -lse_q[col])) : 0.0f;
+                const float p = (!diagonal || key <= qt * BM + col) ? attention_exp2(fmaf(st[n][e], scale_log2, -lse_q[col])) : 0.0f;
                 st[n][e] = p;                                    // P^T
                 dpt[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
             }
