@@ -49,7 +49,7 @@ NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
 ifeq ($(GPU_ARCH),sm_90a)
 NVCCFLAGS += -DATTENTION_HOPPER
 endif
-LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl -ldl
+LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
 HEADERS := fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
