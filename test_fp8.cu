@@ -2509,6 +2509,16 @@ GPU_TEST(fp8_linear_vs_host) {
             return c;
         };
         unsigned long long fx = host_flushed(x, E4M3, mx.scale), fw = host_flushed(w, E4M3, mw.scale), fdy = host_flushed(dy, E5M2, mdy.scale);
+        std::vector<uint8_t> x8_codes(x.size());
+        cudaCheck(cudaMemcpy(x8_codes.data(), x8.ptr, x.size(), cudaMemcpyDeviceToHost));
+        size_t x8_off = 0;
+        for (size_t i = 0; i < x.size(); i++) {
+            const uint8_t want = fp8_encode_ref(to_float(x[i]) * mx.scale, E4M3);
+            if (x8_codes[i] != want && x8_off++ == 0)
+                printf("    X8[%zu]: x %.9g, x * scale %.9g, device code 0x%02x, host 0x%02x\n", i, to_float(x[i]),
+                       to_float(x[i]) * mx.scale, x8_codes[i], want);
+        }
+        expect(x8_off == 0, "%zu X8 codes differ from the host codec", x8_off);
         expect(h[FP8_X].saturated == 0 && h[FP8_W].saturated == 0 && h[FP8_DY].saturated == 0, "current scaling saturated");
         expect(h[FP8_X].flushed == fx && h[FP8_W].flushed == fw && h[FP8_DY].flushed == fdy,
                "flushed X %llu/%llu W %llu/%llu dY %llu/%llu (device/host)", h[0].flushed, fx, h[1].flushed, fw, h[2].flushed, fdy);
@@ -2807,8 +2817,7 @@ GPU_TEST(fp8_weights_rebuilt_after_step_exact) {
                             code_off += w8_t[(size_t)c * t.rows + r] != codes[(size_t)r * t.cols + c];
                         }
                     const Fp8Meta& got = after[3 * i + FP8_W];
-                    meta_off += !same_meta(got, want) || !same_bits(got.amax, want.amax) ||
-                                !same_bits(float_from_bits(got.amax_pending), want.amax);
+                    meta_off += !same_meta(got, want) || !same_bits(got.amax, want.amax) || !meta_slots_clear(got);   // the cast clears them
                     checked++;
                 }
             printf("    %s, step %d: W amax of layer 1 wqkv %.6g\n", all_layers ? "all layers FP8" : "the recipe", step + 1,
@@ -4202,7 +4211,7 @@ GPU_TEST(train_cuda_graph_matches_eager) {
         expect(graph.losses.size() == 4 && model_test_same_bits(graph.losses, eager.losses) &&
                model_test_same_bits(graph.grad_norms, eager.grad_norms), "%s: the graph run's losses or norms differ from the eager run's",
                what.c_str());
-        std::vector<char> a = read_whole_file(graph_dir.file("ckpt.bin")), b = read_whole_file(eager_dir.file("ckpt.bin"));
+        std::vector<char> a = read_whole_file(latest_checkpoint(graph_dir.path)), b = read_whole_file(latest_checkpoint(eager_dir.path));
         expect(!a.empty() && a == b, "%s: the final checkpoints differ (%zu and %zu bytes)", what.c_str(), a.size(), b.size());
     }
 }
@@ -4226,8 +4235,12 @@ GPU_TEST(train_profile_adds_up) {
            plain.losses.size() == 3, "profiling changed the losses or gradient norms");
     const ProfileReport& r = profiled.profile;
     for (ProfilePhase p : {PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE, PHASE_SWIGLU,
-                           PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_DATA, PHASE_OPTIMIZER, PHASE_WEIGHT_QUANT})
+                           PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_DATA, PHASE_OPTIMIZER, PHASE_WEIGHT_QUANT}) {
+#if defined(PRECISION_FP8)
+        if (p == PHASE_SWIGLU) continue;   // every layer FP8: SwiGLU forward and backward run inside the casts (PHASE_FP8_CAST)
+#endif
         expect(r.ranges[p] > 0 && r.ms[p] >= 0.0, "phase '%s': %d ranges, %.4f ms", profile_phase_name(p), r.ranges[p], r.ms[p]);
+    }
     expect(r.ranges[PHASE_DATA] == 2, "two micro-batches should make 2 input-copy ranges, not %d", r.ranges[PHASE_DATA]);
 #if defined(PRECISION_FP8)
     expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
