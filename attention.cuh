@@ -319,21 +319,38 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
 // Backward. With S = Q K^T / sqrt(HD), P = softmax(S) = exp(S - lse), O = P V:
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij,
 //   dQ = dS K / sqrt(HD),  dK = dS^T Q / sqrt(HD).
-// D is computed first, one warp per (token, head), into the scratch buffer [B, NH, T].
+// D is computed first, one warp per (batch, head, row), into the scratch buffer [B, NH, Tp]: Tp = T for the
+// mma.sync kernels; the Hopper kernels pad the rows to whole query tiles (Tp = attention_padded_T(T)) and also
+// take lse in base-2 units (lse2). A padded row (t >= T) gets D = 0 and lse2 = +inf, so that its P =
+// exp2(s - inf) = 0 and dS = 0 without a mask.
 constexpr int ATTN_DELTA_THREADS = 256;
 template <int HD>
-__global__ void attention_backward_delta_kernel(float* delta, const bf16* dout, const bf16* out, int B, int T, int NH) {
-    const long row = (long)blockIdx.x * (ATTN_DELTA_THREADS / 32) + threadIdx.x / 32;   // (b, t, h)
+__global__ void attention_backward_delta_kernel(float* delta, float* lse2, const float* lse, const bf16* dout, const bf16* out,
+                                                int B, int T, int Tp, int NH) {
+    const long row = (long)blockIdx.x * (ATTN_DELTA_THREADS / 32) + threadIdx.x / 32;   // (b, h, t) with t < Tp
     const int lane = threadIdx.x % 32;
-    if (row >= (long)B * T * NH) return;
-    const bf16* o = out + row * HD;
-    const bf16* d = dout + row * HD;
+    if (row >= (long)B * NH * Tp) return;
+    const int t = (int)(row % Tp);
+    const long bh = row / Tp;
+    const int h = (int)(bh % NH), b = (int)(bh / NH);
     float sum = 0.0f;
-    for (int c = lane; c < HD; c += 32) sum += to_float(o[c]) * to_float(d[c]);
-    sum = attention_warp_sum(sum);
-    const int h = row % NH;
-    const long bt = row / NH;
-    if (lane == 0) delta[((bt / T) * NH + h) * T + bt % T] = sum;
+    if (t < T) {   // the whole warp's row: the branch is uniform
+        const size_t at = ((size_t)b * T + t) * NH * HD + (size_t)h * HD;
+        for (int c = lane; c < HD; c += 32) sum += to_float(out[at + c]) * to_float(dout[at + c]);
+        sum = attention_warp_sum(sum);
+    }
+    if (lane == 0) {
+        delta[row] = sum;
+        if (lse2) lse2[row] = t < T ? lse[bh * T + t] * ATTN_LOG2E : INFINITY;
+    }
+}
+template <int HD>
+inline void attention_backward_delta(float* delta, float* lse2, const float* lse, const bf16* dout, const bf16* out, int B, int T,
+                                     int Tp, int NH, cudaStream_t s) {
+    const long rows = (long)B * NH * Tp;
+    attention_backward_delta_kernel<HD><<<ceil_div(rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
+        delta, lse2, lse, dout, out, B, T, Tp, NH);
+    cudaCheckLaunch();
 }
 
 // dK and dV of one K/V tile of one KV head: loops over the query heads of the group and, for each, the
@@ -830,30 +847,6 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 #endif
 }
 
-// ---- Hopper backward, preparation: per (batch, head, padded row) the row's lse in base-2 units and
-// D = rowsum(dO * O); padded rows (t >= T) get lse = +inf, so their P = exp2(s - inf) = 0 and dS = 0
-// without a mask. One warp per row.
-template <int HD>
-__global__ void attention_backward_rows_kernel(float* lse2, float* delta, const float* lse, const bf16* dout, const bf16* out,
-                                               int B, int T, int Tp, int NH) {
-    const long row = (long)blockIdx.x * (ATTN_DELTA_THREADS / 32) + threadIdx.x / 32;   // (b, h, t) with t < Tp
-    const int lane = threadIdx.x % 32;
-    if (row >= (long)B * NH * Tp) return;
-    const int t = (int)(row % Tp);
-    const long bh = row / Tp;
-    const int h = (int)(bh % NH), b = (int)(bh / NH);
-    float sum = 0.0f;
-    if (t < T) {
-        const size_t at = ((size_t)b * T + t) * NH * HD + (size_t)h * HD;
-        for (int c = lane; c < HD; c += 32) sum += to_float(out[at + c]) * to_float(dout[at + c]);
-        sum = attention_warp_sum(sum);
-    }
-    if (lane == 0) {
-        delta[row] = sum;
-        lse2[row] = t < T ? lse[bh * T + t] * ATTN_LOG2E : INFINITY;
-    }
-}
-
 // ---- Hopper backward. One block per (128-key tile, KV head, batch), ordered by key tile over the whole
 // grid (the first key tiles see the most query tiles: longest first). Consumer w owns keys 64w..64w+63 of
 // the tile and keeps their dK, dV in registers. The block walks the query heads of its group and, for each,
@@ -1174,9 +1167,7 @@ inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* do
     float* lse2 = scratch;
     float* delta = lse2 + rows;
     float* dq_part = delta + rows;
-    attention_backward_rows_kernel<HD><<<ceil_div(rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
-        lse2, delta, lse, dout, out, B, T, Tp, NH);
-    cudaCheckLaunch();
+    attention_backward_delta<HD>(delta, lse2, lse, dout, out, B, T, Tp, NH, s);
     static std::atomic<uint64_t> smem_set{0};
     const size_t smem = HattnSmem<HD>::BWD_BYTES;
     attention_set_smem((const void*)attention_backward_hopper_kernel<HD>, smem, &smem_set);
@@ -1231,10 +1222,7 @@ inline void attention_backward_launch(bf16* dqkv, float* delta, const bf16* dout
 #if defined(ATTENTION_HOPPER)
     if (hopper) return attention_backward_hopper<HD>(dqkv, delta, dout, qkv, out, lse, B, T, NH, NKV, s);
 #endif
-    long delta_rows = (long)B * T * NH;
-    attention_backward_delta_kernel<HD><<<ceil_div(delta_rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
-        delta, dout, out, B, T, NH);
-    cudaCheckLaunch();
+    attention_backward_delta<HD>(delta, nullptr, lse, dout, out, B, T, T, NH, s);
     int ntiles = ceil_div(T, ATTN_TILE);
     static std::atomic<uint64_t> dkdv_set{0}, dq_set{0};
     const size_t smem_dkdv = AttnDims<HD>::DKDV_SMEM, smem_dq = AttnDims<HD>::DQ_SMEM;

@@ -953,7 +953,6 @@ struct ModelFp8 {
     Fp8Health* health = nullptr;      // [L*4*3] device: --fp8-stats counts
     fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
-    int* weight_ids = nullptr;        // device: meta indices of W of the FP8 linears (n)
     int n_fp8_linears = 0;
     bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
     bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
@@ -1320,7 +1319,7 @@ inline void model_fp8_create(Model* m) {
     cudaCheck(cudaMalloc(&f.health, n_meta * sizeof(Fp8Health)));
     std::vector<Fp8Meta> init(n_meta, fp8_meta_initial());
     cudaCheck(cudaMemcpy(f.metas, init.data(), n_meta * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
-    std::vector<int> x_ids, dy_ids, w_ids;
+    std::vector<int> x_ids, dy_ids;
     for (int l = 0; l < L; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
             if (!model_layer_fp8(m, l)) continue;
@@ -1328,7 +1327,6 @@ inline void model_fp8_create(Model* m) {
             int i = model_linear_index(param_layer(l, p));
             x_ids.push_back(3 * i + FP8_X);
             dy_ids.push_back(3 * i + FP8_DY);
-            w_ids.push_back(3 * i + FP8_W);
             f.linears[i].w8 = (fp8*)(base + w_off[i]);
             f.linears[i].w8_t = f.linears[i].w8 + round256((size_t)w.rows * w.cols);
             f.linears[i].meta = f.metas + 3 * i;
@@ -1338,8 +1336,6 @@ inline void model_fp8_create(Model* m) {
     x_ids.insert(x_ids.end(), dy_ids.begin(), dy_ids.end());
     cudaCheck(cudaMalloc(&f.delayed_ids, std::max<size_t>(1, x_ids.size()) * sizeof(int)));
     cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
-    cudaCheck(cudaMalloc(&f.weight_ids, std::max<size_t>(1, w_ids.size()) * sizeof(int)));
-    cudaCheck(cudaMemcpy(f.weight_ids, w_ids.data(), w_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
 }
 
 // Delayed scaling, once per optimizer step, after the backward of its last micro-batch: every GEMM that read
@@ -1478,7 +1474,6 @@ inline void model_destroy(Model* m) {
     cudaCheck(cudaFree(m->fp8.metas));
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
-    cudaCheck(cudaFree(m->fp8.weight_ids));
 #endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));
