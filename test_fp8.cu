@@ -5269,7 +5269,7 @@ static void fill_random_device(void* p, size_t bytes, DType t) {
 
 // The casts fused into their producers against the producer's BF16 kernel then a plain cast, on the 1B shapes
 // at 16384 tokens (D 2048, F 5632, QKV 2560): median ms of each way, both scalings, in one run.
-static void bench_fused_casts() {
+static void bench_fused_casts(double copy_gbs) {
     const int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
     const size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
     bf16 *a, *b, *c, *w, *resid_out;
@@ -5298,29 +5298,40 @@ static void bench_fused_casts() {
     Fp8Meta m0 = fp8_meta_initial();
     cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
     printf("\nFP8 casts fused into their producers (1B shapes, %d tokens): the BF16 kernel then a plain cast+transpose, "
-           "against the fused kernels; median ms\n", N);
-    printf("%-30s %-8s %11s %9s %9s\n", "producer -> FP8 tensor", "scaling", "unfused ms", "fused ms", "speed-up");
+           "against the fused kernels; median ms. floor: the bytes the fused kernels must move (current scaling reads\n"
+           "its inputs twice: the amax pass, then the cast) at the copy's %.0f GB/s\n", N, copy_gbs);
+    printf("%-30s %-8s %11s %9s %9s %9s %8s\n", "producer -> FP8 tensor", "scaling", "unfused ms", "fused ms", "speed-up", "floor ms",
+           "vs floor");
     for (bool delayed : {false, true}) {
         Fp8Recipe r;
         if (delayed) r.history_len = 16;
         const Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
-        auto row = [&](const char* name, const std::function<void()>& unfused, const std::function<void()>& fused) {
+        // bytes: what the fused kernels read and write in current and in delayed scaling.
+        auto row = [&](const char* name, double current_bytes, double delayed_bytes, const std::function<void()>& unfused,
+                       const std::function<void()>& fused) {
             float t_unfused = bench_median_ms(unfused), t_fused = bench_median_ms(fused);
-            printf("%-30s %-8s %11.3f %9.3f %8.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused, t_unfused / t_fused);
+            double floor_ms = (delayed ? delayed_bytes : current_bytes) / copy_gbs / 1e6;
+            printf("%-30s %-8s %11.3f %9.3f %8.2fx %9.3f %7.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused,
+                   t_unfused / t_fused, floor_ms, t_fused / floor_ms);
         };
-        row("rmsnorm (+ add) -> X", [&] {
+        const double nd = (double)N * D, nf = (double)N * F, nqkv = (double)N * QKV;
+        row("plain cast+transpose -> X", 6 * nd, 4 * nd, [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); },
+            [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); });
+        // The statistics kernel reads resid and branch and writes resid_out (and gathers the amax in current
+        // scaling); the cast reads resid_out once and writes X8 and X8^T: 10 bytes an element either way.
+        row("rmsnorm (+ add) -> X", 10 * nd, 10 * nd, [&] {
             rmsnorm_forward(resid_out, c, rstd, a, b, w, N, D, 1e-5f, 0);
             fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0);
         }, [&] { rmsnorm_forward_fp8(x_out, resid_out, rstd, a, b, w, N, D, 1e-5f, 0); });
-        row("swiglu -> X", [&] {
+        row("swiglu -> X", 10 * nf, 6 * nf, [&] {   // gate_up read per pass (4 bytes), codes written (2)
             swiglu_forward(c, a, N, F, 0);
             fp8_cast_transpose(q, qt, c, N, F, E4M3, meta, r, 0);
         }, [&] { swiglu_forward_fp8(x_out, a, N, F, 0); });
-        row("swiglu backward -> dY", [&] {
+        row("swiglu backward -> dY", 16 * nf, 10 * nf, [&] {   // g, u, dout read per pass (6), 2 outputs' codes (4)
             swiglu_backward(c, b, a, N, F, 0);
             fp8_cast_transpose(q, qt, c, N, 2 * F, E5M2, meta, r, 0);
         }, [&] { swiglu_backward_fp8(dy_out, b, a, N, F, 0); });
-        row("rope backward -> dY", [&] {   // in place on c: a rotation keeps the values finite run after run
+        row("rope backward -> dY", 6 * nqkv, 4 * nqkv, [&] {   // in place on c: a rotation keeps the values finite run after run
             rope_backward(c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0);
             fp8_cast_transpose(q, qt, c, N, QKV, E5M2, meta, r, 0);
         }, [&] { rope_backward_fp8(dy_out, c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0); });
@@ -5688,7 +5699,7 @@ static void run_benchmarks(const std::vector<std::string>& which) {
     if (want("gemm")) bench_gemms(&ctx);
     if (want("cast")) {
         bench_casts();
-        bench_fused_casts();
+        bench_fused_casts(bench_copy_gbs());
     }
     if (want("model")) {
         printf("\nModel forward+backward (one micro-batch; FLOPs = model_flops_per_token)\n");
