@@ -10,7 +10,7 @@
 //   7. tensor parallelism   the NCCL groups, the start-up checks, the layout print
 // One token through the forward pass:
 //   x = tok_embedding[token]
-//   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))
+//   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))   (--qkv-clip, --qk-norm: clip, then norm, before rope)
 //                x = h + w_down(swiglu(w_gate_up(rmsnorm(h))))
 //   loss = cross_entropy(lm_head(rmsnorm(x)), target)
 // Activations and activation gradients are BF16, statistics FP32, parameter gradients FP32.
@@ -28,6 +28,8 @@
 struct ModelConfig {
     int vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq_len;
     float norm_eps, rope_theta;
+    bool qk_norm = false;    // --qk-norm: RMSNorm with a learned weight on each head of Q and K before RoPE (section 3)
+    float qkv_clip = 0.0f;   // --qkv-clip: wqkv's output clamped to [-qkv_clip, qkv_clip] before RoPE; 0 = off (section 3)
 };
 
 // LLaMA's FFN width: SwiGLU has three matrices instead of two, so the hidden width is 2/3 of 4*dim (the
@@ -57,6 +59,7 @@ inline std::string model_config_problem(const ModelConfig& c) {
     if (c.max_seq_len < 1) return strprintf("max_seq_len %d must be at least 1", c.max_seq_len);
     if (!(c.norm_eps > 0.0f)) return strprintf("norm_eps %g must be positive", c.norm_eps);
     if (!(c.rope_theta > 0.0f)) return strprintf("rope_theta %g must be positive", c.rope_theta);
+    if (!(c.qkv_clip >= 0.0f) || !std::isfinite(c.qkv_clip)) return strprintf("qkv_clip %g must be finite and >= 0 (0 = off)", c.qkv_clip);
     return "";
 }
 inline void model_config_validate(const ModelConfig& c) {
@@ -101,12 +104,15 @@ inline int model_qkv_dim(const ModelConfig& c) { return (c.n_heads + 2 * c.n_kv_
 // 2. Parameters: one flat allocation in the order of README.md's "Parameter layout", walked through the table of TensorSpec.
 //   tok_embedding [V,D]; per layer attn_norm [D], wqkv [QKV,D], wo [D,D], ffn_norm [D], w_gate_up [2F,D],
 //   w_down [D,F]; final_norm [D]; lm_head [V,D]. Index in the table: 0, then 1 + 6l + LayerParam, then 1 + 6L, 2 + 6L.
+//   With --qk-norm, after them: per layer qk_norm [2 HD] (the weight of Q's heads, then K's), index 3 + 6L + l; the
+//   tensors before keep their offsets.
 
 enum LayerParam { ATTN_NORM = 0, WQKV, WO, FFN_NORM, W_GATE_UP, W_DOWN, PARAMS_PER_LAYER };
 constexpr int PARAM_TOK_EMBEDDING = 0;
 inline int param_layer(int l, LayerParam p) { return 1 + l * PARAMS_PER_LAYER + p; }
 inline int param_final_norm(const ModelConfig& c) { return 1 + c.n_layers * PARAMS_PER_LAYER; }
 inline int param_lm_head(const ModelConfig& c) { return 2 + c.n_layers * PARAMS_PER_LAYER; }
+inline int param_qk_norm(const ModelConfig& c, int l) { return 3 + c.n_layers * PARAMS_PER_LAYER + l; }
 
 // "" if the model splits over tp_size ranks (tensor parallelism, section 7), else what is wrong.
 inline std::string model_tp_problem(const ModelConfig& c, int tp_size) {
@@ -146,6 +152,8 @@ inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c, int tp_si
     }
     add("final_norm", D, 1);
     add("lm_head", V, D);
+    if (c.qk_norm)
+        for (int l = 0; l < c.n_layers; l++) add("layers." + std::to_string(l) + ".qk_norm", 2 * c.head_dim, 1);
     return specs;
 }
 inline size_t model_num_params(const ModelConfig& c, int tp_size = 1) {
@@ -234,9 +242,20 @@ struct InitRng {
     }
 };
 
-// Host FP32 weights: normal(0, 0.02); wo and w_down (the projections into the residual stream) scaled by
-// 1/sqrt(2L) more, so the residual stream's variance does not grow with depth; norm weights 1.
-inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed) {
+// The weight init (--init, --init-std S); norm weights are 1 in every kind.
+//   normal         N(0, S^2), wo and w_down (the projections into the residual stream) scaled by 1/sqrt(2L) more,
+//                  so that the residual stream's variance does not grow with depth (S = 0.02: the default)
+//   trunc-normal   the same stds, each value resampled until it lies within 2 of its tensor's std (the
+//                  distribution of timm's trunc_normal_(std, a = -2 std, b = 2 std), which draws it by inverse CDF)
+//   torch-default  PyTorch's defaults: nn.Linear's kaiming_uniform_(a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))
+//                  for every linear (lm_head included), nn.Embedding's N(0, 1)
+enum InitKind { INIT_NORMAL = 0, INIT_TRUNC_NORMAL, INIT_TORCH_DEFAULT };
+inline int init_kind_from_name(const std::string& name) {
+    return name == "normal" ? INIT_NORMAL : name == "trunc-normal" ? INIT_TRUNC_NORMAL : name == "torch-default" ? INIT_TORCH_DEFAULT : -1;
+}
+
+// Host FP32 weights of the init `kind` with std `init_std` (above).
+inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed, InitKind kind = INIT_NORMAL, double init_std = 0.02) {
     std::vector<TensorSpec> specs = model_param_specs(c);
     std::vector<float> w(specs.back().offset + specs.back().numel);
     const double residual_scale = 1.0 / sqrt(2.0 * c.n_layers);
@@ -250,11 +269,24 @@ inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed
                 std::fill(out, out + s.numel, 1.0f);
                 continue;
             }
-            bool in_layer = i >= 1 && (int)i < param_final_norm(c);
-            int kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
-            double stddev = 0.02 * (kind == WO || kind == W_DOWN ? residual_scale : 1.0);
             InitRng rng(seed + ((uint64_t)i << 32));
-            for (size_t j = 0; j < s.numel; j++) out[j] = (float)(rng.normal() * stddev);
+            if (kind == INIT_TORCH_DEFAULT) {
+                if (i == PARAM_TOK_EMBEDDING) {
+                    for (size_t j = 0; j < s.numel; j++) out[j] = (float)rng.normal();
+                } else {
+                    const double bound = 1.0 / sqrt((double)s.cols);   // fan_in: the columns of a [out, in] weight
+                    for (size_t j = 0; j < s.numel; j++) out[j] = (float)((2.0 * rng.uniform() - 1.0) * bound);
+                }
+                continue;
+            }
+            bool in_layer = i >= 1 && (int)i < param_final_norm(c);
+            int layer_kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
+            double stddev = init_std * (layer_kind == WO || layer_kind == W_DOWN ? residual_scale : 1.0);
+            for (size_t j = 0; j < s.numel; j++) {
+                double z = rng.normal();
+                while (kind == INIT_TRUNC_NORMAL && fabs(z) > 2.0) z = rng.normal();
+                out[j] = (float)(z * stddev);
+            }
         }
     };
     std::vector<std::thread> threads;
@@ -653,6 +685,160 @@ inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float
     fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
 }
 
+// ---- QKV clipping (--qkv-clip C), in place on wqkv's output, before the QK norm and RoPE:
+//   forward   y = min(max(x, -C), C), rounded to BF16 (|y| may exceed C by BF16's rounding of C)
+//   backward  dx = dy where |x| <= C, 0 where the forward clamped (|x| > C): torch.clamp's gradient
+// RoPE then rotates qkv in place, so the forward keeps which elements it clamped: one bit each, a byte per 8
+// elements (1/16 of qkv's bytes). One thread per 8 elements (16 bytes). NaN is not clamped (as in torch).
+constexpr int QKV_CLIP_THREADS = 256;
+
+__global__ void qkv_clip_forward_kernel(bf16* qkv, uint8_t* mask, size_t chunks, float clip) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    Packed128<bf16> v = load128(qkv + i * BF16_PER_16B);
+    unsigned int bits = 0;
+    for (int k = 0; k < BF16_PER_16B; k++) {
+        const float x = to_float(v.v[k]);
+        if (fabsf(x) > clip) {
+            bits |= 1u << k;
+            v.v[k] = __float2bfloat16(copysignf(clip, x));
+        }
+    }
+    store128(qkv + i * BF16_PER_16B, v);
+    mask[i] = (uint8_t)bits;
+}
+
+__global__ void qkv_clip_backward_kernel(bf16* dqkv, const uint8_t* mask, size_t chunks) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    const unsigned int bits = mask[i];
+    if (bits == 0) return;
+    Packed128<bf16> d = load128(dqkv + i * BF16_PER_16B);
+    for (int k = 0; k < BF16_PER_16B; k++)
+        if ((bits >> k) & 1u) d.v[k] = __float2bfloat16(0.0f);
+    store128(dqkv + i * BF16_PER_16B, d);
+}
+
+// qkv [n] (n a multiple of 8) clamped in place; mask [n / 8] written.
+inline void qkv_clip_forward(bf16* qkv, uint8_t* mask, size_t n, float clip, cudaStream_t s) {
+    if (n % BF16_PER_16B != 0 || !is_aligned16(qkv)) fail("qkv_clip_forward: %zu elements at %p: a multiple of 8, 16-byte aligned", n, qkv);
+    if (!(clip > 0.0f)) fail("qkv_clip_forward: the clip %g must be positive (--qkv-clip)", clip);
+    ProfileRange range(PHASE_OTHER, s, "qkv clip forward");
+    const size_t chunks = n / BF16_PER_16B;
+    qkv_clip_forward_kernel<<<grid_for(chunks, QKV_CLIP_THREADS), QKV_CLIP_THREADS, 0, s>>>(qkv, mask, chunks, clip);
+    cudaCheckLaunch();
+}
+// dqkv [n]: zero where the forward clamped (in place).
+inline void qkv_clip_backward(bf16* dqkv, const uint8_t* mask, size_t n, cudaStream_t s) {
+    if (n % BF16_PER_16B != 0 || !is_aligned16(dqkv)) fail("qkv_clip_backward: %zu elements at %p: a multiple of 8, 16-byte aligned", n, dqkv);
+    ProfileRange range(PHASE_OTHER, s, "qkv clip backward");
+    const size_t chunks = n / BF16_PER_16B;
+    qkv_clip_backward_kernel<<<grid_for(chunks, QKV_CLIP_THREADS), QKV_CLIP_THREADS, 0, s>>>(dqkv, mask, chunks);
+    cudaCheckLaunch();
+}
+
+// ---- QK normalisation (--qk-norm): RMSNorm over each head of Q and of K (the first NH + NKV heads of a qkv row),
+// in place before RoPE, with a learned weight of HD values for Q's heads and another for K's (the layer's qk_norm
+// parameter [2 HD], shared by the heads, as Qwen3's q_norm / k_norm): y = x r w, r = 1 / sqrt(mean over the head
+// of x^2 + eps), the formula of RMSNorm above (rmsnorm_value). The backward is RMSNorm's over rows of HD; the dw
+// of Q's (K's) weight sums over every token and Q (K) head. The forward keeps x (RoPE overwrites qkv) and r.
+// Both kernels: a block takes QK_NORM_TOKENS tokens and all their Q and K heads with HD threads; a warp per head
+// row reduces the row (sum of squares; sum of dy w x), then thread j does column j of every row in order. The
+// backward writes one row of dw partial sums per block [2 HD] (Q's, then K's), added up in block order by
+// rmsnorm_dw_reduce_kernel: no atomics, the same bits on every run.
+constexpr int QK_NORM_TOKENS = 8;
+
+__global__ void qk_norm_forward_kernel(bf16* qkv, bf16* x_saved, float* rstd, const bf16* w, int N, int heads, int NH, int HD,
+                                       int qkv_cols, float eps) {
+    extern __shared__ float row_r[];   // [QK_NORM_TOKENS * heads]
+    const int n0 = blockIdx.x * QK_NORM_TOKENS, rows = min(QK_NORM_TOKENS, N - n0) * heads;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int r = warp; r < rows; r += warps) {
+        const bf16* x = qkv + (size_t)(n0 + r / heads) * qkv_cols + (size_t)(r % heads) * HD;
+        float ss = 0.0f;
+        for (int j = lane; j < HD; j += 32) ss += to_float(x[j]) * to_float(x[j]);
+        ss = attention_warp_sum(ss);
+        const float rs = 1.0f / sqrtf(ss / HD + eps);
+        if (lane == 0) {
+            row_r[r] = rs;
+            rstd[(size_t)n0 * heads + r] = rs;
+        }
+    }
+    __syncthreads();
+    const int j = threadIdx.x;   // blockDim.x == HD
+    const float wq = to_float(w[j]), wk = to_float(w[HD + j]);
+    for (int r = 0; r < rows; r++) {
+        const int h = r % heads;
+        const size_t o = (size_t)(n0 + r / heads) * qkv_cols + (size_t)h * HD + j;
+        const bf16 x = qkv[o];
+        x_saved[((size_t)n0 * heads + r) * HD + j] = x;
+        qkv[o] = rmsnorm_value(to_float(x), row_r[r], h < NH ? wq : wk);
+    }
+}
+
+__global__ void qk_norm_backward_kernel(bf16* dqkv, float* dw_partial, const bf16* x_saved, const float* rstd, const bf16* w, int N,
+                                        int heads, int NH, int HD, int qkv_cols) {
+    extern __shared__ float row_dot[];   // [QK_NORM_TOKENS * heads]: sum_i dy_i w_i x_i of each head row
+    const int n0 = blockIdx.x * QK_NORM_TOKENS, rows = min(QK_NORM_TOKENS, N - n0) * heads;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int r = warp; r < rows; r += warps) {
+        const int h = r % heads;
+        const bf16* dy = dqkv + (size_t)(n0 + r / heads) * qkv_cols + (size_t)h * HD;
+        const bf16* x = x_saved + ((size_t)n0 * heads + r) * HD;
+        const bf16* wr = w + (h < NH ? 0 : HD);
+        float dot = 0.0f;
+        for (int j = lane; j < HD; j += 32) dot += to_float(dy[j]) * to_float(wr[j]) * to_float(x[j]);
+        dot = attention_warp_sum(dot);
+        if (lane == 0) row_dot[r] = dot;
+    }
+    __syncthreads();   // every dy of the block's rows has been read before any is overwritten
+    const int j = threadIdx.x;   // blockDim.x == HD
+    const float wq = to_float(w[j]), wk = to_float(w[HD + j]);
+    float dwq = 0.0f, dwk = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        const int h = r % heads;
+        const size_t o = (size_t)(n0 + r / heads) * qkv_cols + (size_t)h * HD + j;
+        const float rs = rstd[(size_t)n0 * heads + r], coef = rs * rs * rs * row_dot[r] / HD;
+        const float g = to_float(dqkv[o]), x = to_float(x_saved[((size_t)n0 * heads + r) * HD + j]);
+        dqkv[o] = __float2bfloat16(rs * g * (h < NH ? wq : wk) - coef * x);
+        if (h < NH) dwq += g * x * rs;
+        else dwk += g * x * rs;
+    }
+    dw_partial[(size_t)blockIdx.x * 2 * HD + j] = dwq;
+    dw_partial[(size_t)blockIdx.x * 2 * HD + HD + j] = dwk;
+}
+
+inline void qk_norm_check(const char* who, int heads, int HD) {
+    if (HD < 32 || HD % 32 != 0 || HD > 1024) fail("%s: head_dim %d must be a multiple of 32 up to 1024 (a thread per column)", who, HD);
+    if ((size_t)QK_NORM_TOKENS * heads * sizeof(float) > 48 * 1024)
+        fail("%s: %d Q and K heads: more than the %zu a block's shared memory holds", who, heads, 48 * 1024 / (QK_NORM_TOKENS * sizeof(float)));
+}
+// qkv [N, (NH + 2 NKV) HD]: its Q and K heads normalised in place; x_saved [N, NH + NKV, HD] and rstd [N, NH + NKV]
+// written; w [2 HD] (Q's weight, then K's).
+inline void qk_norm_forward(bf16* qkv, bf16* x_saved, float* rstd, const bf16* w, int N, int NH, int NKV, int HD, float eps, cudaStream_t s) {
+    const int heads = NH + NKV;
+    qk_norm_check("qk_norm_forward", heads, HD);
+    ProfileRange range(PHASE_NORM, s, "qk norm forward");
+    qk_norm_forward_kernel<<<ceil_div(N, QK_NORM_TOKENS), HD, QK_NORM_TOKENS * heads * sizeof(float), s>>>(
+        qkv, x_saved, rstd, w, N, heads, NH, HD, (NH + 2 * NKV) * HD, eps);
+    cudaCheckLaunch();
+}
+// Floats of scratch that qk_norm_backward needs: one partial dw row [2 HD] per block of tokens.
+inline size_t qk_norm_backward_scratch(int N, int HD) { return (size_t)ceil_div(N, QK_NORM_TOKENS) * 2 * HD; }
+// dqkv's Q and K heads: the gradient of the norm's output in, of its input out (in place); dw [2 HD] += the
+// weights' gradient (accumulate false: dw = that).
+inline void qk_norm_backward(bf16* dqkv, float* dw, float* scratch, const bf16* x_saved, const float* rstd, const bf16* w, int N, int NH,
+                             int NKV, int HD, cudaStream_t s, bool accumulate = true) {
+    const int heads = NH + NKV, blocks = ceil_div(N, QK_NORM_TOKENS);
+    qk_norm_check("qk_norm_backward", heads, HD);
+    ProfileRange range(PHASE_NORM, s, "qk norm backward");
+    qk_norm_backward_kernel<<<blocks, HD, QK_NORM_TOKENS * heads * sizeof(float), s>>>(dqkv, scratch, x_saved, rstd, w, N, heads, NH, HD,
+                                                                                      (NH + 2 * NKV) * HD);
+    cudaCheckLaunch();
+    rmsnorm_dw_reduce_kernel<<<ceil_div(2 * HD, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, 2 * HD, accumulate);
+    cudaCheckLaunch();
+}
+
 // ---- SwiGLU: out[n,j] = silu(g) * u with g = gate_up[n,j], u = gate_up[n,F+j], silu(g) = g sigmoid(g).
 // Backward: du = dout silu(g); dg = dout u silu'(g), silu'(g) = sig(g) (1 + g (1 - sig(g))).
 constexpr int SWIGLU_THREADS = 256;
@@ -891,6 +1077,9 @@ struct ModelActivations {
     bf16* attn_norm;       // [L,N,D]    attn_norm(resid_attn)
     float* attn_rstd;      // [L,N]      FP32
     bf16* qkv;             // [L,N,QKV]  after RoPE
+    uint8_t* qkv_clip_mask;   // [L,N*QKV/8] --qkv-clip: the bits of the clamped elements (else empty)
+    bf16* qk_norm_x;       // [L,N,QK]   --qk-norm: the Q and K heads before the norm (QK = this rank's NH+NKV heads x HD)
+    float* qk_norm_rstd;   // [L,N,NH+NKV] --qk-norm: FP32 1/rms of each head
     bf16* att;             // [L,N,A]    attention output (A = this rank's heads x HD; D without TP)
     float* lse;            // [L,B*NH*T] FP32, attention's log-sum-exp
     bf16* resid_ffn;       // [L,N,D]    resid_attn + wo(att)
@@ -911,6 +1100,7 @@ struct ModelActivations {
     bf16* dswiglu;         // [N,F]
     float* att_scratch;    // FP32, attention_backward's scratch (attention_backward_scratch_floats)
     float* norm_scratch;   // [ceil(N/32),D] FP32, rmsnorm_backward's partial dw rows
+    float* qk_norm_scratch;   // --qk-norm: qk_norm_backward's partial dw rows
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
     bf16* dlogits;         // [chunk,V]
     float* losses;         // [N]        FP32
@@ -1090,6 +1280,8 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
 inline bool model_fp8_fused(Model* m, int param, bool dy) {
     if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
     const int kind = (param - 1) % PARAMS_PER_LAYER;
+    // the QK norm's and the QKV clip's backward come between RoPE's backward and wqkv's dY: no fused cast there
+    if (dy && kind == WQKV && (m->config.qk_norm || m->config.qkv_clip > 0.0f)) return false;
     return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
 }
 #endif
@@ -1244,12 +1436,16 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
     const size_t L = c.n_layers, N = (size_t)m->B * m->T, D = c.dim, F = m->ffn_dim, V = c.vocab_size;
     const size_t S = model_num_bf16_layers(m) + (model_num_bf16_layers(m) < c.n_layers ? 1 : 0);   // input slots
     const size_t QKV = model_local_qkv_dim(m), A = (size_t)m->n_heads * c.head_dim, LSE = N * m->n_heads, chunk = m->ce_chunk;
+    const size_t QKH = c.qk_norm ? (size_t)m->n_heads + m->n_kv_heads : 0;   // heads the QK norm keeps (none without it)
     ModelActivations& a = m->acts;
     return {
         {"resid_attn", DT_BF16, L * N * D, (void**)&a.resid_attn},
         {"attn_norm", DT_BF16, S * N * D, (void**)&a.attn_norm},
         {"attn_rstd", DT_FP32, L * N, (void**)&a.attn_rstd},
         {"qkv", DT_BF16, L * N * QKV, (void**)&a.qkv},
+        {"qkv_clip_mask", DT_E4M3 /* bytes */, c.qkv_clip > 0.0f ? L * N * QKV / 8 : 0, (void**)&a.qkv_clip_mask},
+        {"qk_norm_x", DT_BF16, L * N * QKH * c.head_dim, (void**)&a.qk_norm_x},
+        {"qk_norm_rstd", DT_FP32, L * N * QKH, (void**)&a.qk_norm_rstd},
         {"att", DT_BF16, L * N * A, (void**)&a.att},
         {"lse", DT_FP32, L * LSE, (void**)&a.lse},
         {"resid_ffn", DT_BF16, L * N * D, (void**)&a.resid_ffn},
@@ -1269,6 +1465,7 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
         {"dswiglu", DT_BF16, N * F, (void**)&a.dswiglu},
         {"att_scratch", DT_FP32, attention_backward_scratch_floats(m->B, m->T, m->n_heads, c.head_dim), (void**)&a.att_scratch},
         {"norm_scratch", DT_FP32, rmsnorm_backward_scratch((int)N, (int)D), (void**)&a.norm_scratch},
+        {"qk_norm_scratch", DT_FP32, c.qk_norm ? qk_norm_backward_scratch((int)N, c.head_dim) : 0, (void**)&a.qk_norm_scratch},
         {"logits", DT_FP32, chunk * V, (void**)&a.logits},
         {"dlogits", DT_BF16, chunk * V, (void**)&a.dlogits},
         {"losses", DT_FP32, N, (void**)&a.losses},
@@ -1342,9 +1539,11 @@ inline void model_fp8_create(Model* m) {
 // the X and dY scales has run; now the step's amaxes (the MAX over its micro-batches) enter the histories, all
 // tensors in one launch, so that --amax-history and --quant-interval count optimizer steps. Evaluation passes
 // gather nothing: the history is of training steps. Nothing under current scaling (each cast records its own).
+// In the --amax-warmup steps the casts are current-scaled and gather the step's MAX in Fp8Meta::warmup_amax (the
+// group's MAX already under --tp-amax-sync: each cast took it), which this records into the history.
 inline void model_fp8_record_amax(Model* m) {
     const Fp8Recipe& r = m->fp8_options.recipe;
-    if (!r.delayed()) return;
+    if (!r.history_per_step()) return;
     ProfileRange range(PHASE_FP8_CAST, m->stream, "record amax (delayed scaling)");
     ModelFp8& f = m->fp8;
     if (m->tp && m->fp8_options.tp_amax_sync)   // the amaxes of this rank's slices (model_amax_group), one word each
@@ -1408,6 +1607,9 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     if (B < 1 || T < 1) fail("model_create: B=%d and T=%d must be at least 1", B, T);
     if (T > c.max_seq_len) fail("model_create: T=%d is longer than max_seq_len %d: lower T or raise max_seq_len", T, c.max_seq_len);
     if ((B * T) % 16 != 0) fail("model_create: B*T = %d*%d must be a multiple of 16 (the GEMM rule): change B or T", B, T);
+    if (c.qk_norm && tp && tp->size > 1)
+        fail("model_create: --qk-norm under tensor parallelism (%d ranks): the replicated Q and K norm weights would get only "
+             "each rank's heads' gradients; use --tp 1", tp->size);
     m->config = c;
     m->fp8_options = fp8;
     m->tp = tp;
@@ -1507,8 +1709,9 @@ inline void model_zero_grads(Model* m) {
 
 // Layer l's saved activations.
 struct LayerActs {
-    bf16 *resid_attn, *attn_norm, *qkv, *att, *resid_ffn, *ffn_norm, *gate_up, *swiglu;
-    float *attn_rstd, *lse, *ffn_rstd;
+    bf16 *resid_attn, *attn_norm, *qkv, *att, *resid_ffn, *ffn_norm, *gate_up, *swiglu, *qk_norm_x;
+    float *attn_rstd, *lse, *ffn_rstd, *qk_norm_rstd;
+    uint8_t* qkv_clip_mask;
 };
 inline LayerActs model_layer_acts(Model* m, int l) {
     const ModelConfig& c = m->config;
@@ -1520,6 +1723,10 @@ inline LayerActs model_layer_acts(Model* m, int l) {
     la.attn_norm = a.attn_norm + slot * N * D;
     la.attn_rstd = a.attn_rstd + l * N;
     la.qkv = a.qkv + l * N * model_local_qkv_dim(m);
+    const size_t qk_heads = c.qk_norm ? (size_t)m->n_heads + m->n_kv_heads : 0;
+    la.qkv_clip_mask = a.qkv_clip_mask + (c.qkv_clip > 0.0f ? l * N * model_local_qkv_dim(m) / 8 : 0);
+    la.qk_norm_x = a.qk_norm_x + l * N * qk_heads * c.head_dim;
+    la.qk_norm_rstd = a.qk_norm_rstd + l * N * qk_heads;
     la.att = a.att + l * N * A;
     la.lse = a.lse + l * N * m->n_heads;
     la.resid_ffn = a.resid_ffn + l * N * D;
@@ -1553,6 +1760,10 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
         LayerActs la = model_layer_acts(m, l);
         // attention block (resid_attn and attn_norm, or its FP8 cast, were written by the previous layer's last step)
         linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
+        if (c.qkv_clip > 0.0f) qkv_clip_forward(la.qkv, la.qkv_clip_mask, (size_t)N * model_local_qkv_dim(m), c.qkv_clip, s);
+        if (c.qk_norm)
+            qk_norm_forward(la.qkv, la.qk_norm_x, la.qk_norm_rstd, model_weight(m, param_qk_norm(c, l)), N, m->n_heads, m->n_kv_heads,
+                            c.head_dim, c.norm_eps, s);
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         {
             ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
@@ -1636,6 +1847,10 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
                                c.head_dim, s);
         }
         model_rope_backward(m, a.dqkv, param_layer(l, WQKV), B, T);
+        if (c.qk_norm)
+            qk_norm_backward(a.dqkv, model_grad(m, param_qk_norm(c, l)), a.qk_norm_scratch, la.qk_norm_x, la.qk_norm_rstd,
+                             model_weight(m, param_qk_norm(c, l)), N, m->n_heads, m->n_kv_heads, c.head_dim, s, m->accumulate_grads);
+        if (c.qkv_clip > 0.0f) qkv_clip_backward(a.dqkv, la.qkv_clip_mask, (size_t)N * model_local_qkv_dim(m), s);
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
