@@ -1125,9 +1125,17 @@ struct Fp8Options {
     bool all_layers = false;    // FP8 in the first and last decoder layers too (the recipe keeps them BF16)
     bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
     bool tp_amax_sync = false;  // tensor parallelism: the amax of a sharded X or dY is the MAX over the group
+    float smooth_quant = 0.0f;  // --smooth-quant ALPHA: SmoothQuant's per-channel migration into the FP8 linears (section 5); 0 = off
     bool fused_casts = true;    // RMSNorm, SwiGLU and the RoPE backward cast their outputs for an FP8 linear themselves;
                                 // false: they write BF16 and a plain cast follows (the unfused path: the reference of
                                 // the fused casts' tests and the benchmark's baseline)
+};
+
+// --smooth-quant, per FP8 linear of `in` input channels (section 5): s and 1/s [in], powers of two; the bits of the
+// channels' amax of X gathered over the step's training forwards, and of W's columns [in].
+struct SmoothQuantState {
+    float *s, *inv_s;
+    unsigned int *x_amax, *w_amax;
 };
 
 #if defined(PRECISION_FP8)
@@ -1143,6 +1151,8 @@ struct ModelFp8 {
     Fp8Health* health = nullptr;      // [L*4*3] device: --fp8-stats counts
     fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
+    std::vector<SmoothQuantState> smooth;   // --smooth-quant: per linear (as `linears`; s == nullptr: none), else empty
+    void* smooth_memory = nullptr;    // their one allocation
     int n_fp8_linears = 0;
     bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
     bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
@@ -1201,12 +1211,98 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 // The casts of X and dY are the caller's (fp8_cast_produced): the kernel that produces the tensor, or a plain cast.
 
 
+// ---- SmoothQuant (--smooth-quant ALPHA): each FP8 linear's input channel j moves scale from X to W,
+//   X' = X / s, W' = W s (by columns), so X' W'^T = X W^T,   s_j = 2^round(ALPHA log2 amax_j(X) - (1 - ALPHA) log2 amax_j(W))
+// (Xiao et al. 2023, "SmoothQuant", eq. 4, with s rounded to a power of two: X / s, W s and the gradient rescales below
+// are then exact in BF16 and FP32, so only the FP8 quantization changes; the rounding moves s by at most sqrt(2)).
+// amax_j(X) is the MAX over the tokens of the last optimizer step's training forwards, amax_j(W) over the rows of the
+// weights just updated: s is recomputed with the weights after every optimizer step (model_weights_changed), because
+// W' must be cast with the s that X' will be cast with, once per step, before this step's X exists (delayed, as
+// delayed scaling's amax is). A channel whose amax is 0 or not finite gets s = 1; before the first step s = 1.
+// Backward: the GEMMs give the gradients of X' and W'; dX = dX' / s and dW = dW' s by columns (linear_backward).
+constexpr int SMOOTH_THREADS = 256;
+constexpr int SMOOTH_AMAX_ROW_BLOCKS = 64;   // blocks along the rows of column_amax: atomics per column
+
+__host__ __device__ inline float smooth_quant_scale(float x_amax, float w_amax, float alpha) {
+    if (!(x_amax > 0.0f) || !(w_amax > 0.0f) || !isfinite(x_amax) || !isfinite(w_amax)) return 1.0f;
+    const float e = rintf(alpha * log2f(x_amax) - (1.0f - alpha) * log2f(w_amax));
+    return ldexpf(1.0f, (int)fminf(fmaxf(e, -64.0f), 64.0f));
+}
+
+// amax_bits[j] = MAX(amax_bits[j], max over rows of |x[r][j]|), as float bits (atomicMax: exact, order-free). A thread
+// takes 8 columns (16 bytes) of every gridDim.y-th row.
+__global__ void column_amax_kernel(unsigned int* amax_bits, const bf16* x, int rows, int cols) {
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * BF16_PER_16B;
+    if (c >= cols) return;
+    unsigned int m[BF16_PER_16B] = {};
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        Packed128<bf16> v = load128(x + (size_t)r * cols + c);
+        for (int k = 0; k < BF16_PER_16B; k++) m[k] = max(m[k], abs_bits(to_float(v.v[k])));
+    }
+    for (int k = 0; k < BF16_PER_16B; k++)
+        if (m[k] != 0u) atomicMax(&amax_bits[c + k], m[k]);
+}
+// s and 1/s of every channel from the gathered amaxes, which are cleared for the next step.
+__global__ void smooth_quant_scales_kernel(SmoothQuantState q, int cols, float alpha) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    const float s = smooth_quant_scale(__uint_as_float(q.x_amax[j]), __uint_as_float(q.w_amax[j]), alpha);
+    q.s[j] = s;
+    q.inv_s[j] = 1.0f / s;   // exact: a power of two
+    q.x_amax[j] = 0u;
+    q.w_amax[j] = 0u;
+}
+// x [rows, cols] (FP32 or BF16) times scale[col], in place; exact for powers of two.
+template <class T>
+__global__ void scale_columns_kernel(T* x, const float* scale, int rows, int cols) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * cols) return;
+    x[i] = (T)(to_float(x[i]) * scale[i % cols]);
+}
+
+inline void column_amax(unsigned int* amax_bits, const bf16* x, int rows, int cols, cudaStream_t s) {
+    check_rows("column_amax", cols, {x});
+    dim3 grid(ceil_div(cols / BF16_PER_16B, SMOOTH_THREADS), std::min(rows, SMOOTH_AMAX_ROW_BLOCKS));
+    column_amax_kernel<<<grid, SMOOTH_THREADS, 0, s>>>(amax_bits, x, rows, cols);
+    cudaCheckLaunch();
+}
+template <class T>
+void scale_columns(T* x, const float* scale, int rows, int cols, cudaStream_t s) {
+    scale_columns_kernel<<<grid_for((size_t)rows * cols, SMOOTH_THREADS), SMOOTH_THREADS, 0, s>>>(x, scale, rows, cols);
+    cudaCheckLaunch();
+}
+// The new s of a linear from its X amaxes and the columns of its new weights w [out, in].
+inline void smooth_quant_update(const SmoothQuantState& q, const bf16* w, int out, int in, float alpha, cudaStream_t s) {
+    column_amax(q.w_amax, w, out, in, s);
+    smooth_quant_scales_kernel<<<ceil_div(in, SMOOTH_THREADS), SMOOTH_THREADS, 0, s>>>(q, in, alpha);
+    cudaCheckLaunch();
+}
+
+// A producer's values times scale[col]: X / s and W s of SmoothQuant for a cast (P has one output).
+template <class P>
+struct ColumnScaledCast {
+    static constexpr int outs = 1;
+    P p;
+    const float* scale;
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        p.load16(v, row, col);
+        for (int k = 0; k < CAST_VEC; k++) v[0][k] *= scale[col + k];
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        p.load1(v, row, col);
+        v[0] *= scale[col];
+    }
+};
+
 // W [out, in] (BF16) -> W8 and W8^T with current scaling (the weights just changed), counting W's health when
 // --fp8-stats is on. amax_gathered: W's amax is already in meta[FP8_W].amax_pending (the optimizer's update pass
-// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice.
-inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false) {
-    fp8_cast_produced(Fp8CastOut{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr},
-                      CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
+// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice. col_scale (--smooth-quant's s):
+// W' = W s is cast instead, after an amax pass of its own.
+inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false,
+                              const float* col_scale = nullptr) {
+    const Fp8CastOut o{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr};
+    if (col_scale) fp8_cast_produced(o, ColumnScaledCast<CastPlain<bf16>>{{w, in}, col_scale}, out, in, stream);
+    else fp8_cast_produced(o, CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
 }
 
 // Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
@@ -1250,6 +1346,12 @@ inline Fp8Linear* model_fp8_linear(Model* m, int param) {
     Fp8Linear* lin = &m->fp8.linears[model_linear_index(param)];
     return lin->w8 ? lin : nullptr;
 }
+// --smooth-quant's state of FP8 linear `param`, or nullptr (off, or a BF16 linear).
+inline const SmoothQuantState* model_smooth(const Model* m, int param) {
+    if (m->fp8.smooth.empty()) return nullptr;
+    const SmoothQuantState* q = &m->fp8.smooth[model_linear_index(param)];
+    return q->s ? q : nullptr;
+}
 // --tp-amax-sync: the group whose MAX of amax a cast takes, or nullptr. Only the casts of tensors that are
 // this rank's slice need it: X of the row-parallel layers (wo, w_down: their input is this rank's heads or
 // FFN slice) and dY of the column-parallel ones (wqkv, w_gate_up). The other X and dY (the norms' outputs,
@@ -1279,6 +1381,7 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
 // stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
 inline bool model_fp8_fused(Model* m, int param, bool dy) {
     if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
+    if (!dy && model_smooth(m, param)) return false;   // X / s: linear_forward casts it (and gathers its channel amaxes)
     const int kind = (param - 1) % PARAMS_PER_LAYER;
     // the QK norm's and the QKV clip's backward come between RoPE's backward and wqkv's dY: no fused cast there
     if (dy && kind == WQKV && (m->config.qk_norm || m->config.qkv_clip > 0.0f)) return false;
@@ -1290,7 +1393,11 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int 
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
+        if (const SmoothQuantState* q = model_smooth(m, param)) {   // X' = X / s; the channels' amax for the next s
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X / s (smooth-quant)");
+            if (m->fp8.training) column_amax(q->x_amax, inp, N, w.cols, m->stream);
+            fp8_cast_produced(model_fp8_cast(m, param, false), ColumnScaledCast<CastPlain<bf16>>{{inp, w.cols}, q->inv_s}, N, w.cols, m->stream);
+        } else if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X");
             fp8_cast_produced(model_fp8_cast(m, param, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
         }
@@ -1312,8 +1419,17 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
             fp8_cast_produced(model_fp8_cast(m, param, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
         }
-        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
+        const SmoothQuantState* q = model_smooth(m, param);
+        float* dw = model_grad(m, param);
+        // --smooth-quant: the GEMMs give dX' and add dW' (dw holds dW' s so far: divided by s first; exact)
+        if (q && m->accumulate_grads) scale_columns(dw, q->inv_s, w.rows, w.cols, m->stream);
+        fp8_linear_backward(&m->matmul, dinp, dw, m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
                             lin, N, w.cols, w.rows, m->stream, m->accumulate_grads);
+        if (q) {   // dX = dX' / s, dW = dW' s
+            ProfileRange range(PHASE_OTHER, m->stream, "smooth-quant gradient scales");
+            scale_columns(dinp, q->inv_s, N, w.cols, m->stream);
+            scale_columns(dw, q->s, w.rows, w.cols, m->stream);
+        }
         return;
     }
 #endif
@@ -1382,7 +1498,9 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
             if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
                 const TensorSpec& w = m->params[param_layer(l, p)];
-                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream, after_step);
+                const SmoothQuantState* q = model_smooth(m, param_layer(l, p));
+                if (q && after_step) smooth_quant_update(*q, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->fp8_options.smooth_quant, m->stream);
+                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream, after_step && !q, q ? q->s : nullptr);
             }
 #else
     (void)m, (void)after_step;
@@ -1397,7 +1515,8 @@ inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
 #if defined(PRECISION_FP8)
     for (int l = 0; l < m->config.n_layers; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
+            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p)))   // --smooth-quant: W' s has an amax pass of its own
+                if (!model_smooth(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
     m->fp8.amax_from_optimizer = true;
 #endif
     return slots;
@@ -1530,6 +1649,26 @@ inline void model_fp8_create(Model* m) {
             f.saved_x8_t[i] = (fp8*)(base + f.weight_bytes + x_off[i]);
         }
     f.n_fp8_linears = (int)x_ids.size();
+    if (m->fp8_options.smooth_quant > 0.0f) {   // s = 1 and no amax gathered yet: 4 words per input channel
+        size_t words = 0;
+        for (int l = 0; l < L; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+                if (f.linears[model_linear_index(param_layer(l, p))].w8) words += 4 * (size_t)m->params[param_layer(l, p)].cols;
+        std::vector<float> init(words, 0.0f);
+        cudaCheck(cudaMalloc(&f.smooth_memory, words * sizeof(float)));
+        f.smooth.assign(L * LINEARS_PER_LAYER, SmoothQuantState{nullptr, nullptr, nullptr, nullptr});
+        size_t at = 0;
+        float* base = (float*)f.smooth_memory;
+        for (int l = 0; l < L; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+                const int i = model_linear_index(param_layer(l, p)), in = m->params[param_layer(l, p)].cols;
+                if (!f.linears[i].w8) continue;
+                f.smooth[i] = SmoothQuantState{base + at, base + at + in, (unsigned int*)(base + at + 2 * in), (unsigned int*)(base + at + 3 * in)};
+                std::fill(init.begin() + at, init.begin() + at + 2 * in, 1.0f);
+                at += 4 * (size_t)in;
+            }
+        cudaCheck(cudaMemcpy(f.smooth_memory, init.data(), words * sizeof(float), cudaMemcpyHostToDevice));
+    }
     x_ids.insert(x_ids.end(), dy_ids.begin(), dy_ids.end());
     cudaCheck(cudaMalloc(&f.delayed_ids, std::max<size_t>(1, x_ids.size()) * sizeof(int)));
     cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
@@ -1676,6 +1815,7 @@ inline void model_destroy(Model* m) {
     cudaCheck(cudaFree(m->fp8.metas));
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
+    cudaCheck(cudaFree(m->fp8.smooth_memory));
 #endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));

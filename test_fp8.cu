@@ -3002,6 +3002,21 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     float loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads = model_test_grads(&m);
     model_fp8_record_amax(&m);   // delayed scaling: the step's amaxes enter the history; the next step casts with them
+    if (fp8.smooth_quant > 0.0f) {   // as after an optimizer step that left W as it was: s from step 1's X amaxes, W8 = cast(W s)
+        model_weight_amax_slots(&m);   // (no optimizer gathers into them: every FP8 linear here smooths, with an amax pass)
+        model_weights_changed(&m, true);
+        size_t channels = 0, moved = 0;
+        for (const SmoothQuantState& q : m.fp8.smooth) {
+            if (!q.s) continue;
+            const int in = (int)(q.inv_s - q.s);   // s and 1/s are adjacent [in] arrays
+            std::vector<float> s(in);
+            cudaCheck(cudaMemcpy(s.data(), q.s, in * sizeof(float), cudaMemcpyDeviceToHost));
+            for (float x : s) moved += x != 1.0f;
+            channels += in;
+        }
+        printf("    smooth-quant: %zu of %zu input channels have s != 1 for the second step\n", moved, channels);
+        expect(moved > channels / 2, "smooth-quant: only %zu of %zu channels moved scale: the test would not see a missing rescale", moved, channels);
+    }
     // a second identical step: FP8 (amax atomics included) is deterministic
     model_zero_grads(&m);
     float loss2 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
@@ -3088,6 +3103,86 @@ GPU_TEST(fp8_model_vs_reference) {
     Fp8Options split = all;
     split.fast_accum = false;
     check_fp8_model(2, split, "all layers FP8, split accumulation in forward");
+    // --smooth-quant 0.5: the second step runs with X / s and W s (s from the first step), and its gradients must be
+    // those of the original X and W (the reference's)
+    Fp8Options smooth = all;
+    smooth.smooth_quant = 0.5f;
+    check_fp8_model(2, smooth, "all layers FP8, smooth-quant 0.5");
+}
+
+// --smooth-quant's arithmetic: s against float64 (2^round(alpha log2 amax_X - (1 - alpha) log2 amax_W), the guards),
+// and the migration balancing the two amaxes (alpha 0.5: amax(X / s) and amax(W s) within a factor 2, the rounding
+// of s to a power of two).
+HOST_TEST(smooth_quant_scale_math) {
+    size_t off = 0, unbalanced = 0, n = 0;
+    for (int i = 0; i < 20000; i++) {
+        const float ax = ldexpf(1.0f + (float)(test_rng()() % 1000) / 1000.0f, (int)(test_rng()() % 40) - 20);
+        const float aw = ldexpf(1.0f + (float)(test_rng()() % 1000) / 1000.0f, (int)(test_rng()() % 20) - 15);
+        const float alpha = (float)(test_rng()() % 101) / 100.0f;
+        const double e = (double)alpha * log2((double)ax) - (1.0 - (double)alpha) * log2((double)aw);
+        if (fabs(e - floor(e) - 0.5) < 1e-4) continue;   // a tie within float's log2 error: either neighbour is right
+        n++;
+        const float s = smooth_quant_scale(ax, aw, alpha);
+        off += s != (float)ldexp(1.0, (int)std::lround(e));
+        if (alpha == 0.5f) unbalanced += (ax / s) / (aw * s) > 2.0f || (ax / s) / (aw * s) < 0.5f;
+    }
+    printf("    %zu random (amax X, amax W, alpha): s off the float64 power of two %zu, alpha 0.5 unbalanced %zu (all must be 0)\n", n, off, unbalanced);
+    expect(off == 0 && unbalanced == 0, "smooth_quant_scale: %zu off float64, %zu unbalanced", off, unbalanced);
+    expect(smooth_quant_scale(0.0f, 1.0f, 0.5f) == 1.0f && smooth_quant_scale(1.0f, 0.0f, 0.5f) == 1.0f &&
+           smooth_quant_scale(INFINITY, 1.0f, 0.5f) == 1.0f && smooth_quant_scale(NAN, 1.0f, 0.5f) == 1.0f &&
+           smooth_quant_scale(1.0f, NAN, 0.5f) == 1.0f, "an amax of 0 or a non-finite one must give s = 1");
+    expect(smooth_quant_scale(1e30f, 1e-30f, 1.0f) == ldexpf(1.0f, 64), "s is clamped to 2^64 (got %g)", smooth_quant_scale(1e30f, 1e-30f, 1.0f));
+}
+
+// --smooth-quant's kernels: the channels' amax (bit for bit against the host, gathered over two calls), s and 1/s
+// from them (the host function) with the amaxes cleared, and the column scaling of FP32 and BF16 (exact).
+GPU_TEST(smooth_quant_kernels_exact) {
+    const int rows = 300, cols = 208;
+    std::vector<float> xf = random_normal((size_t)rows * cols, 1.0f), wf = random_normal((size_t)rows * cols, 0.02f);
+    for (int r = 0; r < rows; r++) xf[(size_t)r * cols + 5] *= 40.0f;   // an outlier channel
+    const std::vector<bf16> x = to_bf16(xf), w = to_bf16(wf);
+    DeviceBuffer<bf16> dx(x), dw(w);
+    DeviceBuffer<float> mem(4 * (size_t)cols);
+    std::vector<float> init(4 * (size_t)cols, 0.0f);
+    mem.upload(init);
+    SmoothQuantState q{mem.ptr, mem.ptr + cols, (unsigned int*)(mem.ptr + 2 * cols), (unsigned int*)(mem.ptr + 3 * cols)};
+    column_amax(q.x_amax, dx.ptr, rows / 2, cols, 0);   // two passes: the MAX over both
+    column_amax(q.x_amax, dx.ptr + (size_t)(rows / 2) * cols, rows - rows / 2, cols, 0);
+    std::vector<float> got = mem.download();
+    size_t bad = 0;
+    std::vector<float> ax(cols, 0.0f), aw(cols, 0.0f);
+    for (int j = 0; j < cols; j++) {
+        for (int r = 0; r < rows; r++) {
+            ax[j] = std::max(ax[j], fabsf(to_float(x[(size_t)r * cols + j])));
+            aw[j] = std::max(aw[j], fabsf(to_float(w[(size_t)r * cols + j])));
+        }
+        bad += !same_bits(got[2 * cols + j], ax[j]);
+    }
+    expect(bad == 0, "column_amax: %zu of %d channels differ from the host's MAX", bad, cols);
+    smooth_quant_update(q, dw.ptr, rows, cols, 0.5f, 0);
+    got = mem.download();
+    size_t s_bad = 0, cleared = 0;
+    for (int j = 0; j < cols; j++) {
+        const float s = smooth_quant_scale(ax[j], aw[j], 0.5f);
+        s_bad += !same_bits(got[j], s) || !same_bits(got[cols + j], 1.0f / s);
+        cleared += got[2 * cols + j] == 0.0f && got[3 * cols + j] == 0.0f;
+    }
+    printf("    s of channel 5 (outlier) %g, of channel 0 %g\n", got[5], got[0]);
+    expect(s_bad == 0 && cleared == (size_t)cols, "smooth_quant_update: %zu s differ from the host's, %zu of %d amaxes cleared", s_bad,
+           cleared, cols);
+    expect(got[5] > got[0], "the outlier channel should get the larger s");
+    const std::vector<float> s(got.begin(), got.begin() + cols);
+    DeviceBuffer<float> d32(xf);
+    scale_columns(d32.ptr, q.s, rows, cols, 0);
+    scale_columns(dx.ptr, q.inv_s, rows, cols, 0);
+    std::vector<float> g32 = d32.download();
+    std::vector<bf16> g16 = dx.download();
+    size_t scale_bad = 0;
+    for (size_t i = 0; i < xf.size(); i++) {
+        scale_bad += !same_bits(g32[i], xf[i] * s[i % cols]);
+        scale_bad += !same_bits(to_float(g16[i]), to_float(x[i]) / s[i % cols]);
+    }
+    expect(scale_bad == 0, "scale_columns: %zu values are not exactly x * s or x / s", scale_bad);
 }
 
 // W8 and W8^T after an optimizer step take W's amax from the update pass (adamw_gather_weight_amax with
@@ -3908,8 +4003,9 @@ HOST_TEST(train_parse_defaults) {
     expect(err.empty() && adamw_config_from_options(o).decay_lr == 0.0f && o.init == "normal" && o.init_std == 0.02 && !o.qk_norm,
            "without the flags: decay LR %g (want 0: the step's), init %s %g", adamw_config_from_options(o).decay_lr, o.init.c_str(), o.init_std);
 #if defined(PRECISION_FP8)
-    err = parse_list({"--amax-warmup", "5", "--amax-history", "16"}, &o);
-    expect(err.empty() && o.amax_warmup == 5, "--amax-warmup 5 --amax-history 16 rejected: %s", err.c_str());
+    err = parse_list({"--amax-warmup", "5", "--amax-history", "16", "--smooth-quant", "0.5"}, &o);
+    expect(err.empty() && o.amax_warmup == 5 && o.smooth_quant == 0.5f, "--amax-warmup 5 --amax-history 16 --smooth-quant 0.5 rejected: %s",
+           err.c_str());
 #endif
     err = parse_list({"--resume", "/tmp/run"}, &o);
     expect(err.empty() && o.out == "/tmp/run", "--resume without --out should write to the resumed folder (out '%s')", o.out.c_str());
@@ -3981,10 +4077,12 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--qkv-clip", "-1"}, {"--qkv-clip", "-1"}},
         {{"--qkv-clip", "inf"}, {"--qkv-clip", "inf"}},
         {{"--qk-norm", "--tp", "2"}, {"--qk-norm", "--tp 2"}},
+        {{"--smooth-quant", "1.5"}, {"--smooth-quant", "1.5"}},
 #if !defined(PRECISION_FP8)
         {{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
         {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
         {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
+        {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}},
 #else
         {{"--amax-warmup", "5"}, {"--amax-warmup 5", "--amax-history"}},
 #endif
@@ -4069,6 +4167,7 @@ HOST_TEST(train_checkpoint_header) {
         {"qkv clip", [](CheckpointHeader* x) { x->qkv_clip = 30.0f; }, {"--qkv-clip", "30"}},
         {"amax warm-up", [](CheckpointHeader* x) { x->amax_warmup = 5; }, {"--amax-warmup", "= 5"}},
         {"wd at peak", [](CheckpointHeader* x) { x->wd_constant_lr = 1; }, {"--wd-constant-lr", "= 1"}},
+        {"smooth-quant", [](CheckpointHeader* x) { x->smooth_quant = 0.5f; }, {"--smooth-quant", "0.5"}},
         {"Fp8Meta", [](CheckpointHeader* x) { x->fp8_meta_bytes = 20; }, {"Fp8Meta", "20"}},
     };
     for (const Case& k : cases) {

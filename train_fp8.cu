@@ -84,6 +84,7 @@ struct TrainOptions {
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
     // the published ablations (README, "Ablation flags"): each off by default
+    float smooth_quant = 0.0f;               // FP8: SmoothQuant's exponent alpha for the FP8 linears' inputs; 0 = off
     float qkv_clip = 0.0f;                   // clamp the QKV projection's output to [-C, C]; 0 = off
     bool qk_norm = false;                    // RMSNorm with a learned weight on each head of Q and K before RoPE
     std::string init = "normal";             // normal, trunc-normal or torch-default (llama2.cuh, InitKind)
@@ -167,6 +168,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
+        flag_float("--smooth-quant", "ALPHA", "SmoothQuant for the FP8 linears: X/s and W*s per input channel, s = amax(X)^ALPHA / amax(W)^(1-ALPHA) (X's of the last step) rounded to a power of two, new with the weights every step (0 = off; FP8 build)", &o->smooth_quant, 0, 1),
         flag_float("--qkv-clip", "C", "clamp the QKV projection's output to [-C, C] before RoPE; no gradient where clamped (0 = off)", &o->qkv_clip, 0, 1e30),
         flag_switch("--qk-norm", "RMSNorm with a learned weight on each head of Q and of K before RoPE (one [head_dim] weight for Q and one for K per layer; not with --tp > 1, not exportable)", &o->qk_norm),
         flag_string("--init", "KIND", "weight init: normal (N(0, S), wo and w_down x 1/sqrt(2L)), trunc-normal (the same, resampled within 2 std), torch-default (nn.Linear's U(-1/sqrt(in), 1/sqrt(in)), embedding N(0, 1))", &o->init),
@@ -361,9 +363,9 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (!v_ok) return strprintf("--v-dtype %s: the second moment can be bf16, e4m3, e5m2 or fp32", o->v_dtype.c_str());
 #if !defined(PRECISION_FP8)
     if (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 || o->fp8_stats != 0 ||
-        o->tp_amax_sync || o->amax_warmup != 0)
-        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --tp-amax-sync and "
-               "--amax-warmup are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+        o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f)
+        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --tp-amax-sync, --amax-warmup "
+               "and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
 #endif
     if (init_kind_from_name(o->init) < 0)
         return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
@@ -430,8 +432,8 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 //   184  u64  XXH64 (seed 0) of the payload, bytes 256 .. 256+S-1
 //   192  f32  --qkv-clip C (0 = off)                 196  i32  --qk-norm (0/1)
 //   200  i32  --amax-warmup N                        204  i32  --wd-constant-lr (0/1)
-//   (files from before these four flags hold zeros in 192..207: all off)
-//   208..247  zero
+//   208  f32  --smooth-quant ALPHA (0 = off)         (files from before these five flags hold zeros in 192..211: all off)
+//   212..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -456,7 +458,7 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 // 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
 // build precision, model config (--qk-norm and --qkv-clip included), B, T, total batch, seed, the FP8 recipe
-// (--amax-warmup included), fast accumulation, amax sync and --wd-constant-lr; --init only
+// (--amax-warmup and --smooth-quant included), fast accumulation, amax sync and --wd-constant-lr; --init only
 // shaped the weights of step 0, which the checkpoint holds; --steps, --lr and the schedule may change (the schedule is a function of the step), though changing them
 // breaks the equality with an uninterrupted run.
 constexpr uint32_t CKPT_MAGIC = 0x38504654;   // "TFP8" as little-endian bytes
@@ -487,7 +489,8 @@ struct CheckpointHeader {
     uint64_t payload_bytes, payload_xxh64;
     float qkv_clip;
     int32_t qk_norm, amax_warmup, wd_constant_lr;
-    uint8_t reserved[40];
+    float smooth_quant;
+    uint8_t reserved[36];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -500,7 +503,8 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, tp_amax_sync) == 168 && offsetof(CheckpointHeader, payload_bytes) == 176 &&
               offsetof(CheckpointHeader, payload_xxh64) == 184 && offsetof(CheckpointHeader, qkv_clip) == 192 &&
               offsetof(CheckpointHeader, qk_norm) == 196 && offsetof(CheckpointHeader, amax_warmup) == 200 &&
-              offsetof(CheckpointHeader, wd_constant_lr) == 204 && offsetof(CheckpointHeader, reserved) == 208 &&
+              offsetof(CheckpointHeader, wd_constant_lr) == 204 && offsetof(CheckpointHeader, smooth_quant) == 208 &&
+              offsetof(CheckpointHeader, reserved) == 212 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -609,6 +613,7 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.qk_norm = c.qk_norm ? 1 : 0;
     h.amax_warmup = o.amax_warmup;
     h.wd_constant_lr = o.wd_constant_lr ? 1 : 0;
+    h.smooth_quant = o.smooth_quant;
     return h;
 }
 
@@ -650,9 +655,12 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
     if (got.norm_eps != want.norm_eps || got.rope_theta != want.rope_theta)
         return strprintf("%s: the checkpoint has norm_eps %g and rope_theta %g, this model %g and %g", path,
                          got.norm_eps, got.rope_theta, want.norm_eps, want.rope_theta);
-    if (got.qkv_clip != want.qkv_clip)
-        return strprintf("%s: the checkpoint has QKV clipping (--qkv-clip) = %g, this run has %g; resume with the flags of the run "
-                         "that wrote it", path, got.qkv_clip, want.qkv_clip);
+    const struct { const char* name; float got, want; } floats[] = {
+        {"QKV clipping (--qkv-clip)", got.qkv_clip, want.qkv_clip}, {"SmoothQuant alpha (--smooth-quant)", got.smooth_quant, want.smooth_quant}};
+    for (const auto& f : floats)
+        if (f.got != f.want)
+            return strprintf("%s: the checkpoint has %s = %g, this run has %g; resume with the flags of the run that wrote it", path,
+                             f.name, f.got, f.want);
     return "";
 }
 
@@ -1458,6 +1466,10 @@ inline TrainResult train(const TrainOptions& o) {
     fp8.fast_accum = o.fp8_fast_accum == 1;
     fp8.tp_amax_sync = o.tp_amax_sync;
     fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
+    fp8.smooth_quant = o.smooth_quant;
+    if (o.smooth_quant > 0.0f && !o.resume.empty())
+        printf("warning: --smooth-quant's per-channel s are not in checkpoints: they start again at 1 for the first resumed "
+               "step (then from its amaxes), so the resumed run differs from an uninterrupted one\n");
     // Every rank cuts its shard out of the same whole weights: the init, or a checkpoint written at another TP size.
     const bool reshard = !o.resume.empty() && std::max(1u, saved.tp_size) != (uint32_t)P;
     std::vector<float> whole;
