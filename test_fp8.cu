@@ -3021,7 +3021,7 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     model_zero_grads(&m);
     float loss2 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads2 = model_test_grads(&m);
-    if (!fp8.recipe.delayed())
+    if (!fp8.recipe.delayed() && fp8.smooth_quant == 0.0f)   // (delayed scaling and smooth-quant: the second step has new scales)
         expect(loss2 == loss && model_test_same_bits(grads, grads2), "two identical FP8 steps differ (loss %.9g vs %.9g)", loss, loss2);
 
     std::vector<float> wb(w.size());
