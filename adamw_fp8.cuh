@@ -55,6 +55,8 @@ struct AdamWConfig {
                                  // Shazeer & Stern 2018; the update clipping of the first FP8-LM recipe)
     bool use_atan2 = false;      // Adam-atan2: update = atan2(m_hat, sqrt(v_hat)), no eps (Everett et al. 2024,
                                  // "Scaling exponents across parameterizations and optimizers", with a = b = 1)
+    float decay_lr = 0.0f;       // > 0: the weight decay term uses this learning rate at every step instead of the
+                                 // step's (--wd-constant-lr: the peak LR), w -= lr u + decay_lr wd w; 0: w -= lr (u + wd w)
 };
 
 inline DType adamw_parse_moment_dtype(const char* flag, const char* value) {
@@ -73,6 +75,7 @@ inline void adamw_config_validate(const AdamWConfig& c) {
     if (!(c.eps > 0.0f) && !c.use_atan2) fail("AdamW eps = %g: must be > 0 (only Adam-atan2 needs none)", c.eps);
     if (!(c.weight_decay >= 0.0f)) fail("AdamW weight decay = %g: must be >= 0 (--weight-decay)", c.weight_decay);
     if (!(c.grad_clip >= 0.0f)) fail("AdamW gradient clip = %g: must be >= 0, 0 = off (--grad-clip)", c.grad_clip);
+    if (!(c.decay_lr >= 0.0f) || !std::isfinite(c.decay_lr)) fail("AdamW weight decay LR = %g: must be finite and >= 0, 0 = the step's LR", c.decay_lr);
 }
 
 // Learning rate at 0-based `step` of a run of `total_steps`:
@@ -254,6 +257,7 @@ struct AdamWScales {           // per tensor, for the update pass (written by th
 };
 struct AdamWStepArgs {
     float lr, clip;                        // clip = min(1, grad_clip / grad_norm) multiplies the gradients
+    float decay_lr;                        // AdamWConfig::decay_lr (0: the decay uses lr)
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
     float m_correction, v_correction;      // 1 / (1 - beta^t): Adam's bias corrections at step t
     bool use_atan2;
@@ -476,7 +480,8 @@ __global__ void adamw_scales_kernel(AdamWScales* scales, Fp8Meta* m_meta, Fp8Met
 }
 
 // The update pass: reads gradient, master weight and both moments once; writes master, moments and the
-// BF16 weight. Decoupled weight decay (AdamW): w = w - lr * (u + wd * w), u the (clipped) Adam direction.
+// BF16 weight. Decoupled weight decay (AdamW): w = w - lr * (u + wd * w), u the (clipped) Adam direction; with a
+// constant decay LR (decay_lr > 0), w = (w - decay_lr * wd * w) - lr * u.
 // Where the table has a weight-amax slot, gathers max |new BF16 weight| into it.
 template <DType M, DType V>
 __global__ void __launch_bounds__(ADAMW_THREADS)
@@ -493,7 +498,7 @@ adamw_update_kernel(float* master, void* m, void* v, bf16* weights, const float*
         float m_new, v_new;
         adamw_moments(&m_new, &v_new, grad, m_x * s.m_decode, second_moment_value<V>(v_x, s.v_decode), a);
         float u = adamw_direction(m_new, v_new, a) * s.update;
-        w = fmaf(-a.lr, fmaf(t.weight_decay, w, u), w);
+        w = a.decay_lr > 0.0f ? fmaf(-a.lr, u, fmaf(-a.decay_lr * t.weight_decay, w, w)) : fmaf(-a.lr, fmaf(t.weight_decay, w, u), w);
         if (weight_amax) w_amax = max(w_amax, abs_bits(__bfloat162float(__float2bfloat16(w))));
         m_x = m_new * s.m_encode;
         v_x = second_moment_stored<V>(v_new, s.v_encode);
@@ -671,6 +676,7 @@ inline AdamWStepArgs adamw_step_args(const AdamW* opt, float lr, float clip) {
     AdamWStepArgs a;
     a.lr = lr;
     a.clip = clip;
+    a.decay_lr = c.decay_lr;
     a.beta1 = c.beta1;
     a.one_minus_beta1 = 1.0f - c.beta1;   // exact in float for beta1 in [0.5, 1) (Sterbenz)
     a.beta2 = c.beta2;

@@ -358,14 +358,19 @@ struct alignas(16) Fp8Meta {
     unsigned int amax_pending;   // bits of the amax being gathered by a kernel (atomicMax on |x| bits)
     float history[FP8_MAX_HISTORY];   // ring buffer of amaxes (delayed scaling)
     unsigned int blocks_done;    // blocks of a current-scaling cast that have finished (section 6); 0 between casts
+    unsigned int warmup_amax;    // --amax-warmup: bits of the MAX of this step's cast amaxes, for the step's record; 0 between steps
 };
-// Checkpoints hold Fp8Meta as it is: blocks_done went into what was padding (zero in older files).
+// Checkpoints hold Fp8Meta as it is: blocks_done and warmup_amax went into what was padding (zero in older files).
 static_assert(offsetof(Fp8Meta, history) == 24 && sizeof(Fp8Meta) == 4128, "Fp8Meta's layout is in checkpoints");
 struct Fp8Recipe {
     int margin = 0;           // scale = 2^(floor(log2(max/amax)) - margin)
     int history_len = 1;      // 1 = current (just-in-time) scaling
     int interval = 1;         // recompute the scale every `interval` uses (delayed scaling)
-    __host__ __device__ bool delayed() const { return history_len > 1 || interval > 1; }
+    bool warmup = false;      // --amax-warmup: delayed scaling's warm-up: casts at current scaling, the history recorded
+    // the casts use the history's scale (delayed scaling past its warm-up)
+    __host__ __device__ bool delayed() const { return (history_len > 1 || interval > 1) && !warmup; }
+    // the amax history is recorded once per optimizer step (delayed scaling, its warm-up included)
+    __host__ __device__ bool history_per_step() const { return history_len > 1 || interval > 1; }
 };
 inline Fp8Meta fp8_meta_initial() {
     Fp8Meta m;
@@ -384,12 +389,36 @@ __host__ __device__ inline void fp8_meta_update(Fp8Meta* m, float amax, Fp8Forma
     m->history[m->uses % r.history_len] = finite ? amax : 0.0f;
     m->uses += 1;
     if (!finite) { m->nonfinite += 1; return; }
-    if ((m->uses - 1) % r.interval != 0) return;    // recompute at the first use, then every `interval`
+    // recompute at the first use, then every `interval`; in the warm-up at every record, so that the first delayed
+    // step casts with the history's scale
+    if (!r.warmup && (m->uses - 1) % r.interval != 0) return;
     int n = m->uses < (unsigned)r.history_len ? (int)m->uses : r.history_len;
     float hist_max = 0.0f;
     for (int i = 0; i < n; i++) hist_max = fmaxf(hist_max, m->history[i]);
     m->scale = fp8_scale_from_amax(hist_max, fp8_max(f), r.margin, m->scale);
     m->inv_scale = 1.0f / m->scale;
+}
+
+// --amax-warmup: the end of a cast at current scaling during the warm-up of delayed scaling. The scale follows
+// this cast's amax, as current scaling's does, but the history and the use count are the step's record's
+// (fp8_update_scales), which takes the MAX of the step's training casts gathered here (record: a training cast).
+__host__ __device__ inline void fp8_meta_warmup_cast(Fp8Meta* m, unsigned int amax_bits, Fp8Format f, int margin, bool record) {
+    float amax;
+    memcpy(&amax, &amax_bits, sizeof(amax));
+    m->amax = amax;
+    m->scale = fp8_scale_from_amax(amax, fp8_max(f), margin, m->scale);   // a non-finite amax keeps the scale
+    m->inv_scale = 1.0f / m->scale;
+    if (record && amax_bits > m->warmup_amax) m->warmup_amax = amax_bits;   // NaN's bits sort above inf: a NaN is kept
+}
+// Delayed scaling's record of one optimizer step (fp8_update_scales_kernel): the amax the step's casts gathered
+// (amax_pending; in the warm-up warmup_amax) enters the history, the scale is refreshed when due, the slots cleared.
+__host__ __device__ inline void fp8_meta_record_step(Fp8Meta* m, Fp8Format f, const Fp8Recipe& r) {
+    const unsigned int bits = r.warmup ? m->warmup_amax : m->amax_pending;
+    float amax;
+    memcpy(&amax, &bits, sizeof(amax));
+    fp8_meta_update(m, amax, f, r);
+    m->amax_pending = 0u;
+    m->warmup_amax = 0u;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -450,13 +479,14 @@ __device__ inline float fp8_cast_scale(const Fp8Meta* meta, Fp8Format f, const F
 // Current scaling, the end of every block of a cast: the last block of the grid records the amax (which sets
 // the scale all blocks used) and clears the slots for the next cast. A block counts itself done after the
 // barrier, so after all its threads' reads of meta: no block reads meta after the update.
-__device__ inline void fp8_cast_done(Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r) {
+__device__ inline void fp8_cast_done(Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r, bool record = true) {
     if (r.delayed()) return;
     __syncthreads();
     if (threadIdx.x != 0) return;
     __threadfence();
     if (atomicAdd(&meta->blocks_done, 1u) != gridDim.x * gridDim.y - 1) return;
-    fp8_meta_update(meta, __uint_as_float(meta->amax_pending), f, r);
+    if (r.warmup) fp8_meta_warmup_cast(meta, meta->amax_pending, f, r.margin, record);
+    else fp8_meta_update(meta, __uint_as_float(meta->amax_pending), f, r);
     meta->amax_pending = 0u;
     meta->blocks_done = 0u;
 }
@@ -629,7 +659,7 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
         }
     }
     if (!STORE || (r.delayed() && record)) block_atomic_max(&meta->amax_pending, m);
-    if constexpr (STORE) fp8_cast_done(meta, F, r);
+    if constexpr (STORE) fp8_cast_done(meta, F, r, record);
 }
 
 // out = decode(code) * inv_scale
@@ -654,12 +684,11 @@ __global__ void dequantize_kernel(T* out, const fp8* x, size_t n, const Fp8Meta*
 
 // Delayed scaling, once per optimizer step: record the amax gathered for each tensor metas[ids[i]] (E4M3 for
 // i < n_e4m3, E5M2 after), refresh its scale when due, and clear amax_pending. All of a step's tensors at once.
+// In the warm-up (--amax-warmup) the step's amax is the one its current-scaled casts gathered in warmup_amax.
 __global__ void fp8_update_scales_kernel(Fp8Meta* metas, const int* ids, int n, int n_e4m3, Fp8Recipe r) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    Fp8Meta* meta = &metas[ids[i]];
-    fp8_meta_update(meta, __uint_as_float(meta->amax_pending), i < n_e4m3 ? E4M3 : E5M2, r);
-    meta->amax_pending = 0u;
+    fp8_meta_record_step(&metas[ids[i]], i < n_e4m3 ? E4M3 : E5M2, r);
 }
 
 // ---- launchers

@@ -10,7 +10,7 @@
 //   7. tensor parallelism   the NCCL groups, the start-up checks, the layout print
 // One token through the forward pass:
 //   x = tok_embedding[token]
-//   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))
+//   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))   (--qkv-clip, --qk-norm: clip, then norm, before rope)
 //                x = h + w_down(swiglu(w_gate_up(rmsnorm(h))))
 //   loss = cross_entropy(lm_head(rmsnorm(x)), target)
 // Activations and activation gradients are BF16, statistics FP32, parameter gradients FP32.
@@ -28,6 +28,8 @@
 struct ModelConfig {
     int vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, max_seq_len;
     float norm_eps, rope_theta;
+    bool qk_norm = false;    // --qk-norm: RMSNorm with a learned weight on each head of Q and K before RoPE (section 3)
+    float qkv_clip = 0.0f;   // --qkv-clip: wqkv's output clamped to [-qkv_clip, qkv_clip] before RoPE; 0 = off (section 3)
 };
 
 // LLaMA's FFN width: SwiGLU has three matrices instead of two, so the hidden width is 2/3 of 4*dim (the
@@ -57,6 +59,7 @@ inline std::string model_config_problem(const ModelConfig& c) {
     if (c.max_seq_len < 1) return strprintf("max_seq_len %d must be at least 1", c.max_seq_len);
     if (!(c.norm_eps > 0.0f)) return strprintf("norm_eps %g must be positive", c.norm_eps);
     if (!(c.rope_theta > 0.0f)) return strprintf("rope_theta %g must be positive", c.rope_theta);
+    if (!(c.qkv_clip >= 0.0f) || !std::isfinite(c.qkv_clip)) return strprintf("qkv_clip %g must be finite and >= 0 (0 = off)", c.qkv_clip);
     return "";
 }
 inline void model_config_validate(const ModelConfig& c) {
@@ -101,12 +104,15 @@ inline int model_qkv_dim(const ModelConfig& c) { return (c.n_heads + 2 * c.n_kv_
 // 2. Parameters: one flat allocation in the order of README.md's "Parameter layout", walked through the table of TensorSpec.
 //   tok_embedding [V,D]; per layer attn_norm [D], wqkv [QKV,D], wo [D,D], ffn_norm [D], w_gate_up [2F,D],
 //   w_down [D,F]; final_norm [D]; lm_head [V,D]. Index in the table: 0, then 1 + 6l + LayerParam, then 1 + 6L, 2 + 6L.
+//   With --qk-norm, after them: per layer qk_norm [2 HD] (the weight of Q's heads, then K's), index 3 + 6L + l; the
+//   tensors before keep their offsets.
 
 enum LayerParam { ATTN_NORM = 0, WQKV, WO, FFN_NORM, W_GATE_UP, W_DOWN, PARAMS_PER_LAYER };
 constexpr int PARAM_TOK_EMBEDDING = 0;
 inline int param_layer(int l, LayerParam p) { return 1 + l * PARAMS_PER_LAYER + p; }
 inline int param_final_norm(const ModelConfig& c) { return 1 + c.n_layers * PARAMS_PER_LAYER; }
 inline int param_lm_head(const ModelConfig& c) { return 2 + c.n_layers * PARAMS_PER_LAYER; }
+inline int param_qk_norm(const ModelConfig& c, int l) { return 3 + c.n_layers * PARAMS_PER_LAYER + l; }
 
 // "" if the model splits over tp_size ranks (tensor parallelism, section 7), else what is wrong.
 inline std::string model_tp_problem(const ModelConfig& c, int tp_size) {
@@ -146,6 +152,8 @@ inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c, int tp_si
     }
     add("final_norm", D, 1);
     add("lm_head", V, D);
+    if (c.qk_norm)
+        for (int l = 0; l < c.n_layers; l++) add("layers." + std::to_string(l) + ".qk_norm", 2 * c.head_dim, 1);
     return specs;
 }
 inline size_t model_num_params(const ModelConfig& c, int tp_size = 1) {
@@ -234,9 +242,20 @@ struct InitRng {
     }
 };
 
-// Host FP32 weights: normal(0, 0.02); wo and w_down (the projections into the residual stream) scaled by
-// 1/sqrt(2L) more, so the residual stream's variance does not grow with depth; norm weights 1.
-inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed) {
+// The weight init (--init, --init-std S); norm weights are 1 in every kind.
+//   normal         N(0, S^2), wo and w_down (the projections into the residual stream) scaled by 1/sqrt(2L) more,
+//                  so that the residual stream's variance does not grow with depth (S = 0.02: the default)
+//   trunc-normal   the same stds, each value resampled until it lies within 2 of its tensor's std (the
+//                  distribution of timm's trunc_normal_(std, a = -2 std, b = 2 std), which draws it by inverse CDF)
+//   torch-default  PyTorch's defaults: nn.Linear's kaiming_uniform_(a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))
+//                  for every linear (lm_head included), nn.Embedding's N(0, 1)
+enum InitKind { INIT_NORMAL = 0, INIT_TRUNC_NORMAL, INIT_TORCH_DEFAULT };
+inline int init_kind_from_name(const std::string& name) {
+    return name == "normal" ? INIT_NORMAL : name == "trunc-normal" ? INIT_TRUNC_NORMAL : name == "torch-default" ? INIT_TORCH_DEFAULT : -1;
+}
+
+// Host FP32 weights of the init `kind` with std `init_std` (above).
+inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed, InitKind kind = INIT_NORMAL, double init_std = 0.02) {
     std::vector<TensorSpec> specs = model_param_specs(c);
     std::vector<float> w(specs.back().offset + specs.back().numel);
     const double residual_scale = 1.0 / sqrt(2.0 * c.n_layers);
@@ -250,11 +269,24 @@ inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed
                 std::fill(out, out + s.numel, 1.0f);
                 continue;
             }
-            bool in_layer = i >= 1 && (int)i < param_final_norm(c);
-            int kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
-            double stddev = 0.02 * (kind == WO || kind == W_DOWN ? residual_scale : 1.0);
             InitRng rng(seed + ((uint64_t)i << 32));
-            for (size_t j = 0; j < s.numel; j++) out[j] = (float)(rng.normal() * stddev);
+            if (kind == INIT_TORCH_DEFAULT) {
+                if (i == PARAM_TOK_EMBEDDING) {
+                    for (size_t j = 0; j < s.numel; j++) out[j] = (float)rng.normal();
+                } else {
+                    const double bound = 1.0 / sqrt((double)s.cols);   // fan_in: the columns of a [out, in] weight
+                    for (size_t j = 0; j < s.numel; j++) out[j] = (float)((2.0 * rng.uniform() - 1.0) * bound);
+                }
+                continue;
+            }
+            bool in_layer = i >= 1 && (int)i < param_final_norm(c);
+            int layer_kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
+            double stddev = init_std * (layer_kind == WO || layer_kind == W_DOWN ? residual_scale : 1.0);
+            for (size_t j = 0; j < s.numel; j++) {
+                double z = rng.normal();
+                while (kind == INIT_TRUNC_NORMAL && fabs(z) > 2.0) z = rng.normal();
+                out[j] = (float)(z * stddev);
+            }
         }
     };
     std::vector<std::thread> threads;
@@ -653,6 +685,160 @@ inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float
     fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
 }
 
+// ---- QKV clipping (--qkv-clip C), in place on wqkv's output, before the QK norm and RoPE:
+//   forward   y = min(max(x, -C), C), rounded to BF16 (|y| may exceed C by BF16's rounding of C)
+//   backward  dx = dy where |x| <= C, 0 where the forward clamped (|x| > C): torch.clamp's gradient
+// RoPE then rotates qkv in place, so the forward keeps which elements it clamped: one bit each, a byte per 8
+// elements (1/16 of qkv's bytes). One thread per 8 elements (16 bytes). NaN is not clamped (as in torch).
+constexpr int QKV_CLIP_THREADS = 256;
+
+__global__ void qkv_clip_forward_kernel(bf16* qkv, uint8_t* mask, size_t chunks, float clip) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    Packed128<bf16> v = load128(qkv + i * BF16_PER_16B);
+    unsigned int bits = 0;
+    for (int k = 0; k < BF16_PER_16B; k++) {
+        const float x = to_float(v.v[k]);
+        if (fabsf(x) > clip) {
+            bits |= 1u << k;
+            v.v[k] = __float2bfloat16(copysignf(clip, x));
+        }
+    }
+    store128(qkv + i * BF16_PER_16B, v);
+    mask[i] = (uint8_t)bits;
+}
+
+__global__ void qkv_clip_backward_kernel(bf16* dqkv, const uint8_t* mask, size_t chunks) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    const unsigned int bits = mask[i];
+    if (bits == 0) return;
+    Packed128<bf16> d = load128(dqkv + i * BF16_PER_16B);
+    for (int k = 0; k < BF16_PER_16B; k++)
+        if ((bits >> k) & 1u) d.v[k] = __float2bfloat16(0.0f);
+    store128(dqkv + i * BF16_PER_16B, d);
+}
+
+// qkv [n] (n a multiple of 8) clamped in place; mask [n / 8] written.
+inline void qkv_clip_forward(bf16* qkv, uint8_t* mask, size_t n, float clip, cudaStream_t s) {
+    if (n % BF16_PER_16B != 0 || !is_aligned16(qkv)) fail("qkv_clip_forward: %zu elements at %p: a multiple of 8, 16-byte aligned", n, qkv);
+    if (!(clip > 0.0f)) fail("qkv_clip_forward: the clip %g must be positive (--qkv-clip)", clip);
+    ProfileRange range(PHASE_OTHER, s, "qkv clip forward");
+    const size_t chunks = n / BF16_PER_16B;
+    qkv_clip_forward_kernel<<<grid_for(chunks, QKV_CLIP_THREADS), QKV_CLIP_THREADS, 0, s>>>(qkv, mask, chunks, clip);
+    cudaCheckLaunch();
+}
+// dqkv [n]: zero where the forward clamped (in place).
+inline void qkv_clip_backward(bf16* dqkv, const uint8_t* mask, size_t n, cudaStream_t s) {
+    if (n % BF16_PER_16B != 0 || !is_aligned16(dqkv)) fail("qkv_clip_backward: %zu elements at %p: a multiple of 8, 16-byte aligned", n, dqkv);
+    ProfileRange range(PHASE_OTHER, s, "qkv clip backward");
+    const size_t chunks = n / BF16_PER_16B;
+    qkv_clip_backward_kernel<<<grid_for(chunks, QKV_CLIP_THREADS), QKV_CLIP_THREADS, 0, s>>>(dqkv, mask, chunks);
+    cudaCheckLaunch();
+}
+
+// ---- QK normalisation (--qk-norm): RMSNorm over each head of Q and of K (the first NH + NKV heads of a qkv row),
+// in place before RoPE, with a learned weight of HD values for Q's heads and another for K's (the layer's qk_norm
+// parameter [2 HD], shared by the heads, as Qwen3's q_norm / k_norm): y = x r w, r = 1 / sqrt(mean over the head
+// of x^2 + eps), the formula of RMSNorm above (rmsnorm_value). The backward is RMSNorm's over rows of HD; the dw
+// of Q's (K's) weight sums over every token and Q (K) head. The forward keeps x (RoPE overwrites qkv) and r.
+// Both kernels: a block takes QK_NORM_TOKENS tokens and all their Q and K heads with HD threads; a warp per head
+// row reduces the row (sum of squares; sum of dy w x), then thread j does column j of every row in order. The
+// backward writes one row of dw partial sums per block [2 HD] (Q's, then K's), added up in block order by
+// rmsnorm_dw_reduce_kernel: no atomics, the same bits on every run.
+constexpr int QK_NORM_TOKENS = 8;
+
+__global__ void qk_norm_forward_kernel(bf16* qkv, bf16* x_saved, float* rstd, const bf16* w, int N, int heads, int NH, int HD,
+                                       int qkv_cols, float eps) {
+    extern __shared__ float row_r[];   // [QK_NORM_TOKENS * heads]
+    const int n0 = blockIdx.x * QK_NORM_TOKENS, rows = min(QK_NORM_TOKENS, N - n0) * heads;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int r = warp; r < rows; r += warps) {
+        const bf16* x = qkv + (size_t)(n0 + r / heads) * qkv_cols + (size_t)(r % heads) * HD;
+        float ss = 0.0f;
+        for (int j = lane; j < HD; j += 32) ss += to_float(x[j]) * to_float(x[j]);
+        ss = attention_warp_sum(ss);
+        const float rs = 1.0f / sqrtf(ss / HD + eps);
+        if (lane == 0) {
+            row_r[r] = rs;
+            rstd[(size_t)n0 * heads + r] = rs;
+        }
+    }
+    __syncthreads();
+    const int j = threadIdx.x;   // blockDim.x == HD
+    const float wq = to_float(w[j]), wk = to_float(w[HD + j]);
+    for (int r = 0; r < rows; r++) {
+        const int h = r % heads;
+        const size_t o = (size_t)(n0 + r / heads) * qkv_cols + (size_t)h * HD + j;
+        const bf16 x = qkv[o];
+        x_saved[((size_t)n0 * heads + r) * HD + j] = x;
+        qkv[o] = rmsnorm_value(to_float(x), row_r[r], h < NH ? wq : wk);
+    }
+}
+
+__global__ void qk_norm_backward_kernel(bf16* dqkv, float* dw_partial, const bf16* x_saved, const float* rstd, const bf16* w, int N,
+                                        int heads, int NH, int HD, int qkv_cols) {
+    extern __shared__ float row_dot[];   // [QK_NORM_TOKENS * heads]: sum_i dy_i w_i x_i of each head row
+    const int n0 = blockIdx.x * QK_NORM_TOKENS, rows = min(QK_NORM_TOKENS, N - n0) * heads;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    for (int r = warp; r < rows; r += warps) {
+        const int h = r % heads;
+        const bf16* dy = dqkv + (size_t)(n0 + r / heads) * qkv_cols + (size_t)h * HD;
+        const bf16* x = x_saved + ((size_t)n0 * heads + r) * HD;
+        const bf16* wr = w + (h < NH ? 0 : HD);
+        float dot = 0.0f;
+        for (int j = lane; j < HD; j += 32) dot += to_float(dy[j]) * to_float(wr[j]) * to_float(x[j]);
+        dot = attention_warp_sum(dot);
+        if (lane == 0) row_dot[r] = dot;
+    }
+    __syncthreads();   // every dy of the block's rows has been read before any is overwritten
+    const int j = threadIdx.x;   // blockDim.x == HD
+    const float wq = to_float(w[j]), wk = to_float(w[HD + j]);
+    float dwq = 0.0f, dwk = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        const int h = r % heads;
+        const size_t o = (size_t)(n0 + r / heads) * qkv_cols + (size_t)h * HD + j;
+        const float rs = rstd[(size_t)n0 * heads + r], coef = rs * rs * rs * row_dot[r] / HD;
+        const float g = to_float(dqkv[o]), x = to_float(x_saved[((size_t)n0 * heads + r) * HD + j]);
+        dqkv[o] = __float2bfloat16(rs * g * (h < NH ? wq : wk) - coef * x);
+        if (h < NH) dwq += g * x * rs;
+        else dwk += g * x * rs;
+    }
+    dw_partial[(size_t)blockIdx.x * 2 * HD + j] = dwq;
+    dw_partial[(size_t)blockIdx.x * 2 * HD + HD + j] = dwk;
+}
+
+inline void qk_norm_check(const char* who, int heads, int HD) {
+    if (HD < 32 || HD % 32 != 0 || HD > 1024) fail("%s: head_dim %d must be a multiple of 32 up to 1024 (a thread per column)", who, HD);
+    if ((size_t)QK_NORM_TOKENS * heads * sizeof(float) > 48 * 1024)
+        fail("%s: %d Q and K heads: more than the %zu a block's shared memory holds", who, heads, 48 * 1024 / (QK_NORM_TOKENS * sizeof(float)));
+}
+// qkv [N, (NH + 2 NKV) HD]: its Q and K heads normalised in place; x_saved [N, NH + NKV, HD] and rstd [N, NH + NKV]
+// written; w [2 HD] (Q's weight, then K's).
+inline void qk_norm_forward(bf16* qkv, bf16* x_saved, float* rstd, const bf16* w, int N, int NH, int NKV, int HD, float eps, cudaStream_t s) {
+    const int heads = NH + NKV;
+    qk_norm_check("qk_norm_forward", heads, HD);
+    ProfileRange range(PHASE_NORM, s, "qk norm forward");
+    qk_norm_forward_kernel<<<ceil_div(N, QK_NORM_TOKENS), HD, QK_NORM_TOKENS * heads * sizeof(float), s>>>(
+        qkv, x_saved, rstd, w, N, heads, NH, HD, (NH + 2 * NKV) * HD, eps);
+    cudaCheckLaunch();
+}
+// Floats of scratch that qk_norm_backward needs: one partial dw row [2 HD] per block of tokens.
+inline size_t qk_norm_backward_scratch(int N, int HD) { return (size_t)ceil_div(N, QK_NORM_TOKENS) * 2 * HD; }
+// dqkv's Q and K heads: the gradient of the norm's output in, of its input out (in place); dw [2 HD] += the
+// weights' gradient (accumulate false: dw = that).
+inline void qk_norm_backward(bf16* dqkv, float* dw, float* scratch, const bf16* x_saved, const float* rstd, const bf16* w, int N, int NH,
+                             int NKV, int HD, cudaStream_t s, bool accumulate = true) {
+    const int heads = NH + NKV, blocks = ceil_div(N, QK_NORM_TOKENS);
+    qk_norm_check("qk_norm_backward", heads, HD);
+    ProfileRange range(PHASE_NORM, s, "qk norm backward");
+    qk_norm_backward_kernel<<<blocks, HD, QK_NORM_TOKENS * heads * sizeof(float), s>>>(dqkv, scratch, x_saved, rstd, w, N, heads, NH, HD,
+                                                                                      (NH + 2 * NKV) * HD);
+    cudaCheckLaunch();
+    rmsnorm_dw_reduce_kernel<<<ceil_div(2 * HD, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, 2 * HD, accumulate);
+    cudaCheckLaunch();
+}
+
 // ---- SwiGLU: out[n,j] = silu(g) * u with g = gate_up[n,j], u = gate_up[n,F+j], silu(g) = g sigmoid(g).
 // Backward: du = dout silu(g); dg = dout u silu'(g), silu'(g) = sig(g) (1 + g (1 - sig(g))).
 constexpr int SWIGLU_THREADS = 256;
@@ -891,6 +1077,9 @@ struct ModelActivations {
     bf16* attn_norm;       // [L,N,D]    attn_norm(resid_attn)
     float* attn_rstd;      // [L,N]      FP32
     bf16* qkv;             // [L,N,QKV]  after RoPE
+    uint8_t* qkv_clip_mask;   // [L,N*QKV/8] --qkv-clip: the bits of the clamped elements (else empty)
+    bf16* qk_norm_x;       // [L,N,QK]   --qk-norm: the Q and K heads before the norm (QK = this rank's NH+NKV heads x HD)
+    float* qk_norm_rstd;   // [L,N,NH+NKV] --qk-norm: FP32 1/rms of each head
     bf16* att;             // [L,N,A]    attention output (A = this rank's heads x HD; D without TP)
     float* lse;            // [L,B*NH*T] FP32, attention's log-sum-exp
     bf16* resid_ffn;       // [L,N,D]    resid_attn + wo(att)
@@ -911,6 +1100,7 @@ struct ModelActivations {
     bf16* dswiglu;         // [N,F]
     float* att_scratch;    // FP32, attention_backward's scratch (attention_backward_scratch_floats)
     float* norm_scratch;   // [ceil(N/32),D] FP32, rmsnorm_backward's partial dw rows
+    float* qk_norm_scratch;   // --qk-norm: qk_norm_backward's partial dw rows
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
     bf16* dlogits;         // [chunk,V]
     float* losses;         // [N]        FP32
@@ -935,9 +1125,17 @@ struct Fp8Options {
     bool all_layers = false;    // FP8 in the first and last decoder layers too (the recipe keeps them BF16)
     bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
     bool tp_amax_sync = false;  // tensor parallelism: the amax of a sharded X or dY is the MAX over the group
+    float smooth_quant = 0.0f;  // --smooth-quant ALPHA: SmoothQuant's per-channel migration into the FP8 linears (section 5); 0 = off
     bool fused_casts = true;    // RMSNorm, SwiGLU and the RoPE backward cast their outputs for an FP8 linear themselves;
                                 // false: they write BF16 and a plain cast follows (the unfused path: the reference of
                                 // the fused casts' tests and the benchmark's baseline)
+};
+
+// --smooth-quant, per FP8 linear of `in` input channels (section 5): s and 1/s [in], powers of two; the bits of the
+// channels' amax of X gathered over the step's training forwards, and of W's columns [in].
+struct SmoothQuantState {
+    float *s, *inv_s;
+    unsigned int *x_amax, *w_amax;
 };
 
 #if defined(PRECISION_FP8)
@@ -953,6 +1151,8 @@ struct ModelFp8 {
     Fp8Health* health = nullptr;      // [L*4*3] device: --fp8-stats counts
     fp8 *x8 = nullptr, *dy8 = nullptr, *dy8_t = nullptr;   // scratch casts
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
+    std::vector<SmoothQuantState> smooth;   // --smooth-quant: per linear (as `linears`; s == nullptr: none), else empty
+    void* smooth_memory = nullptr;    // their one allocation
     int n_fp8_linears = 0;
     bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
     bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
@@ -1011,12 +1211,98 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 // The casts of X and dY are the caller's (fp8_cast_produced): the kernel that produces the tensor, or a plain cast.
 
 
+// ---- SmoothQuant (--smooth-quant ALPHA): each FP8 linear's input channel j moves scale from X to W,
+//   X' = X / s, W' = W s (by columns), so X' W'^T = X W^T,   s_j = 2^round(ALPHA log2 amax_j(X) - (1 - ALPHA) log2 amax_j(W))
+// (Xiao et al. 2023, "SmoothQuant", eq. 4, with s rounded to a power of two: X / s, W s and the gradient rescales below
+// are then exact in BF16 and FP32, so only the FP8 quantization changes; the rounding moves s by at most sqrt(2)).
+// amax_j(X) is the MAX over the tokens of the last optimizer step's training forwards, amax_j(W) over the rows of the
+// weights just updated: s is recomputed with the weights after every optimizer step (model_weights_changed), because
+// W' must be cast with the s that X' will be cast with, once per step, before this step's X exists (delayed, as
+// delayed scaling's amax is). A channel whose amax is 0 or not finite gets s = 1; before the first step s = 1.
+// Backward: the GEMMs give the gradients of X' and W'; dX = dX' / s and dW = dW' s by columns (linear_backward).
+constexpr int SMOOTH_THREADS = 256;
+constexpr int SMOOTH_AMAX_ROW_BLOCKS = 64;   // blocks along the rows of column_amax: atomics per column
+
+__host__ __device__ inline float smooth_quant_scale(float x_amax, float w_amax, float alpha) {
+    if (!(x_amax > 0.0f) || !(w_amax > 0.0f) || !isfinite(x_amax) || !isfinite(w_amax)) return 1.0f;
+    const float e = rintf(alpha * log2f(x_amax) - (1.0f - alpha) * log2f(w_amax));
+    return ldexpf(1.0f, (int)fminf(fmaxf(e, -64.0f), 64.0f));
+}
+
+// amax_bits[j] = MAX(amax_bits[j], max over rows of |x[r][j]|), as float bits (atomicMax: exact, order-free). A thread
+// takes 8 columns (16 bytes) of every gridDim.y-th row.
+__global__ void column_amax_kernel(unsigned int* amax_bits, const bf16* x, int rows, int cols) {
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * BF16_PER_16B;
+    if (c >= cols) return;
+    unsigned int m[BF16_PER_16B] = {};
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        Packed128<bf16> v = load128(x + (size_t)r * cols + c);
+        for (int k = 0; k < BF16_PER_16B; k++) m[k] = max(m[k], abs_bits(to_float(v.v[k])));
+    }
+    for (int k = 0; k < BF16_PER_16B; k++)
+        if (m[k] != 0u) atomicMax(&amax_bits[c + k], m[k]);
+}
+// s and 1/s of every channel from the gathered amaxes, which are cleared for the next step.
+__global__ void smooth_quant_scales_kernel(SmoothQuantState q, int cols, float alpha) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    const float s = smooth_quant_scale(__uint_as_float(q.x_amax[j]), __uint_as_float(q.w_amax[j]), alpha);
+    q.s[j] = s;
+    q.inv_s[j] = 1.0f / s;   // exact: a power of two
+    q.x_amax[j] = 0u;
+    q.w_amax[j] = 0u;
+}
+// x [rows, cols] (FP32 or BF16) times scale[col], in place; exact for powers of two.
+template <class T>
+__global__ void scale_columns_kernel(T* x, const float* scale, int rows, int cols) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * cols) return;
+    x[i] = (T)(to_float(x[i]) * scale[i % cols]);
+}
+
+inline void column_amax(unsigned int* amax_bits, const bf16* x, int rows, int cols, cudaStream_t s) {
+    check_rows("column_amax", cols, {x});
+    dim3 grid(ceil_div(cols / BF16_PER_16B, SMOOTH_THREADS), std::min(rows, SMOOTH_AMAX_ROW_BLOCKS));
+    column_amax_kernel<<<grid, SMOOTH_THREADS, 0, s>>>(amax_bits, x, rows, cols);
+    cudaCheckLaunch();
+}
+template <class T>
+void scale_columns(T* x, const float* scale, int rows, int cols, cudaStream_t s) {
+    scale_columns_kernel<<<grid_for((size_t)rows * cols, SMOOTH_THREADS), SMOOTH_THREADS, 0, s>>>(x, scale, rows, cols);
+    cudaCheckLaunch();
+}
+// The new s of a linear from its X amaxes and the columns of its new weights w [out, in].
+inline void smooth_quant_update(const SmoothQuantState& q, const bf16* w, int out, int in, float alpha, cudaStream_t s) {
+    column_amax(q.w_amax, w, out, in, s);
+    smooth_quant_scales_kernel<<<ceil_div(in, SMOOTH_THREADS), SMOOTH_THREADS, 0, s>>>(q, in, alpha);
+    cudaCheckLaunch();
+}
+
+// A producer's values times scale[col]: X / s and W s of SmoothQuant for a cast (P has one output).
+template <class P>
+struct ColumnScaledCast {
+    static constexpr int outs = 1;
+    P p;
+    const float* scale;
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        p.load16(v, row, col);
+        for (int k = 0; k < CAST_VEC; k++) v[0][k] *= scale[col + k];
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        p.load1(v, row, col);
+        v[0] *= scale[col];
+    }
+};
+
 // W [out, in] (BF16) -> W8 and W8^T with current scaling (the weights just changed), counting W's health when
 // --fp8-stats is on. amax_gathered: W's amax is already in meta[FP8_W].amax_pending (the optimizer's update pass
-// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice.
-inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false) {
-    fp8_cast_produced(Fp8CastOut{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr},
-                      CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
+// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice. col_scale (--smooth-quant's s):
+// W' = W s is cast instead, after an amax pass of its own.
+inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false,
+                              const float* col_scale = nullptr) {
+    const Fp8CastOut o{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr};
+    if (col_scale) fp8_cast_produced(o, ColumnScaledCast<CastPlain<bf16>>{{w, in}, col_scale}, out, in, stream);
+    else fp8_cast_produced(o, CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
 }
 
 // Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
@@ -1060,6 +1346,12 @@ inline Fp8Linear* model_fp8_linear(Model* m, int param) {
     Fp8Linear* lin = &m->fp8.linears[model_linear_index(param)];
     return lin->w8 ? lin : nullptr;
 }
+// --smooth-quant's state of FP8 linear `param`, or nullptr (off, or a BF16 linear).
+inline const SmoothQuantState* model_smooth(const Model* m, int param) {
+    if (m->fp8.smooth.empty()) return nullptr;
+    const SmoothQuantState* q = &m->fp8.smooth[model_linear_index(param)];
+    return q->s ? q : nullptr;
+}
 // --tp-amax-sync: the group whose MAX of amax a cast takes, or nullptr. Only the casts of tensors that are
 // this rank's slice need it: X of the row-parallel layers (wo, w_down: their input is this rank's heads or
 // FFN slice) and dY of the column-parallel ones (wqkv, w_gate_up). The other X and dY (the norms' outputs,
@@ -1089,7 +1381,10 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
 // stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
 inline bool model_fp8_fused(Model* m, int param, bool dy) {
     if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
+    if (!dy && model_smooth(m, param)) return false;   // X / s: linear_forward casts it (and gathers its channel amaxes)
     const int kind = (param - 1) % PARAMS_PER_LAYER;
+    // the QK norm's and the QKV clip's backward come between RoPE's backward and wqkv's dY: no fused cast there
+    if (dy && kind == WQKV && (m->config.qk_norm || m->config.qkv_clip > 0.0f)) return false;
     return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
 }
 #endif
@@ -1098,7 +1393,11 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int 
     const TensorSpec& w = m->params[param];
 #if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
+        if (const SmoothQuantState* q = model_smooth(m, param)) {   // X' = X / s; the channels' amax for the next s
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X / s (smooth-quant)");
+            if (m->fp8.training) column_amax(q->x_amax, inp, N, w.cols, m->stream);
+            fp8_cast_produced(model_fp8_cast(m, param, false), ColumnScaledCast<CastPlain<bf16>>{{inp, w.cols}, q->inv_s}, N, w.cols, m->stream);
+        } else if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X");
             fp8_cast_produced(model_fp8_cast(m, param, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
         }
@@ -1120,8 +1419,17 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
             fp8_cast_produced(model_fp8_cast(m, param, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
         }
-        fp8_linear_backward(&m->matmul, dinp, model_grad(m, param), m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
+        const SmoothQuantState* q = model_smooth(m, param);
+        float* dw = model_grad(m, param);
+        // --smooth-quant: the GEMMs give dX' and add dW' (dw holds dW' s so far: divided by s first; exact)
+        if (q && m->accumulate_grads) scale_columns(dw, q->inv_s, w.rows, w.cols, m->stream);
+        fp8_linear_backward(&m->matmul, dinp, dw, m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
                             lin, N, w.cols, w.rows, m->stream, m->accumulate_grads);
+        if (q) {   // dX = dX' / s, dW = dW' s
+            ProfileRange range(PHASE_OTHER, m->stream, "smooth-quant gradient scales");
+            scale_columns(dinp, q->inv_s, N, w.cols, m->stream);
+            scale_columns(dw, q->s, w.rows, w.cols, m->stream);
+        }
         return;
     }
 #endif
@@ -1190,7 +1498,9 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
             if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
                 const TensorSpec& w = m->params[param_layer(l, p)];
-                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream, after_step);
+                const SmoothQuantState* q = model_smooth(m, param_layer(l, p));
+                if (q && after_step) smooth_quant_update(*q, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->fp8_options.smooth_quant, m->stream);
+                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream, after_step && !q, q ? q->s : nullptr);
             }
 #else
     (void)m, (void)after_step;
@@ -1205,7 +1515,8 @@ inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
 #if defined(PRECISION_FP8)
     for (int l = 0; l < m->config.n_layers; l++)
         for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
+            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p)))   // --smooth-quant: W' s has an amax pass of its own
+                if (!model_smooth(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
     m->fp8.amax_from_optimizer = true;
 #endif
     return slots;
@@ -1244,12 +1555,16 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
     const size_t L = c.n_layers, N = (size_t)m->B * m->T, D = c.dim, F = m->ffn_dim, V = c.vocab_size;
     const size_t S = model_num_bf16_layers(m) + (model_num_bf16_layers(m) < c.n_layers ? 1 : 0);   // input slots
     const size_t QKV = model_local_qkv_dim(m), A = (size_t)m->n_heads * c.head_dim, LSE = N * m->n_heads, chunk = m->ce_chunk;
+    const size_t QKH = c.qk_norm ? (size_t)m->n_heads + m->n_kv_heads : 0;   // heads the QK norm keeps (none without it)
     ModelActivations& a = m->acts;
     return {
         {"resid_attn", DT_BF16, L * N * D, (void**)&a.resid_attn},
         {"attn_norm", DT_BF16, S * N * D, (void**)&a.attn_norm},
         {"attn_rstd", DT_FP32, L * N, (void**)&a.attn_rstd},
         {"qkv", DT_BF16, L * N * QKV, (void**)&a.qkv},
+        {"qkv_clip_mask", DT_E4M3 /* bytes */, c.qkv_clip > 0.0f ? L * N * QKV / 8 : 0, (void**)&a.qkv_clip_mask},
+        {"qk_norm_x", DT_BF16, L * N * QKH * c.head_dim, (void**)&a.qk_norm_x},
+        {"qk_norm_rstd", DT_FP32, L * N * QKH, (void**)&a.qk_norm_rstd},
         {"att", DT_BF16, L * N * A, (void**)&a.att},
         {"lse", DT_FP32, L * LSE, (void**)&a.lse},
         {"resid_ffn", DT_BF16, L * N * D, (void**)&a.resid_ffn},
@@ -1269,6 +1584,7 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
         {"dswiglu", DT_BF16, N * F, (void**)&a.dswiglu},
         {"att_scratch", DT_FP32, attention_backward_scratch_floats(m->B, m->T, m->n_heads, c.head_dim), (void**)&a.att_scratch},
         {"norm_scratch", DT_FP32, rmsnorm_backward_scratch((int)N, (int)D), (void**)&a.norm_scratch},
+        {"qk_norm_scratch", DT_FP32, c.qk_norm ? qk_norm_backward_scratch((int)N, c.head_dim) : 0, (void**)&a.qk_norm_scratch},
         {"logits", DT_FP32, chunk * V, (void**)&a.logits},
         {"dlogits", DT_BF16, chunk * V, (void**)&a.dlogits},
         {"losses", DT_FP32, N, (void**)&a.losses},
@@ -1333,6 +1649,26 @@ inline void model_fp8_create(Model* m) {
             f.saved_x8_t[i] = (fp8*)(base + f.weight_bytes + x_off[i]);
         }
     f.n_fp8_linears = (int)x_ids.size();
+    if (m->fp8_options.smooth_quant > 0.0f) {   // s = 1 and no amax gathered yet: 4 words per input channel
+        size_t words = 0;
+        for (int l = 0; l < L; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
+                if (f.linears[model_linear_index(param_layer(l, p))].w8) words += 4 * (size_t)m->params[param_layer(l, p)].cols;
+        std::vector<float> init(words, 0.0f);
+        cudaCheck(cudaMalloc(&f.smooth_memory, words * sizeof(float)));
+        f.smooth.assign(L * LINEARS_PER_LAYER, SmoothQuantState{nullptr, nullptr, nullptr, nullptr});
+        size_t at = 0;
+        float* base = (float*)f.smooth_memory;
+        for (int l = 0; l < L; l++)
+            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+                const int i = model_linear_index(param_layer(l, p)), in = m->params[param_layer(l, p)].cols;
+                if (!f.linears[i].w8) continue;
+                f.smooth[i] = SmoothQuantState{base + at, base + at + in, (unsigned int*)(base + at + 2 * in), (unsigned int*)(base + at + 3 * in)};
+                std::fill(init.begin() + at, init.begin() + at + 2 * in, 1.0f);
+                at += 4 * (size_t)in;
+            }
+        cudaCheck(cudaMemcpy(f.smooth_memory, init.data(), words * sizeof(float), cudaMemcpyHostToDevice));
+    }
     x_ids.insert(x_ids.end(), dy_ids.begin(), dy_ids.end());
     cudaCheck(cudaMalloc(&f.delayed_ids, std::max<size_t>(1, x_ids.size()) * sizeof(int)));
     cudaCheck(cudaMemcpy(f.delayed_ids, x_ids.data(), x_ids.size() * sizeof(int), cudaMemcpyHostToDevice));
@@ -1342,9 +1678,11 @@ inline void model_fp8_create(Model* m) {
 // the X and dY scales has run; now the step's amaxes (the MAX over its micro-batches) enter the histories, all
 // tensors in one launch, so that --amax-history and --quant-interval count optimizer steps. Evaluation passes
 // gather nothing: the history is of training steps. Nothing under current scaling (each cast records its own).
+// In the --amax-warmup steps the casts are current-scaled and gather the step's MAX in Fp8Meta::warmup_amax (the
+// group's MAX already under --tp-amax-sync: each cast took it), which this records into the history.
 inline void model_fp8_record_amax(Model* m) {
     const Fp8Recipe& r = m->fp8_options.recipe;
-    if (!r.delayed()) return;
+    if (!r.history_per_step()) return;
     ProfileRange range(PHASE_FP8_CAST, m->stream, "record amax (delayed scaling)");
     ModelFp8& f = m->fp8;
     if (m->tp && m->fp8_options.tp_amax_sync)   // the amaxes of this rank's slices (model_amax_group), one word each
@@ -1408,6 +1746,9 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     if (B < 1 || T < 1) fail("model_create: B=%d and T=%d must be at least 1", B, T);
     if (T > c.max_seq_len) fail("model_create: T=%d is longer than max_seq_len %d: lower T or raise max_seq_len", T, c.max_seq_len);
     if ((B * T) % 16 != 0) fail("model_create: B*T = %d*%d must be a multiple of 16 (the GEMM rule): change B or T", B, T);
+    if (c.qk_norm && tp && tp->size > 1)
+        fail("model_create: --qk-norm under tensor parallelism (%d ranks): the replicated Q and K norm weights would get only "
+             "each rank's heads' gradients; use --tp 1", tp->size);
     m->config = c;
     m->fp8_options = fp8;
     m->tp = tp;
@@ -1474,6 +1815,7 @@ inline void model_destroy(Model* m) {
     cudaCheck(cudaFree(m->fp8.metas));
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
+    cudaCheck(cudaFree(m->fp8.smooth_memory));
 #endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));
@@ -1507,8 +1849,9 @@ inline void model_zero_grads(Model* m) {
 
 // Layer l's saved activations.
 struct LayerActs {
-    bf16 *resid_attn, *attn_norm, *qkv, *att, *resid_ffn, *ffn_norm, *gate_up, *swiglu;
-    float *attn_rstd, *lse, *ffn_rstd;
+    bf16 *resid_attn, *attn_norm, *qkv, *att, *resid_ffn, *ffn_norm, *gate_up, *swiglu, *qk_norm_x;
+    float *attn_rstd, *lse, *ffn_rstd, *qk_norm_rstd;
+    uint8_t* qkv_clip_mask;
 };
 inline LayerActs model_layer_acts(Model* m, int l) {
     const ModelConfig& c = m->config;
@@ -1520,6 +1863,10 @@ inline LayerActs model_layer_acts(Model* m, int l) {
     la.attn_norm = a.attn_norm + slot * N * D;
     la.attn_rstd = a.attn_rstd + l * N;
     la.qkv = a.qkv + l * N * model_local_qkv_dim(m);
+    const size_t qk_heads = c.qk_norm ? (size_t)m->n_heads + m->n_kv_heads : 0;
+    la.qkv_clip_mask = a.qkv_clip_mask + (c.qkv_clip > 0.0f ? l * N * model_local_qkv_dim(m) / 8 : 0);
+    la.qk_norm_x = a.qk_norm_x + l * N * qk_heads * c.head_dim;
+    la.qk_norm_rstd = a.qk_norm_rstd + l * N * qk_heads;
     la.att = a.att + l * N * A;
     la.lse = a.lse + l * N * m->n_heads;
     la.resid_ffn = a.resid_ffn + l * N * D;
@@ -1553,6 +1900,10 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
         LayerActs la = model_layer_acts(m, l);
         // attention block (resid_attn and attn_norm, or its FP8 cast, were written by the previous layer's last step)
         linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
+        if (c.qkv_clip > 0.0f) qkv_clip_forward(la.qkv, la.qkv_clip_mask, (size_t)N * model_local_qkv_dim(m), c.qkv_clip, s);
+        if (c.qk_norm)
+            qk_norm_forward(la.qkv, la.qk_norm_x, la.qk_norm_rstd, model_weight(m, param_qk_norm(c, l)), N, m->n_heads, m->n_kv_heads,
+                            c.head_dim, c.norm_eps, s);
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         {
             ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
@@ -1636,6 +1987,10 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
                                c.head_dim, s);
         }
         model_rope_backward(m, a.dqkv, param_layer(l, WQKV), B, T);
+        if (c.qk_norm)
+            qk_norm_backward(a.dqkv, model_grad(m, param_qk_norm(c, l)), a.qk_norm_scratch, la.qk_norm_x, la.qk_norm_rstd,
+                             model_weight(m, param_qk_norm(c, l)), N, m->n_heads, m->n_kv_heads, c.head_dim, s, m->accumulate_grads);
+        if (c.qkv_clip > 0.0f) qkv_clip_backward(a.dqkv, la.qkv_clip_mask, (size_t)N * model_local_qkv_dim(m), s);
         linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
         rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,

@@ -253,6 +253,55 @@ HOST_TEST(fp8_delayed_scaling_history) {
     expect(c.scale == 33554432.0f, "current E5M2 amax 0.001 -> 2^25, got %g", c.scale);
 }
 
+// --amax-warmup: the scale sequence through the functions the kernels call (fp8_meta_warmup_cast at the end of a
+// cast, fp8_meta_record_step once per step). History 4, recompute every 2 records, E4M3, by hand:
+//   warm-up step 1  casts amax 1 -> 256, 3 -> 128; an evaluation cast 100 -> 4 (not recorded);
+//                   record: history {3}, uses 1, scale from max 3 -> 128
+//   warm-up step 2  casts 0.5 -> 512, 0.25 -> 1024; record: history {3, 0.5}, uses 2; the warm-up recomputes at
+//                   every record: max 3 -> 128 (the interval alone would leave the last cast's 1024)
+//   warm-up step 3  cast NaN: scale kept (128); record: counted non-finite, history {3, 0.5, 0}, uses 3, scale kept
+//   delayed step 4  the casts use 128; gathered 8: history {3, 0.5, 0, 8}, uses 4, not due: 128
+//   delayed step 5  gathered 2: history {2, 0.5, 0, 8}, uses 5, due: max 8 -> 32
+HOST_TEST(fp8_amax_warmup_scale_sequence) {
+    Fp8Recipe r;
+    r.history_len = 4;
+    r.interval = 2;
+    r.warmup = true;
+    expect(!r.delayed() && r.history_per_step(), "a warm-up recipe casts at current scaling and records per step");
+    Fp8Meta m = fp8_meta_initial();
+    auto bits = [](float x) { unsigned int b; memcpy(&b, &x, 4); return b; };
+    struct Cast { float amax; bool record; float want_scale; };
+    struct Step { std::vector<Cast> casts; float want_gathered, want_scale; };
+    const Step warmup[] = {{{{1.0f, true, 256.0f}, {3.0f, true, 128.0f}, {100.0f, false, 4.0f}}, 3.0f, 128.0f},
+                           {{{0.5f, true, 512.0f}, {0.25f, true, 1024.0f}}, 0.5f, 128.0f},
+                           {{{NAN, true, 128.0f}}, NAN, 128.0f}};
+    for (int s = 0; s < 3; s++) {
+        for (const Cast& k : warmup[s].casts) {
+            fp8_meta_warmup_cast(&m, bits(k.amax), E4M3, 0, k.record);
+            expect(m.scale == k.want_scale && m.inv_scale == 1.0f / k.want_scale, "step %d, warm-up cast amax %g: scale %g, want %g", s + 1,
+                   k.amax, m.scale, k.want_scale);
+        }
+        const float gathered = float_from_bits(m.warmup_amax);
+        expect(std::isnan(warmup[s].want_gathered) ? std::isnan(gathered) : gathered == warmup[s].want_gathered,
+               "step %d gathered %g, want %g (the MAX of the training casts)", s + 1, gathered, warmup[s].want_gathered);
+        fp8_meta_record_step(&m, E4M3, r);
+        expect(m.scale == warmup[s].want_scale && m.uses == (unsigned)s + 1 && m.warmup_amax == 0, "step %d record: scale %g (want %g), uses %u",
+               s + 1, m.scale, warmup[s].want_scale, m.uses);
+    }
+    const float want_history[] = {3.0f, 0.5f, 0.0f};
+    expect(memcmp(m.history, want_history, sizeof(want_history)) == 0 && m.nonfinite == 1, "after the warm-up: history %g %g %g, nonfinite %u",
+           m.history[0], m.history[1], m.history[2], m.nonfinite);
+    r.warmup = false;
+    expect(r.delayed(), "after the warm-up the recipe is delayed scaling");
+    const float delayed_amax[] = {8.0f, 2.0f}, delayed_scale[] = {128.0f, 32.0f};
+    for (int s = 0; s < 2; s++) {
+        m.amax_pending = bits(delayed_amax[s]);   // what the step's delayed casts gathered
+        fp8_meta_record_step(&m, E4M3, r);
+        expect(m.scale == delayed_scale[s] && m.uses == (unsigned)s + 4 && m.amax_pending == 0, "delayed step %d record: scale %g (want %g), uses %u",
+               s + 4, m.scale, delayed_scale[s], m.uses);
+    }
+}
+
 HOST_TEST(matmul_argument_rules) {
     // Each rule of a legal call is a clear error that names the shape and types (checked before any GPU work).
     alignas(16) static uint8_t buf[64];
@@ -578,6 +627,55 @@ GPU_TEST(fp8_delayed_scaling_records_per_step) {
     Fp8Meta got = meta.download()[0];
     expect(same_meta(got, host) && meta_slots_clear(got) && got.uses == 1, "after the record: uses %u, amax %g, scale %g (host %g)",
            got.uses, got.amax, got.scale, host.scale);
+}
+
+// --amax-warmup on the GPU: in the warm-up the casts use current scaling (codes from each cast's own amax) and
+// gather the MAX of the training casts (not the evaluation's) in warmup_amax; the record enters it into the
+// history; after the warm-up the casts use the history's scale. Every meta bit for bit against the host functions.
+GPU_TEST(fp8_amax_warmup_casts_current_then_delayed) {
+    const int rows = 128, cols = 96;
+    Fp8Recipe r;
+    r.history_len = 4;
+    r.warmup = true;
+    Fp8Meta host = fp8_meta_initial();
+    DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{host});
+    DeviceBuffer<int> id(std::vector<int>{0});
+    DeviceBuffer<fp8> q((size_t)rows * cols), qt((size_t)rows * cols);
+    std::vector<std::vector<bf16>> xs = {to_bf16(random_normal((size_t)rows * cols, 0.5f)), to_bf16(random_normal((size_t)rows * cols, 3.0f)),
+                                         to_bf16(random_normal((size_t)rows * cols, 40.0f))};
+    auto cast = [&](const std::vector<bf16>& x, bool record, const char* what) {
+        DeviceBuffer<bf16> dx(x);
+        q.poison();
+        Fp8CastOut o{q.ptr, qt.ptr, E4M3, meta.ptr, r};
+        o.record = record;
+        fp8_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+        std::vector<fp8> got = q.download();
+        size_t bad = 0;
+        for (size_t k = 0; k < got.size(); k++) bad += got[k] != fp8_encode_ref(to_float(x[k]) * host.scale, E4M3);
+        expect(bad == 0, "%s: %zu codes differ from the host's with scale %g", what, bad, host.scale);
+    };
+    for (int i = 0; i < 3; i++) {   // the third: an evaluation pass
+        float a = host_amax(xs[i]);
+        unsigned int b;
+        memcpy(&b, &a, 4);
+        fp8_meta_warmup_cast(&host, b, E4M3, 0, i < 2);
+        cast(xs[i], i < 2, "warm-up cast");
+        Fp8Meta got = meta.download()[0];
+        expect(same_meta(got, host) && got.warmup_amax == host.warmup_amax && meta_slots_clear(got),
+               "warm-up cast %d: scale %g (host %g), gathered %g (host %g)", i, got.scale, host.scale, float_from_bits(got.warmup_amax),
+               float_from_bits(host.warmup_amax));
+    }
+    expect(float_from_bits(host.warmup_amax) == std::max(host_amax(xs[0]), host_amax(xs[1])), "the host's gathered amax is not the training MAX");
+    fp8_update_scales(meta.ptr, id.ptr, 1, 1, r, 0);
+    fp8_meta_record_step(&host, E4M3, r);
+    Fp8Meta got = meta.download()[0];
+    expect(same_meta(got, host) && got.uses == 1 && got.warmup_amax == 0 && meta_slots_clear(got), "warm-up record: uses %u, scale %g (host %g)",
+           got.uses, got.scale, host.scale);
+    r.warmup = false;   // delayed: the history's scale, the amax gathered
+    cast(xs[2], true, "delayed cast after the warm-up");
+    got = meta.download()[0];
+    expect(float_from_bits(got.amax_pending) == host_amax(xs[2]) && same_bits(got.scale, host.scale), "delayed cast: gathered %g (want %g)",
+           float_from_bits(got.amax_pending), host_amax(xs[2]));
 }
 
 // ---- the matmul against a float64 host GEMM of the dequantized operands
@@ -2082,6 +2180,80 @@ HOST_TEST(model_init_reproducible_and_scaled) {
     }
 }
 
+// --init: normal is the documented formula, re-derived here from InitRng bit for bit (the default init must not
+// change); trunc-normal stays within 2 of each tensor's std (where normal does not) with the variance of a normal
+// truncated at 2 std; torch-default stays within nn.Linear's bound 1/sqrt(in) with the uniform's variance bound^2/3,
+// the embedding N(0, 1); norm weights 1 in all. Moments within 5 standard errors of the sample variance.
+HOST_TEST(model_init_kinds) {
+    const ModelConfig c = model_config_preset("tiny", 256);
+    const uint64_t seed = 11;
+    const std::vector<TensorSpec> specs = model_param_specs(c);
+    const std::vector<float> normal = model_init_weights(c, seed);
+    size_t differ = 0;
+    for (size_t i = 0; i < specs.size(); i++) {
+        const TensorSpec& s = specs[i];
+        InitRng rng(seed + ((uint64_t)i << 32));
+        const bool residual = s.name.find(".wo") != std::string::npos || s.name.find(".w_down") != std::string::npos;
+        const double sd = 0.02 * (residual ? 1.0 / sqrt(2.0 * c.n_layers) : 1.0);
+        for (size_t j = 0; j < s.numel; j++) {
+            const float want = s.cols == 1 ? 1.0f : (float)(rng.normal() * sd);
+            differ += !same_bits(want, normal[s.offset + j]);
+        }
+    }
+    expect(differ == 0, "--init normal: %zu weights differ from the documented formula's bits", differ);
+    expect(model_init_weights(c, seed, INIT_NORMAL, 0.02) == normal, "--init normal --init-std 0.02 is not the default init");
+
+    const double S = 0.05;
+    const std::vector<float> wide = model_init_weights(c, seed, INIT_NORMAL, S), trunc = model_init_weights(c, seed, INIT_TRUNC_NORMAL, S),
+                             torch = model_init_weights(c, seed, INIT_TORCH_DEFAULT);
+    expect(model_init_weights(c, seed, INIT_TRUNC_NORMAL, S) == trunc && model_init_weights(c, seed + 1, INIT_TRUNC_NORMAL, S) != trunc &&
+           model_init_weights(c, seed, INIT_TORCH_DEFAULT) == torch && model_init_weights(c, seed + 1, INIT_TORCH_DEFAULT) != torch,
+           "trunc-normal and torch-default must be reproducible from the seed and change with it");
+    // the variance of N(0, 1) truncated to [-2, 2]: 1 - 2 * 2 phi(2) / (Phi(2) - Phi(-2))
+    const double phi2 = exp(-2.0) / sqrt(2.0 * M_PI), mass = erf(2.0 / sqrt(2.0)), trunc_var = 1.0 - 4.0 * phi2 / mass;
+    auto moments = [](const float* w, size_t n, double* var, double* amax) {
+        double sq = 0, m = 0;
+        for (size_t i = 0; i < n; i++) {
+            sq += (double)w[i] * w[i];
+            m = std::max(m, fabs((double)w[i]));
+        }
+        *var = sq / n;
+        *amax = m;
+    };
+    for (size_t i = 0; i < specs.size(); i++) {
+        const TensorSpec& s = specs[i];
+        const size_t n = s.numel;
+        if (s.cols == 1) {
+            bool ones = true;
+            for (size_t j = 0; j < n; j++) ones &= trunc[s.offset + j] == 1.0f && torch[s.offset + j] == 1.0f;
+            expect(ones, "%s: norm weights must start at 1 in every init", s.name.c_str());
+            continue;
+        }
+        const bool residual = s.name.find(".wo") != std::string::npos || s.name.find(".w_down") != std::string::npos;
+        const double sd = S * (residual ? 1.0 / sqrt(2.0 * c.n_layers) : 1.0);
+        double var, amax, wide_var, wide_amax;
+        moments(&trunc[s.offset], n, &var, &amax);
+        moments(&wide[s.offset], n, &wide_var, &wide_amax);
+        const double tol = 5.0 * sqrt(2.0 / n);   // relative standard error of a sample variance (normal: sqrt(2/n))
+        bool ok = amax <= 2.0 * sd * (1 + 1e-6) && wide_amax > 2.0 * sd && fabs(var / (sd * sd) / trunc_var - 1) < tol;
+        printf("    %-22s trunc-normal: var / S^2 %.4f (want %.4f, tol %.1f%%), max %.2f std (normal: %.2f)%s\n", s.name.c_str(),
+               var / (sd * sd), trunc_var, 100 * tol, amax / sd, wide_amax / sd, ok ? "" : "  <-- FAIL");
+        expect(ok, "%s: trunc-normal(0, %g) within 2 std expected", s.name.c_str(), sd);
+        moments(&torch[s.offset], n, &var, &amax);
+        if (i == PARAM_TOK_EMBEDDING) {
+            ok = fabs(var - 1.0) < tol;
+            printf("    %-22s torch-default: var %.4f (want 1, tol %.1f%%)%s\n", s.name.c_str(), var, 100 * tol, ok ? "" : "  <-- FAIL");
+        } else {
+            // U(-b, b): variance b^2 / 3; the relative standard error of its sample variance sqrt(4/5 / n)
+            const double b = 1.0 / sqrt((double)s.cols), utol = 5.0 * sqrt(0.8 / n);
+            ok = amax <= b && amax > 0.99 * b && fabs(var / (b * b / 3.0) - 1) < utol;
+            printf("    %-22s torch-default: var / (b^2/3) %.4f (tol %.1f%%), max %.4f b%s\n", s.name.c_str(), var / (b * b / 3.0),
+                   100 * utol, amax / b, ok ? "" : "  <-- FAIL");
+        }
+        expect(ok, "%s: torch-default init expected", s.name.c_str());
+    }
+}
+
 GPU_TEST(embedding_forward_backward) {
     struct Shape { int N, V, D; };
     // rows and columns that fill neither a block of vocabulary rows (8) nor a column tile (1024), a token
@@ -2174,6 +2346,108 @@ GPU_TEST(rmsnorm_forward_backward) {
             expect_close("dresid + dx (one BF16 rounding)", d_dresid.download().data(), dresid_ref.data(), dresid_ref.size(), MODEL_BF16_TOL);
             expect_close("dw (accumulated, FP32)", d_dw.download().data(), dw_ref.data(), D, MODEL_FP32_TOL);
         }
+    }
+}
+
+// --qkv-clip: y = min(max(x, -C), C); dx = dy where |x| <= C, else 0 (torch.clamp's gradient). x, y [n].
+static void ref_qkv_clip_forward(double* y, const double* x, size_t n, double C) {
+    for (size_t i = 0; i < n; i++) y[i] = std::min(std::max(x[i], -C), C);
+}
+static void ref_qkv_clip_backward(double* dx, const double* dy, const double* x, size_t n, double C) {
+    for (size_t i = 0; i < n; i++) dx[i] = fabs(x[i]) <= C ? dy[i] : 0.0;
+}
+
+GPU_TEST(qkv_clip_forward_backward) {
+    // 37 tokens x a qkv row of 256; a C that BF16 holds (1.5) and one it rounds (1.3): clamped values are bf16(C)
+    const int N = 37, QKV = 256;
+    const size_t n = (size_t)N * QKV;
+    for (float C : {1.5f, 1.3f}) {
+        std::vector<bf16> x = to_bf16(random_normal(n, 1.5f)), dy = to_bf16(random_normal(n, 1.0f));
+        std::vector<double> xd = to_double(x), y_ref(n), dx_ref(n), dyd = to_double(dy);
+        ref_qkv_clip_forward(y_ref.data(), xd.data(), n, C);
+        ref_qkv_clip_backward(dx_ref.data(), dyd.data(), xd.data(), n, C);
+        DeviceBuffer<bf16> d_x(x), d_dy(dy);
+        DeviceBuffer<uint8_t> d_mask(n / 8);
+        d_mask.poison();
+        qkv_clip_forward(d_x.ptr, d_mask.ptr, n, C, 0);
+        qkv_clip_backward(d_dy.ptr, d_mask.ptr, n, 0);
+        std::vector<bf16> y = d_x.download(), dx = d_dy.download();
+        std::vector<uint8_t> mask = d_mask.download();
+        size_t clamped = 0, y_bad = 0, dx_bad = 0, mask_bad = 0;
+        for (size_t i = 0; i < n; i++) {
+            const bool c = fabs(xd[i]) > C;
+            clamped += c;
+            const bf16 yw = __float2bfloat16((float)y_ref[i]), dxw = __float2bfloat16((float)dx_ref[i]);
+            y_bad += memcmp(&y[i], &yw, 2) != 0;
+            dx_bad += memcmp(&dx[i], &dxw, 2) != 0;
+            mask_bad += ((mask[i / 8] >> (i % 8)) & 1) != (unsigned)c;
+        }
+        printf("    C %g: %zu of %zu clamped; y off %zu, dx off %zu, mask bits off %zu (all must be 0)\n", C, clamped, n, y_bad, dx_bad, mask_bad);
+        expect(clamped > n / 20 && clamped < n / 2, "the test needs clamped and free values (%zu of %zu clamped)", clamped, n);
+        expect(y_bad == 0 && dx_bad == 0 && mask_bad == 0, "C %g: y %zu, dx %zu, mask %zu differ from the reference", C, y_bad, dx_bad, mask_bad);
+    }
+}
+
+// --qk-norm against the RMSNorm reference on each head row (HD values): Q's heads with the first HD weights, K's
+// with the next HD, V untouched. Token counts that fill no block of 8 tokens; HD 64 and 128; GQA.
+GPU_TEST(qk_norm_forward_backward) {
+    struct Shape { int N, NH, NKV, HD; };
+    const float eps = 1e-5f;
+    for (const Shape& sh : {Shape{37, 4, 2, 64}, Shape{19, 2, 1, 128}}) {
+        const int N = sh.N, NH = sh.NH, NKV = sh.NKV, HD = sh.HD, heads = NH + NKV, cols = (NH + 2 * NKV) * HD;
+        printf("  N=%d NH=%d NKV=%d HD=%d\n", N, NH, NKV, HD);
+        std::vector<bf16> qkv = to_bf16(random_normal((size_t)N * cols, 1.0f)), dqkv = to_bf16(random_normal((size_t)N * cols, 1.0f));
+        std::vector<float> wf = random_normal(2 * HD, 0.3f), dw0 = random_normal(2 * HD, 1.0f);
+        for (auto& v : wf) v += 1.0f;
+        std::vector<bf16> w = to_bf16(wf);
+        DeviceBuffer<bf16> d_qkv(qkv), d_w(w), d_x((size_t)N * heads * HD), d_dqkv(dqkv);
+        DeviceBuffer<float> d_rstd((size_t)N * heads), d_dw(dw0), d_scratch(qk_norm_backward_scratch(N, HD));
+        d_x.poison();
+        d_rstd.poison();
+        d_scratch.poison();
+        qk_norm_forward(d_qkv.ptr, d_x.ptr, d_rstd.ptr, d_w.ptr, N, NH, NKV, HD, eps, 0);
+        qk_norm_backward(d_dqkv.ptr, d_dw.ptr, d_scratch.ptr, d_x.ptr, d_rstd.ptr, d_w.ptr, N, NH, NKV, HD, 0);
+        // the reference, row by row: x and dy of head h of token n
+        const std::vector<double> wd = to_double(w), qd = to_double(qkv), dyd = to_double(dqkv);
+        std::vector<double> y_ref((size_t)N * heads * HD), dx_ref(y_ref.size()), rstd_ref((size_t)N * heads), dw_ref = to_double(dw0);
+        std::vector<double> x_rows(y_ref.size()), dy_rows(y_ref.size());
+        for (int t = 0; t < N; t++)
+            for (int h = 0; h < heads; h++) {
+                const size_t row = (size_t)t * heads + h;
+                const double* wh = wd.data() + (h < NH ? 0 : HD);
+                std::copy(&qd[(size_t)t * cols + (size_t)h * HD], &qd[(size_t)t * cols + (size_t)(h + 1) * HD], &x_rows[row * HD]);
+                std::copy(&dyd[(size_t)t * cols + (size_t)h * HD], &dyd[(size_t)t * cols + (size_t)(h + 1) * HD], &dy_rows[row * HD]);
+                ref_rmsnorm_forward(&y_ref[row * HD], &x_rows[row * HD], wh, 1, HD, eps);
+                ref_rmsnorm_backward(&dx_ref[row * HD], &dw_ref[h < NH ? 0 : HD], &dy_rows[row * HD], &x_rows[row * HD], wh, 1, HD, eps);
+                double ss = 0;
+                for (int j = 0; j < HD; j++) ss += x_rows[row * HD + j] * x_rows[row * HD + j];
+                rstd_ref[row] = 1.0 / sqrt(ss / HD + eps);
+            }
+        // the GPU's Q and K heads gathered in the same row order; V must be the input's bits
+        auto heads_of = [&](const std::vector<bf16>& m) {
+            std::vector<bf16> out(y_ref.size());
+            for (int t = 0; t < N; t++)
+                std::copy(&m[(size_t)t * cols], &m[(size_t)t * cols + (size_t)heads * HD], &out[(size_t)t * heads * HD]);
+            return out;
+        };
+        auto v_kept = [&](const std::vector<bf16>& got, const std::vector<bf16>& was) {
+            bool same = true;
+            for (int t = 0; t < N; t++)
+                same &= memcmp(&got[(size_t)t * cols + (size_t)heads * HD], &was[(size_t)t * cols + (size_t)heads * HD], (size_t)NKV * HD * 2) == 0;
+            return same;
+        };
+        std::vector<bf16> y = d_qkv.download(), dx = d_dqkv.download();
+        expect_close("y (Q and K heads)", heads_of(y).data(), y_ref.data(), y_ref.size(), MODEL_BF16_TOL);
+        expect_close("rstd", d_rstd.download().data(), rstd_ref.data(), rstd_ref.size(), MODEL_FP32_TOL);
+        expect(model_test_same_bits(d_x.download(), heads_of(qkv)), "the saved x is not the Q and K heads of the input");
+        expect(v_kept(y, qkv) && v_kept(dx, dqkv), "the V heads were changed (forward or backward)");
+        expect_close("dx (Q and K heads)", heads_of(dx).data(), dx_ref.data(), dx_ref.size(), MODEL_BF16_TOL);
+        expect_close("dw (accumulated, FP32)", d_dw.download().data(), dw_ref.data(), 2 * HD, MODEL_FP32_TOL);
+        // accumulate = false writes dw
+        d_dqkv.upload(dqkv);
+        qk_norm_backward(d_dqkv.ptr, d_dw.ptr, d_scratch.ptr, d_x.ptr, d_rstd.ptr, d_w.ptr, N, NH, NKV, HD, 0, false);
+        for (int j = 0; j < 2 * HD; j++) dw_ref[j] -= dw0[j];
+        expect_close("dw (written, FP32)", d_dw.download().data(), dw_ref.data(), 2 * HD, MODEL_FP32_TOL);
     }
 }
 
@@ -2400,6 +2674,61 @@ GPU_TEST(model_deterministic_accumulating_cached) {
     model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T);
     expect(m.matmul.heuristic_queries == queries, "an evaluation of the training shape made new heuristic queries");
     model_destroy(&m);
+}
+
+// --qkv-clip and --qk-norm in the whole model (their kernels are tested against float64 above; the float64 model has
+// neither). A clip that no value reaches (C = 1e30) runs the clip's kernels and, in the FP8 build with every layer
+// FP8, wqkv's dY through the unfused RoPE backward and a plain cast: no bit of the loss or the gradients may change.
+// A clip that bites (C = 0.05; the init's qkv values are ~0.2) changes the loss. --qk-norm: loss and every gradient
+// finite, the Q and K norm weights' gradients non-zero.
+GPU_TEST(model_qkv_clip_and_qk_norm) {
+    const int B = 2, T = 32, N = B * T;
+    Fp8Options fp8;
+#if defined(PRECISION_FP8)
+    fp8.all_layers = true;
+#endif
+    const std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
+    DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    auto run = [&](bool qk_norm, float clip, float* loss, ModelConfig* config) {
+        ModelConfig c = model_config_preset("tiny", 256);
+        c.qk_norm = qk_norm;
+        c.qkv_clip = clip;
+        Model m;
+        model_create(&m, c, B, T, fp8);
+        std::vector<float> w = model_init_weights(c, TEST_SEED);
+        model_upload_weights(&m, w.data());
+        cudaCheck(cudaMemset(m.grads, 0xFF, m.num_params * sizeof(float)));   // NaN where the backward writes nothing
+        model_zero_grads(&m);
+        *loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+        std::vector<float> g = model_test_grads(&m);
+        model_destroy(&m);
+        if (config) *config = c;
+        return g;
+    };
+    float base_loss, wide_loss, tight_loss, qk_loss;
+    const std::vector<float> base = run(false, 0.0f, &base_loss, nullptr), wide = run(false, 1e30f, &wide_loss, nullptr);
+    run(false, 0.05f, &tight_loss, nullptr);
+    printf("    loss: no clip %.6f, clip 1e30 %.6f, clip 0.05 %.6f\n", base_loss, wide_loss, tight_loss);
+    expect(same_bits(base_loss, wide_loss) && model_test_same_bits(base, wide), "a clip of 1e30 changed the loss or a gradient");
+    expect(std::isfinite(tight_loss) && tight_loss != base_loss, "a clip of 0.05 should change the loss (%g vs %g)", tight_loss, base_loss);
+    ModelConfig qc;
+    const std::vector<float> qk = run(true, 0.0f, &qk_loss, &qc);
+    const std::vector<TensorSpec> specs = model_param_specs(qc);
+    expect(qk.size() == model_num_params(qc) && specs.size() == (size_t)param_qk_norm(qc, qc.n_layers - 1) + 1,
+           "--qk-norm: %zu gradients for %zu parameters", qk.size(), model_num_params(qc));
+    bool finite = std::isfinite(qk_loss);
+    for (float g : qk) finite &= std::isfinite(g);
+    expect(finite, "--qk-norm: a non-finite loss (%g) or gradient", qk_loss);
+    for (int l = 0; l < qc.n_layers; l++) {
+        const TensorSpec& s = specs[param_qk_norm(qc, l)];
+        double q = 0, k = 0;
+        for (int j = 0; j < qc.head_dim; j++) {
+            q += fabs(qk[s.offset + j]);
+            k += fabs(qk[s.offset + qc.head_dim + j]);
+        }
+        printf("    layer %d: sum |dw| of the Q norm %.3e, of the K norm %.3e (loss %.6f)\n", l, q, k, qk_loss);
+        expect(q > 0 && k > 0, "layer %d: the Q or K norm weight got no gradient", l);
+    }
 }
 
 // ==============================================================================================
@@ -2673,11 +3002,26 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     float loss = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads = model_test_grads(&m);
     model_fp8_record_amax(&m);   // delayed scaling: the step's amaxes enter the history; the next step casts with them
+    if (fp8.smooth_quant > 0.0f) {   // as after an optimizer step that left W as it was: s from step 1's X amaxes, W8 = cast(W s)
+        model_weight_amax_slots(&m);   // (no optimizer gathers into them: every FP8 linear here smooths, with an amax pass)
+        model_weights_changed(&m, true);
+        size_t channels = 0, moved = 0;
+        for (const SmoothQuantState& q : m.fp8.smooth) {
+            if (!q.s) continue;
+            const int in = (int)(q.inv_s - q.s);   // s and 1/s are adjacent [in] arrays
+            std::vector<float> s(in);
+            cudaCheck(cudaMemcpy(s.data(), q.s, in * sizeof(float), cudaMemcpyDeviceToHost));
+            for (float x : s) moved += x != 1.0f;
+            channels += in;
+        }
+        printf("    smooth-quant: %zu of %zu input channels have s != 1 for the second step\n", moved, channels);
+        expect(moved > channels / 2, "smooth-quant: only %zu of %zu channels moved scale: the test would not see a missing rescale", moved, channels);
+    }
     // a second identical step: FP8 (amax atomics included) is deterministic
     model_zero_grads(&m);
     float loss2 = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
     std::vector<float> grads2 = model_test_grads(&m);
-    if (!fp8.recipe.delayed())
+    if (!fp8.recipe.delayed() && fp8.smooth_quant == 0.0f)   // (delayed scaling and smooth-quant: the second step has new scales)
         expect(loss2 == loss && model_test_same_bits(grads, grads2), "two identical FP8 steps differ (loss %.9g vs %.9g)", loss, loss2);
 
     std::vector<float> wb(w.size());
@@ -2759,6 +3103,86 @@ GPU_TEST(fp8_model_vs_reference) {
     Fp8Options split = all;
     split.fast_accum = false;
     check_fp8_model(2, split, "all layers FP8, split accumulation in forward");
+    // --smooth-quant 0.5: the second step runs with X / s and W s (s from the first step), and its gradients must be
+    // those of the original X and W (the reference's)
+    Fp8Options smooth = all;
+    smooth.smooth_quant = 0.5f;
+    check_fp8_model(2, smooth, "all layers FP8, smooth-quant 0.5");
+}
+
+// --smooth-quant's arithmetic: s against float64 (2^round(alpha log2 amax_X - (1 - alpha) log2 amax_W), the guards),
+// and the migration balancing the two amaxes (alpha 0.5: amax(X / s) and amax(W s) within a factor 2, the rounding
+// of s to a power of two).
+HOST_TEST(smooth_quant_scale_math) {
+    size_t off = 0, unbalanced = 0, n = 0;
+    for (int i = 0; i < 20000; i++) {
+        const float ax = ldexpf(1.0f + (float)(test_rng()() % 1000) / 1000.0f, (int)(test_rng()() % 40) - 20);
+        const float aw = ldexpf(1.0f + (float)(test_rng()() % 1000) / 1000.0f, (int)(test_rng()() % 20) - 15);
+        const float alpha = (float)(test_rng()() % 101) / 100.0f;
+        const double e = (double)alpha * log2((double)ax) - (1.0 - (double)alpha) * log2((double)aw);
+        if (fabs(e - floor(e) - 0.5) < 1e-4) continue;   // a tie within float's log2 error: either neighbour is right
+        n++;
+        const float s = smooth_quant_scale(ax, aw, alpha);
+        off += s != (float)ldexp(1.0, (int)std::lround(e));
+        if (alpha == 0.5f) unbalanced += (ax / s) / (aw * s) > 2.0f || (ax / s) / (aw * s) < 0.5f;
+    }
+    printf("    %zu random (amax X, amax W, alpha): s off the float64 power of two %zu, alpha 0.5 unbalanced %zu (all must be 0)\n", n, off, unbalanced);
+    expect(off == 0 && unbalanced == 0, "smooth_quant_scale: %zu off float64, %zu unbalanced", off, unbalanced);
+    expect(smooth_quant_scale(0.0f, 1.0f, 0.5f) == 1.0f && smooth_quant_scale(1.0f, 0.0f, 0.5f) == 1.0f &&
+           smooth_quant_scale(INFINITY, 1.0f, 0.5f) == 1.0f && smooth_quant_scale(NAN, 1.0f, 0.5f) == 1.0f &&
+           smooth_quant_scale(1.0f, NAN, 0.5f) == 1.0f, "an amax of 0 or a non-finite one must give s = 1");
+    expect(smooth_quant_scale(1e30f, 1e-30f, 1.0f) == ldexpf(1.0f, 64), "s is clamped to 2^64 (got %g)", smooth_quant_scale(1e30f, 1e-30f, 1.0f));
+}
+
+// --smooth-quant's kernels: the channels' amax (bit for bit against the host, gathered over two calls), s and 1/s
+// from them (the host function) with the amaxes cleared, and the column scaling of FP32 and BF16 (exact).
+GPU_TEST(smooth_quant_kernels_exact) {
+    const int rows = 300, cols = 208;
+    std::vector<float> xf = random_normal((size_t)rows * cols, 1.0f), wf = random_normal((size_t)rows * cols, 0.02f);
+    for (int r = 0; r < rows; r++) xf[(size_t)r * cols + 5] *= 40.0f;   // an outlier channel
+    const std::vector<bf16> x = to_bf16(xf), w = to_bf16(wf);
+    DeviceBuffer<bf16> dx(x), dw(w);
+    DeviceBuffer<float> mem(4 * (size_t)cols);
+    std::vector<float> init(4 * (size_t)cols, 0.0f);
+    mem.upload(init);
+    SmoothQuantState q{mem.ptr, mem.ptr + cols, (unsigned int*)(mem.ptr + 2 * cols), (unsigned int*)(mem.ptr + 3 * cols)};
+    column_amax(q.x_amax, dx.ptr, rows / 2, cols, 0);   // two passes: the MAX over both
+    column_amax(q.x_amax, dx.ptr + (size_t)(rows / 2) * cols, rows - rows / 2, cols, 0);
+    std::vector<float> got = mem.download();
+    size_t bad = 0;
+    std::vector<float> ax(cols, 0.0f), aw(cols, 0.0f);
+    for (int j = 0; j < cols; j++) {
+        for (int r = 0; r < rows; r++) {
+            ax[j] = std::max(ax[j], fabsf(to_float(x[(size_t)r * cols + j])));
+            aw[j] = std::max(aw[j], fabsf(to_float(w[(size_t)r * cols + j])));
+        }
+        bad += !same_bits(got[2 * cols + j], ax[j]);
+    }
+    expect(bad == 0, "column_amax: %zu of %d channels differ from the host's MAX", bad, cols);
+    smooth_quant_update(q, dw.ptr, rows, cols, 0.5f, 0);
+    got = mem.download();
+    size_t s_bad = 0, cleared = 0;
+    for (int j = 0; j < cols; j++) {
+        const float s = smooth_quant_scale(ax[j], aw[j], 0.5f);
+        s_bad += !same_bits(got[j], s) || !same_bits(got[cols + j], 1.0f / s);
+        cleared += got[2 * cols + j] == 0.0f && got[3 * cols + j] == 0.0f;
+    }
+    printf("    s of channel 5 (outlier) %g, of channel 0 %g\n", got[5], got[0]);
+    expect(s_bad == 0 && cleared == (size_t)cols, "smooth_quant_update: %zu s differ from the host's, %zu of %d amaxes cleared", s_bad,
+           cleared, cols);
+    expect(got[5] > got[0], "the outlier channel should get the larger s");
+    const std::vector<float> s(got.begin(), got.begin() + cols);
+    DeviceBuffer<float> d32(xf);
+    scale_columns(d32.ptr, q.s, rows, cols, 0);
+    scale_columns(dx.ptr, q.inv_s, rows, cols, 0);
+    std::vector<float> g32 = d32.download();
+    std::vector<bf16> g16 = dx.download();
+    size_t scale_bad = 0;
+    for (size_t i = 0; i < xf.size(); i++) {
+        scale_bad += !same_bits(g32[i], xf[i] * s[i % cols]);
+        scale_bad += !same_bits(to_float(g16[i]), to_float(x[i]) / s[i % cols]);
+    }
+    expect(scale_bad == 0, "scale_columns: %zu values are not exactly x * s or x / s", scale_bad);
 }
 
 // W8 and W8^T after an optimizer step take W's amax from the update pass (adamw_gather_weight_amax with
@@ -2934,7 +3358,9 @@ static double ref_adamw_step(RefAdamW* r, const std::vector<TensorSpec>& specs, 
         double wd = t.is_matrix() ? c.weight_decay : 0.0;
         for (size_t i = 0; i < t.numel; i++) {
             size_t j = t.offset + i;
-            r->master[j] -= lr * (u[i] * factor + wd * r->master[j]);
+            double w = r->master[j];
+            // the decay's LR: the step's, or with --wd-constant-lr a constant one (the peak)
+            r->master[j] = c.decay_lr > 0 ? w - lr * u[i] * factor - (double)c.decay_lr * wd * w : w - lr * (u[i] * factor + wd * w);
         }
     }
     return norm;
@@ -3027,7 +3453,7 @@ static void mirror_adamw_step(AdamWHostState* s, int t, const std::vector<Tensor
             float m_hat = m_new[i] * m_corr, v_hat = v_new[i] * v_corr;
             float u = m_hat / (sqrtf(v_hat) + c.eps);
             float w = s->master[j];
-            s->master[j] = fmaf(-lr, fmaf(wd, w, u), w);
+            s->master[j] = c.decay_lr > 0.0f ? fmaf(-lr, u, fmaf(-c.decay_lr * wd, w, w)) : fmaf(-lr, fmaf(wd, w, u), w);
             host_moment_store(c.m_dtype, s->m, j, m_new[i] * m_enc);
             host_moment_store(c.v_dtype, s->v, j, v8 ? sqrtf(v_new[i]) * v_enc : v_new[i]);
         }
@@ -3452,6 +3878,45 @@ GPU_TEST(adamw_fp8_second_moment_near_zero) {
 }
 
 // Save, load into a fresh optimizer, and go on: state and BF16 weights identical to the uninterrupted run.
+// --wd-constant-lr in the float64 reference: with zero gradients the Adam direction is 0 and only the decay moves
+// a matrix, w_T = w_0 prod_t (1 - lr_t wd) with the schedule, w_0 (1 - peak wd)^T with the constant LR.
+HOST_TEST(adamw_wd_constant_lr_reference) {
+    const std::vector<TensorSpec> specs = {{"w", 0, 6, 2, 3}};
+    const std::vector<float> init = {0.5f, -1.0f, 2.0f, 0.25f, -0.75f, 1.5f}, zero(6, 0.0f);
+    const int steps = 50;
+    for (bool constant : {false, true}) {
+        AdamWConfig c;
+        c.decay_lr = constant ? 3e-3f : 0.0f;   // adamw_test_lr's peak
+        RefAdamW ref = ref_adamw_init(init);
+        double factor = 1.0;
+        for (int t = 0; t < steps; t++) {
+            ref_adamw_step(&ref, specs, zero, c, adamw_test_lr(t), nullptr);
+            factor *= 1.0 - (constant ? (double)3e-3f : (double)adamw_test_lr(t)) * (double)c.weight_decay;
+        }
+        double worst = 0;
+        for (size_t i = 0; i < init.size(); i++) worst = std::max(worst, fabs(ref.master[i] - init[i] * factor) / fabs(init[i] * factor));
+        printf("    %s: decay factor over %d steps %.6f, reference off by %.2e (tol 1e-12)\n", constant ? "constant LR" : "schedule   ",
+               steps, factor, worst);
+        expect(worst < 1e-12, "%s decay: the reference is %g off w_0 * prod(1 - lr wd)", constant ? "constant-LR" : "scheduled", worst);
+    }
+}
+
+// --wd-constant-lr on the GPU: 50 steps against the float64 reference (FP32 moments; over the cosine decay to 0.1 x
+// peak the two decays part by ~7e-3 of a weight, 7000x the tolerance), and bit for bit against the host replay with
+// the recipe's FP8 first moment.
+GPU_TEST(adamw_wd_constant_lr) {
+    AdamWConfig c = adamw_test_config(DT_FP32, DT_FP32);
+    c.decay_lr = 3e-3f;   // adamw_test_lr's peak
+    adamw_compare_float64(c, 50, nullptr, 1.0f, 1e-6, 1e-6);
+    size_t n;
+    std::vector<TensorSpec> specs = adamw_test_specs(&n);
+    std::vector<float> init = adamw_test_init(specs, n), direction = random_normal(n, 1.0f);
+    AdamWConfig e = adamw_test_config(DT_E4M3, DT_BF16);
+    e.decay_lr = 3e-3f;
+    adamw_check_exact(e, specs, n, init, 20, [&](int step) { return adamw_test_grads(specs, n, direction, step, adamw_clip_some_steps); },
+                      nullptr);
+}
+
 GPU_TEST(adamw_save_load_exact) {
     size_t n;
     std::vector<TensorSpec> specs = adamw_test_specs(&n);
@@ -3527,6 +3992,21 @@ HOST_TEST(train_parse_defaults) {
     expect(err.empty(), "good flags rejected: %s", err.c_str());
     expect(o.model == "tiny" && o.batch == 4 && o.seq == 32 && o.lr == 3e-4f && o.steps == 20 && o.warmup == 0 &&
            o.out == "/tmp/x" && o.update_clip && !o.adam_atan2 && o.m_dtype == "fp32" && o.seed == 7, "flag values not stored");
+    // the ablation flags: stored, and handed to the model config and the optimizer
+    err = parse_list({"--model", "tiny", "--qk-norm", "--qkv-clip", "30", "--init", "trunc-normal", "--init-std", "0.125",
+                      "--lr", "3e-4", "--wd-constant-lr"}, &o);
+    ModelConfig ac = model_config_from_options(o, BYTE_VOCAB);
+    expect(err.empty() && o.qk_norm && o.qkv_clip == 30.0f && o.init == "trunc-normal" && o.init_std == 0.125 && o.wd_constant_lr &&
+           ac.qk_norm && ac.qkv_clip == 30.0f && adamw_config_from_options(o).decay_lr == 3e-4f,
+           "ablation flags not stored or not handed on: %s", err.c_str());
+    err = parse_list({"--lr", "3e-4"}, &o);
+    expect(err.empty() && adamw_config_from_options(o).decay_lr == 0.0f && o.init == "normal" && o.init_std == 0.02 && !o.qk_norm,
+           "without the flags: decay LR %g (want 0: the step's), init %s %g", adamw_config_from_options(o).decay_lr, o.init.c_str(), o.init_std);
+#if defined(PRECISION_FP8)
+    err = parse_list({"--amax-warmup", "5", "--amax-history", "16", "--smooth-quant", "0.5"}, &o);
+    expect(err.empty() && o.amax_warmup == 5 && o.smooth_quant == 0.5f, "--amax-warmup 5 --amax-history 16 --smooth-quant 0.5 rejected: %s",
+           err.c_str());
+#endif
     err = parse_list({"--resume", "/tmp/run"}, &o);
     expect(err.empty() && o.out == "/tmp/run", "--resume without --out should write to the resumed folder (out '%s')", o.out.c_str());
     err = parse_list({"prepare", "a.txt", "data/a"}, &o);
@@ -3591,9 +4071,20 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--model", "tiny", "--dim", "3997696", "--heads", "62464", "--kv-heads", "1024", "--ffn", "16384", "--tp", "1024"},
          {"--tp 1024", "3997696", "2147483647"}},
         {{"--format", "hf"}, {"--format", "export"}},
+        {{"--init", "xavier"}, {"--init", "xavier", "trunc-normal"}},
+        {{"--init", "torch-default", "--init-std", "0.1"}, {"--init-std", "torch-default"}},
+        {{"--init-std", "0"}, {"--init-std", "0"}},
+        {{"--qkv-clip", "-1"}, {"--qkv-clip", "-1"}},
+        {{"--qkv-clip", "inf"}, {"--qkv-clip", "inf"}},
+        {{"--qk-norm", "--tp", "2"}, {"--qk-norm", "--tp 2"}},
+        {{"--smooth-quant", "1.5"}, {"--smooth-quant", "1.5"}},
 #if !defined(PRECISION_FP8)
         {{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
         {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
+        {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
+        {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}},
+#else
+        {{"--amax-warmup", "5"}, {"--amax-warmup 5", "--amax-history"}},
 #endif
     };
     for (const Case& c : cases) {
@@ -3672,6 +4163,11 @@ HOST_TEST(train_checkpoint_header) {
         {"FP8 layers", [](CheckpointHeader* x) { x->fp8_all_layers = 1; }, {"--fp8-all-layers"}},
         {"fast accum", [](CheckpointHeader* x) { x->fp8_fast_accum = 0; }, {"--fp8-fast-accum", "= 0"}},
         {"amax sync", [](CheckpointHeader* x) { x->tp_amax_sync = 1; }, {"--tp-amax-sync", "= 1"}},
+        {"qk norm", [](CheckpointHeader* x) { x->qk_norm = 1; }, {"--qk-norm", "= 1"}},
+        {"qkv clip", [](CheckpointHeader* x) { x->qkv_clip = 30.0f; }, {"--qkv-clip", "30"}},
+        {"amax warm-up", [](CheckpointHeader* x) { x->amax_warmup = 5; }, {"--amax-warmup", "= 5"}},
+        {"wd at peak", [](CheckpointHeader* x) { x->wd_constant_lr = 1; }, {"--wd-constant-lr", "= 1"}},
+        {"smooth-quant", [](CheckpointHeader* x) { x->smooth_quant = 0.5f; }, {"--smooth-quant", "0.5"}},
         {"Fp8Meta", [](CheckpointHeader* x) { x->fp8_meta_bytes = 20; }, {"Fp8Meta", "20"}},
     };
     for (const Case& k : cases) {
@@ -3770,6 +4266,54 @@ static std::vector<char> read_whole_file(const std::string& path) {
     while ((n = fread(buf, 1, sizeof(buf), f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
     fclose(f);
     return bytes;
+}
+
+// Every flag of the table is in --help (print_help's text, captured through a temporary file in place of stdout)
+// and in README.md's flag table; every flag the README's table names is in the table (run from the repository).
+HOST_TEST(train_flags_in_help_and_readme) {
+    TempDir dir;
+    const std::string help_path = dir.file("help.txt");
+    fflush(stdout);
+    const int saved = dup(1), fd = open(help_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    expect(saved >= 0 && fd >= 0, "cannot redirect stdout to %s", help_path.c_str());
+    if (saved < 0 || fd < 0) return;
+    dup2(fd, 1);
+    close(fd);
+    print_help("train_fp8");
+    fflush(stdout);
+    dup2(saved, 1);
+    close(saved);
+    const std::vector<char> help_bytes = read_whole_file(help_path), readme_bytes = read_whole_file("README.md");
+    const std::string help(help_bytes.begin(), help_bytes.end()), readme(readme_bytes.begin(), readme_bytes.end());
+    expect(!readme.empty(), "README.md not found: run ./test_fp8 in the repository's folder");
+    // the README's flag table: the rows after the header "| flags | meaning (default) |"
+    std::string table;
+    size_t at = readme.find("| flags |");
+    expect(at != std::string::npos, "README.md has no flag table (a header row '| flags | ...')");
+    for (size_t end; at != std::string::npos && (end = readme.find('\n', at)) != std::string::npos && readme[at] == '|'; at = end + 1)
+        table += readme.substr(at, end - at + 1);
+    // the names in a text: "--" then [a-z0-9-], not preceded by a name character
+    auto names_in = [](const std::string& text) {
+        std::set<std::string> names;
+        for (size_t i = text.find("--"); i != std::string::npos; i = text.find("--", i + 2)) {
+            if (i > 0 && (isalnum((unsigned char)text[i - 1]) || text[i - 1] == '-')) continue;
+            size_t j = i + 2;
+            if (j >= text.size() || !islower((unsigned char)text[j])) continue;   // "---" of a table's rule is no name
+            while (j < text.size() && (islower((unsigned char)text[j]) || isdigit((unsigned char)text[j]) || text[j] == '-')) j++;
+            if (j > i + 2) names.insert(text.substr(i, j - i));
+        }
+        return names;
+    };
+    const std::set<std::string> in_help = names_in(help), in_readme = names_in(table);
+    TrainOptions o;
+    std::set<std::string> flags = {"--help"};
+    for (const TrainFlag& f : train_flags(&o)) {
+        flags.insert(f.name);
+        expect(in_help.count(f.name) == 1, "%s is not in --help", f.name);
+        expect(in_readme.count(f.name) == 1, "%s is not in README.md's flag table", f.name);
+    }
+    for (const std::string& name : in_readme) expect(flags.count(name) == 1, "README.md's flag table names %s, which is no flag", name.c_str());
+    printf("    %zu flags: each in --help and in README.md's table (%zu names there)\n", flags.size() - 1, in_readme.size());
 }
 
 // ---- checkpoint files on the host: the checksum, verification, rotation, the refusals of a resume, the CSV logs
@@ -4703,6 +5247,20 @@ HOST_TEST(export_refuses_bad_input) {
     err = export_checkpoint(run_theta.path, target, "llama2c", "fp32");
     printf("    rope_theta 500000 to llama2c: %s\n", err.c_str());
     expect(err.find("rope_theta") != std::string::npos && err.find("--format hf") != std::string::npos, "theta: '%s'", err.c_str());
+    // the ablations that transformers' and llama2.c's models cannot compute
+    for (int k = 0; k < 2; k++) {
+        TempDir run_ablation;
+        ModelConfig ca = c;
+        if (k == 0) ca.qk_norm = true;
+        else ca.qkv_clip = 30.0f;
+        write_host_checkpoint(run_ablation.path, export_test_header(ca, 1), export_test_weights(ca), 2);
+        for (const char* format : {"hf", "llama2c"}) {
+            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32");
+            printf("    %s to %s: %s\n", k == 0 ? "--qk-norm" : "--qkv-clip", format, err.c_str());
+            expect(err.find(k == 0 ? "--qk-norm" : "--qkv-clip") != std::string::npos && err.find("not exported") != std::string::npos,
+                   "an export of a model trained with %s should be refused naming it: '%s'", k == 0 ? "--qk-norm" : "--qkv-clip", err.c_str());
+        }
+    }
     flip_byte(path, 5000);
     err = export_checkpoint(run.path, target, "hf", "bf16");
     printf("    damaged: %s\n", err.c_str());

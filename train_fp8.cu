@@ -83,6 +83,14 @@ struct TrainOptions {
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
+    // the published ablations (README, "Ablation flags"): each off by default
+    float smooth_quant = 0.0f;               // FP8: SmoothQuant's exponent alpha for the FP8 linears' inputs; 0 = off
+    float qkv_clip = 0.0f;                   // clamp the QKV projection's output to [-C, C]; 0 = off
+    bool qk_norm = false;                    // RMSNorm with a learned weight on each head of Q and K before RoPE
+    std::string init = "normal";             // normal, trunc-normal or torch-default (llama2.cuh, InitKind)
+    double init_std = 0.02;                  // the std of normal and trunc-normal (a double: 0.02 is the init's exact constant)
+    bool wd_constant_lr = false;             // weight decay with the peak LR at every step
+    int amax_warmup = 0;                     // FP8 delayed scaling: current-scaled casts for the first N steps; 0 = off
     int profile = 0;                         // time the phases of this step and print a table; 0 = off
     int cuda_graph = 1;                      // replay each micro-batch from a CUDA graph (0: launch kernel by kernel)
     // prepare subcommand
@@ -96,7 +104,7 @@ struct TrainOptions {
     bool help = false;
 };
 
-enum TrainFlagKind { FLAG_INT, FLAG_LONG, FLAG_FLOAT, FLAG_STRING, FLAG_SWITCH /* no value: sets a bool */ };
+enum TrainFlagKind { FLAG_INT, FLAG_LONG, FLAG_FLOAT, FLAG_DOUBLE, FLAG_STRING, FLAG_SWITCH /* no value: sets a bool */ };
 struct TrainFlag {
     const char* name;
     const char* value_name;
@@ -108,6 +116,7 @@ struct TrainFlag {
 inline TrainFlag flag_int(const char* n, const char* v, const char* h, int* t, double lo, double hi) { return {n, v, h, FLAG_INT, t, lo, hi}; }
 inline TrainFlag flag_long(const char* n, const char* v, const char* h, long* t, double lo, double hi) { return {n, v, h, FLAG_LONG, t, lo, hi}; }
 inline TrainFlag flag_float(const char* n, const char* v, const char* h, float* t, double lo, double hi) { return {n, v, h, FLAG_FLOAT, t, lo, hi}; }
+inline TrainFlag flag_double(const char* n, const char* v, const char* h, double* t, double lo, double hi) { return {n, v, h, FLAG_DOUBLE, t, lo, hi}; }
 inline TrainFlag flag_string(const char* n, const char* v, const char* h, std::string* t) { return {n, v, h, FLAG_STRING, t, 0, 0}; }
 inline TrainFlag flag_switch(const char* n, const char* h, bool* t) { return {n, "", h, FLAG_SWITCH, t, 0, 0}; }
 
@@ -159,6 +168,13 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
+        flag_float("--smooth-quant", "ALPHA", "SmoothQuant for the FP8 linears: X/s and W*s per input channel, s = amax(X)^ALPHA / amax(W)^(1-ALPHA) (X's of the last step) rounded to a power of two, new with the weights every step (0 = off; FP8 build)", &o->smooth_quant, 0, 1),
+        flag_float("--qkv-clip", "C", "clamp the QKV projection's output to [-C, C] before RoPE; no gradient where clamped (0 = off)", &o->qkv_clip, 0, 1e30),
+        flag_switch("--qk-norm", "RMSNorm with a learned weight on each head of Q and of K before RoPE (one [head_dim] weight for Q and one for K per layer; not with --tp > 1, not exportable)", &o->qk_norm),
+        flag_string("--init", "KIND", "weight init: normal (N(0, S), wo and w_down x 1/sqrt(2L)), trunc-normal (the same, resampled within 2 std), torch-default (nn.Linear's U(-1/sqrt(in), 1/sqrt(in)), embedding N(0, 1))", &o->init),
+        flag_double("--init-std", "S", "std S of --init normal and trunc-normal", &o->init_std, 1e-30, 100),
+        flag_switch("--wd-constant-lr", "weight decay with the peak --lr at every step; the gradient step keeps the schedule", &o->wd_constant_lr),
+        flag_int("--amax-warmup", "N", "FP8 delayed scaling: current scaling for the first N steps while their amaxes fill the history (0 = off; needs --amax-history > 1; FP8 build)", &o->amax_warmup, 0, BIG),
         flag_int("--profile", "N", "time the phases of step N on the GPU (CUDA events) and print a table (0 = off)", &o->profile, 0, BIG),
         flag_int("--cuda-graph", "0|1", "replay each micro-batch's forward and backward from a CUDA graph captured once (0: launch every kernel every time)", &o->cuda_graph, 0, 1),
     };
@@ -169,6 +185,7 @@ inline std::string flag_value_string(const TrainFlag& f) {
         case FLAG_INT: return std::to_string(*(int*)f.target);
         case FLAG_LONG: return std::to_string(*(long*)f.target);
         case FLAG_FLOAT: return strprintf("%g", *(float*)f.target);
+        case FLAG_DOUBLE: return strprintf("%g", *(double*)f.target);
         case FLAG_STRING: return *(std::string*)f.target;
         case FLAG_SWITCH: return *(bool*)f.target ? "on" : "off";
     }
@@ -211,6 +228,8 @@ inline ModelConfig model_config_from_options(const TrainOptions& o, int vocab_si
     if (o.ffn > 0) c.ffn_dim = o.ffn;
     c.head_dim = c.dim / c.n_heads;
     c.max_seq_len = std::max(c.max_seq_len, o.seq);
+    c.qk_norm = o.qk_norm;
+    c.qkv_clip = o.qkv_clip;
     return c;
 }
 
@@ -225,7 +244,7 @@ inline std::string parse_flag_value(const TrainFlag& f, const char* text) {
     }
     double v;
     long long iv = 0;
-    if (f.kind == FLAG_FLOAT) {
+    if (f.kind == FLAG_FLOAT || f.kind == FLAG_DOUBLE) {
         v = strtod(text, &end);
         if (end == text || *end != '\0' || errno == ERANGE || !std::isfinite(v))
             return strprintf("%s %s: not a number", f.name, text);
@@ -237,6 +256,7 @@ inline std::string parse_flag_value(const TrainFlag& f, const char* text) {
     if (v < f.min || v > f.max) return strprintf("%s %s: must be in [%.10g, %.10g]", f.name, text, f.min, f.max);
     if (f.kind == FLAG_INT) *(int*)f.target = (int)v;
     else if (f.kind == FLAG_LONG) *(long*)f.target = (long)iv;
+    else if (f.kind == FLAG_DOUBLE) *(double*)f.target = v;
     else *(float*)f.target = (float)v;
     return "";
 }
@@ -343,10 +363,21 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (!v_ok) return strprintf("--v-dtype %s: the second moment can be bf16, e4m3, e5m2 or fp32", o->v_dtype.c_str());
 #if !defined(PRECISION_FP8)
     if (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 || o->fp8_stats != 0 ||
-        o->tp_amax_sync)
-        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats and --tp-amax-sync are FP8 "
-               "options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+        o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f)
+        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --tp-amax-sync, --amax-warmup "
+               "and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
 #endif
+    if (init_kind_from_name(o->init) < 0)
+        return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
+    if (o->init == "torch-default" && std::find(given.begin(), given.end(), "--init-std") != given.end())
+        return "--init-std with --init torch-default: PyTorch's default init has no std to set (its bounds come from the "
+               "layer widths); drop --init-std or choose --init normal or trunc-normal";
+    if (o->amax_warmup > 0 && o->amax_history <= 1)
+        return strprintf("--amax-warmup %d: a warm-up of delayed scaling needs a history to fill: set --amax-history N > 1 "
+                         "(now %d, current scaling at every step already)", o->amax_warmup, o->amax_history);
+    if (o->qk_norm && o->tp > 1)
+        return strprintf("--qk-norm with --tp %d: the Q and K norm weights are replicated but each rank sees only its own "
+                         "heads' gradients, which nothing sums over the group; drop one of the two", o->tp);
     long bt = (long)o->batch * o->seq;
     if (o->total_batch == 0) o->total_batch = bt;
     if (o->total_batch % bt != 0)
@@ -399,7 +430,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 //   164  i32  FP8 fast accumulation in the forward GEMMs (--fp8-fast-accum)     168  i32  --tp-amax-sync (0/1)
 //   172  u32  zero                                   176  u64  payload bytes S: the file is 256 + S bytes long
 //   184  u64  XXH64 (seed 0) of the payload, bytes 256 .. 256+S-1
-//   192..247  zero
+//   192  f32  --qkv-clip C (0 = off)                 196  i32  --qk-norm (0/1)
+//   200  i32  --amax-warmup N                        204  i32  --wd-constant-lr (0/1)
+//   208  f32  --smooth-quant ALPHA (0 = off)         (files from before these five flags hold zeros in 192..211: all off)
+//   212..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -423,8 +457,9 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 // layout stores the master weights twice (whole for resharding, per rank for an exact same-P resume):
 // 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
-// build precision, model config, B, T, total batch, seed, the FP8 recipe, fast accumulation and amax sync;
-// --steps, --lr and the schedule may change (the schedule is a function of the step), though changing them
+// build precision, model config (--qk-norm and --qkv-clip included), B, T, total batch, seed, the FP8 recipe
+// (--amax-warmup and --smooth-quant included), fast accumulation, amax sync and --wd-constant-lr; --init only
+// shaped the weights of step 0, which the checkpoint holds; --steps, --lr and the schedule may change (the schedule is a function of the step), though changing them
 // breaks the equality with an uninterrupted run.
 constexpr uint32_t CKPT_MAGIC = 0x38504654;   // "TFP8" as little-endian bytes
 constexpr uint32_t CKPT_VERSION = 2;
@@ -452,7 +487,10 @@ struct CheckpointHeader {
     int32_t fp8_fast_accum, tp_amax_sync;
     uint32_t zero0;
     uint64_t payload_bytes, payload_xxh64;
-    uint8_t reserved[56];
+    float qkv_clip;
+    int32_t qk_norm, amax_warmup, wd_constant_lr;
+    float smooth_quant;
+    uint8_t reserved[36];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -463,7 +501,10 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, fp8_meta_bytes) == 148 && offsetof(CheckpointHeader, fp8_meta_count) == 152 &&
               offsetof(CheckpointHeader, tp_size) == 160 && offsetof(CheckpointHeader, fp8_fast_accum) == 164 &&
               offsetof(CheckpointHeader, tp_amax_sync) == 168 && offsetof(CheckpointHeader, payload_bytes) == 176 &&
-              offsetof(CheckpointHeader, payload_xxh64) == 184 && offsetof(CheckpointHeader, reserved) == 192 &&
+              offsetof(CheckpointHeader, payload_xxh64) == 184 && offsetof(CheckpointHeader, qkv_clip) == 192 &&
+              offsetof(CheckpointHeader, qk_norm) == 196 && offsetof(CheckpointHeader, amax_warmup) == 200 &&
+              offsetof(CheckpointHeader, wd_constant_lr) == 204 && offsetof(CheckpointHeader, smooth_quant) == 208 &&
+              offsetof(CheckpointHeader, reserved) == 212 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -568,12 +609,17 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.tp_size = (uint32_t)std::max(1, o.tp);
     h.fp8_fast_accum = o.fp8_fast_accum;
     h.tp_amax_sync = o.tp_amax_sync ? 1 : 0;
+    h.qkv_clip = c.qkv_clip;
+    h.qk_norm = c.qk_norm ? 1 : 0;
+    h.amax_warmup = o.amax_warmup;
+    h.wd_constant_lr = o.wd_constant_lr ? 1 : 0;
+    h.smooth_quant = o.smooth_quant;
     return h;
 }
 
 inline ModelConfig checkpoint_model_config(const CheckpointHeader& h) {
     return ModelConfig{h.vocab_size, h.dim, h.n_layers, h.n_heads, h.n_kv_heads, h.head_dim, h.ffn_dim, h.max_seq_len,
-                       h.norm_eps, h.rope_theta};
+                       h.norm_eps, h.rope_theta, h.qk_norm != 0, h.qkv_clip};
 }
 
 // "" if a checkpoint with header `got` (verified: section 3) can continue the run described by `want`, else the reason.
@@ -590,12 +636,15 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"ffn_dim (--ffn)", got.ffn_dim, want.ffn_dim}, {"max_seq_len", got.max_seq_len, want.max_seq_len},
         {"batch (--batch)", got.batch, want.batch}, {"seq (--seq)", got.seq, want.seq},
         {"total batch (--total-batch)", got.total_batch, want.total_batch}, {"seed (--seed)", (long long)got.seed, (long long)want.seed},
+        {"QK normalisation (--qk-norm)", got.qk_norm, want.qk_norm},
         {"number of parameters", (long long)got.num_params, (long long)want.num_params},
         {"FP8 amax history (--amax-history)", got.amax_history, want.amax_history},
         {"FP8 quantization interval (--quant-interval)", got.quant_interval, want.quant_interval},
         {"FP8 in all layers (--fp8-all-layers)", got.fp8_all_layers, want.fp8_all_layers},
         {"FP8 fast accumulation (--fp8-fast-accum)", got.fp8_fast_accum, want.fp8_fast_accum},
         {"FP8 amax MAX over the TP group (--tp-amax-sync)", got.tp_amax_sync, want.tp_amax_sync},
+        {"FP8 amax warm-up steps (--amax-warmup)", got.amax_warmup, want.amax_warmup},
+        {"weight decay at the peak LR (--wd-constant-lr)", got.wd_constant_lr, want.wd_constant_lr},
         {"Fp8Meta size in bytes", got.fp8_meta_bytes, want.fp8_meta_bytes},
         {"number of FP8 scale records", (long long)got.fp8_meta_count, (long long)want.fp8_meta_count},
     };
@@ -606,6 +655,12 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
     if (got.norm_eps != want.norm_eps || got.rope_theta != want.rope_theta)
         return strprintf("%s: the checkpoint has norm_eps %g and rope_theta %g, this model %g and %g", path,
                          got.norm_eps, got.rope_theta, want.norm_eps, want.rope_theta);
+    const struct { const char* name; float got, want; } floats[] = {
+        {"QKV clipping (--qkv-clip)", got.qkv_clip, want.qkv_clip}, {"SmoothQuant alpha (--smooth-quant)", got.smooth_quant, want.smooth_quant}};
+    for (const auto& f : floats)
+        if (f.got != f.want)
+            return strprintf("%s: the checkpoint has %s = %g, this run has %g; resume with the flags of the run that wrote it", path,
+                             f.name, f.got, f.want);
     return "";
 }
 
@@ -1111,6 +1166,12 @@ inline std::string export_checkpoint(const std::string& ckpt, const std::string&
     if (!err.empty()) return err;
     const ModelConfig c = checkpoint_model_config(h);
     const bool llama2c = format == "llama2c", as_bf16 = dtype == "bf16", bytes = c.vocab_size == BYTE_VOCAB;
+    if (c.qk_norm)
+        return strprintf("%s: trained with --qk-norm; transformers' LlamaForCausalLM and llama2.c's run.c have no normalisation "
+                         "of Q and K, so the exported model would compute something else: not exported", path.c_str());
+    if (c.qkv_clip > 0.0f)
+        return strprintf("%s: trained with --qkv-clip %g; transformers' LlamaForCausalLM and llama2.c's run.c do not clamp the "
+                         "QKV projection, so the exported model would compute something else: not exported", path.c_str(), c.qkv_clip);
     if (llama2c && (c.rope_theta != 10000.0f || c.norm_eps != 1e-5f))
         return strprintf("%s: the model has rope_theta %g and norm_eps %g; llama2.c's run.c has 10000 and 1e-5 built in: "
                          "export it with --format hf", path.c_str(), c.rope_theta, c.norm_eps);
@@ -1242,6 +1303,7 @@ inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     a.v_dtype = adamw_parse_moment_dtype("--v-dtype", o.v_dtype.c_str());
     a.update_clip = o.update_clip;
     a.use_atan2 = o.adam_atan2;
+    a.decay_lr = o.wd_constant_lr ? o.lr : 0.0f;
     return a;
 }
 
@@ -1403,6 +1465,11 @@ inline TrainResult train(const TrainOptions& o) {
     fp8.all_layers = o.fp8_all_layers;
     fp8.fast_accum = o.fp8_fast_accum == 1;
     fp8.tp_amax_sync = o.tp_amax_sync;
+    fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
+    fp8.smooth_quant = o.smooth_quant;
+    if (o.smooth_quant > 0.0f && !o.resume.empty())
+        printf("warning: --smooth-quant's per-channel s are not in checkpoints: they start again at 1 for the first resumed "
+               "step (then from its amaxes), so the resumed run differs from an uninterrupted one\n");
     // Every rank cuts its shard out of the same whole weights: the init, or a checkpoint written at another TP size.
     const bool reshard = !o.resume.empty() && std::max(1u, saved.tp_size) != (uint32_t)P;
     std::vector<float> whole;
@@ -1413,7 +1480,7 @@ inline TrainResult train(const TrainOptions& o) {
                "zero, bias correction from step 1, FP8 scales from the first casts), so the next steps differ from an "
                "uninterrupted run\n", resume_path.c_str(), std::max(1u, saved.tp_size), P);
     } else {
-        whole = model_init_weights(config, (uint64_t)o.seed);
+        whole = model_init_weights(config, (uint64_t)o.seed, (InitKind)init_kind_from_name(o.init), o.init_std);
     }
     on_ranks(ranks, [&](TrainRank& r) {
         const int rank = r.tp ? r.tp->rank : 0;
@@ -1525,8 +1592,8 @@ inline TrainResult train(const TrainOptions& o) {
                 }
                 auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, grad_scale); };
                 // two graphs: the first micro-batch of a step writes the gradients, the others add to them
-                if (graph) {
-                    model_graph_launch(&r.model, k == 0 ? 0 : 1, micro_batch);
+                if (graph) {   // keys 2, 3: the same in the --amax-warmup steps (their casts are current-scaled)
+                    model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0), micro_batch);
                     r.model.accumulate_grads = true;   // as the micro-batch would leave it: a replay runs no host code
                 } else {
                     micro_batch();
@@ -1537,6 +1604,8 @@ inline TrainResult train(const TrainOptions& o) {
         }
 #if defined(PRECISION_FP8)
         on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
+        // --amax-warmup N: the casts after step N's record (its evaluation, then step N + 1 on) use the history's scales
+        for (TrainRank& r : ranks) r.model.fp8_options.recipe.warmup = step < o.amax_warmup;
 #endif
         on_ranks(ranks, [&](TrainRank& r) {
             {
