@@ -23,8 +23,8 @@
 #
 # The GPU. Processes on one GPU without MPS take turns on it (time slices; their kernels do not overlap), so running
 # several at once does not add up their speeds: it keeps the GPU busy while each process starts, loads its data,
-# evaluates, writes its checkpoint and waits on the host between steps. 8 at a time leaves no gap; memory is no limit
-# (a run of this model holds ~2 GB).
+# evaluates, writes its checkpoint and waits on the host between steps. 8 at a time should leave no gap; memory is no
+# limit (a run of this model needs a few GB of the 141: estimated, not yet measured).
 set -euo pipefail
 cd "$(dirname "$0")"
 
