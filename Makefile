@@ -7,6 +7,7 @@
 #   make bench              GEMM and cast-kernel throughput tables (needs a GPU)
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
 #   make train              build, prepare data, train the default preset
+#   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab")
 #   make clean
 PRECISION ?= FP8
 GPU_ARCH  ?= sm_90a
@@ -64,8 +65,13 @@ train_fp8: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
 
-# (the tests run ./train_fp8 too: a resume refused by the program itself)
+# The BF16 build as a second binary beside train_fp8 (whatever PRECISION is), for study.sh to run both builds at once.
+train_fp8_bf16: train_fp8.cu $(HEADERS) $(STAMP) Makefile
+	$(NVCC) $(subst -DPRECISION_$(PRECISION),-DPRECISION_BF16,$(NVCCFLAGS)) -o $@ $< $(LDFLAGS)
+
+# (the tests run ./train_fp8 too: a resume refused by the program itself); study.sh's table maker on fixed logs first
 test: test_fp8 train_fp8
+	./study.sh test
 	./test_fp8
 
 # compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned
@@ -90,6 +96,12 @@ train: train_fp8 data
 bench: test_fp8
 	./test_fp8 --bench
 
-.PHONY: all test sanitize bench data train clean
+# The recipe lab (study.sh --help; STUDY_FLAGS adds flags, e.g. STUDY_FLAGS="--seeds 5 --only bf16,fp8").
+# make -j2 study builds the two binaries side by side.
+STUDY_FLAGS ?=
+study: train_fp8 train_fp8_bf16 data
+	./study.sh $(STUDY_FLAGS)
+
+.PHONY: all test sanitize bench data train study clean
 clean:
-	rm -f train_fp8 test_fp8 $(STAMP)
+	rm -f train_fp8 train_fp8_bf16 test_fp8 $(STAMP)

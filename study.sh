@@ -1,0 +1,489 @@
+#!/usr/bin/env bash
+# study.sh: the recipe lab (README "Recipe lab"). Trains several seeds of each configuration - the BF16 build, the
+# FP8 recipe, its variants and each published ablation as one flag - several processes at a time on one GPU, then
+# prints the table of the validation loss per configuration (mean +- std over seeds, against the BF16 build) and
+# draws the curves (plot_loss.py).
+#
+#   ./study.sh [flags]       run the study (make study builds both binaries and the data first, then runs this)
+#   ./study.sh table DIR     the table of a study folder (printed at the end of a study too)
+#   ./study.sh test          the table maker on fixed log.csv files (make test runs it; no GPU)
+#   ./study.sh --help        the flags
+#
+# Two binaries: ./train_fp8 (the FP8 build, `make`) and ./train_fp8_bf16 (`make train_fp8_bf16`: the same source
+# compiled with PRECISION=BF16 into another file, so that neither build overwrites the other and both can run at once).
+#
+# The setup, and why. The default run (preset d12, 85M parameters, 600 steps of 32 x 512 tokens) passes 2.5 times
+# over the 3.96M training tokens of the King James Bible, and the README's 1000-step runs overfit after ~700 steps:
+# their last validation losses mix memorisation into an FP8-vs-BF16 comparison. Here a run sees at most one epoch:
+# 240 steps of 32 x 512 tokens (the corpus holds 241 such batches), so no training window is seen twice and the
+# validation loss is still falling at the end. The model is smaller than d12 (dim 512, 8 layers, 8 heads, FFN 1536:
+# 27.4M parameters, 190 MFLOP a token against d12's 567), so that 18 configurations x 3 seeds fit in one 10-minute
+# GPU call with both binaries built (the estimate below). Warm-up 10% of the steps and the cosine schedule of the
+# default run; validation on the whole validation split (26 batches) every steps/6 steps.
+#
+# The GPU. Processes on one GPU without MPS take turns on it (time slices; their kernels do not overlap), so running
+# several at once does not add up their speeds: it keeps the GPU busy while each process starts, loads its data,
+# evaluates, writes its checkpoint and waits on the host between steps. 8 at a time should leave no gap; memory is no
+# limit (a run of this model needs a few GB of the 141: estimated, not yet measured).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+TRAIN_DATA=data/kjv_train.bin
+VAL_DATA=data/kjv_val.bin
+MODEL_FLAGS="--model d12 --dim 512 --layers 8 --heads 8 --kv-heads 8 --ffn 1536"
+BATCH=32
+SEQ=512
+# The estimate. The d12 model trains at 701.6k tokens/s alone on an H200 in the FP8 build (README, "Speed") = 398
+# model TFLOP/s; a model of a third of its FLOPs has smaller GEMMs and relatively more non-GEMM work, and turns
+# between processes cost a little, so the estimate assumes half that over all runs together. Each run also spends
+# ~5 s on the host (start-up, data, checkpoint), hidden by the other runs but for 1/PARALLEL of it.
+ASSUMED_TFLOPS=200
+HOST_SECONDS_PER_RUN=5
+DEADLINE_GRACE=60   # --deadline: runs still going this many seconds after it are stopped
+
+usage() {
+    cat <<EOF
+usage: ./study.sh [flags]          run the study (binaries from make train_fp8 train_fp8_bf16, data from make data)
+       ./study.sh table DIR        the table of study folder DIR
+       ./study.sh test             test the table maker on fixed log.csv files (host only)
+flags (default in brackets):
+  --seeds N            seeds 1..N of every configuration [3]
+  --parallel P         runs at a time on the GPU [8]
+  --steps N            optimizer steps of every run; warm-up N/10, validation every N/6 steps [240: one epoch]
+  --only A,B,...       only these configurations (--list shows them)
+  --skip A,B,...       all configurations but these
+  --add NAME=BUILD:FLAGS  one more configuration, BUILD fp8 or bf16 (repeatable), e.g. --add 'bf16-qk-norm=bf16:--qk-norm'
+  --extra "FLAGS"      flags for every run, after the setup's (they override it), e.g. --extra "--lr 1e-3"
+  --dir DIR            the study folder: DIR/NAME/seed-S/ (log.csv, console.txt, cmd.txt, exit.txt), DIR/table.md,
+                       DIR/loss_bands.png [out/study]
+  --deadline S         start no run after S seconds; stop the runs still going ${DEADLINE_GRACE} s later (0 = none) [0]
+  --skip-done          leave out the runs of DIR that already finished with exit status 0
+  --keep-checkpoints   keep each run's end-of-run checkpoint (deleted by default: the study reads only log.csv)
+  --fp8-bin PATH       the FP8 build [./train_fp8]
+  --bf16-bin PATH      the BF16 build [./train_fp8_bf16]
+  --dry-run            check the binaries, data and flags, print the runs and the estimate; run nothing
+  --list               print the configurations and exit
+FLAGS are split at spaces. Several --only/--skip/--add/--extra add up.
+EOF
+}
+
+fail() { echo "error: $*" >&2; exit 1; }
+
+# The configurations: NAME BUILD FLAGS... (the README's "Recipe lab" says why each value).
+default_configs() {
+    cat <<EOF
+bf16 bf16
+fp8 fp8
+fp8-all-layers fp8 --fp8-all-layers
+v-e4m3 fp8 --v-dtype e4m3
+v-e5m2 fp8 --v-dtype e5m2
+m-fp32 fp8 --m-dtype fp32
+delayed-16 fp8 --amax-history 16
+interval-16 fp8 --amax-history 16 --quant-interval 16
+amax-warmup fp8 --amax-history 16 --amax-warmup $WARMUP
+smooth-quant fp8 --smooth-quant 0.5
+qkv-clip fp8 --qkv-clip 8
+qk-norm fp8 --qk-norm
+init-trunc-normal fp8 --init trunc-normal --init-std 0.02
+init-torch-default fp8 --init torch-default
+wd-constant-lr fp8 --wd-constant-lr
+adam-atan2 fp8 --adam-atan2
+update-clip fp8 --update-clip
+recipe-1 fp8 --v-dtype e4m3 --update-clip
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------------------------
+# The test of the table maker: a study folder of fixed log.csv files, the table printed from it against the table
+# computed by hand below; then malformed input, which must be refused naming the file.
+log_row() {   # STEP LOSS VAL: a row as train_fp8 writes it (the other columns are not read)
+    echo "$1,$2,$3,3.000000e-04,0.500000,10.000,1000000.0,100.000,0,10.00"
+}
+write_run() {   # DIR EXIT VAL_AT_0 VAL_AT_50 [VAL_AT_100]: a run of 100 steps validated at 0, 50, 100 (EXIT - : none)
+    local dir=$1 status=$2
+    mkdir -p "$dir"
+    {
+        echo "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent"
+        echo "0,,$3,,,,,,,"
+        log_row 1 5.5 ""
+        log_row 50 1.7 "$4"
+        if [[ $# -ge 5 ]]; then
+            log_row 99 1.6 ""
+            log_row 100 1.6 "$5"
+        fi
+    } > "$dir/log.csv"
+    [[ $status == - ]] || echo "$status" > "$dir/exit.txt"
+}
+run_test() {
+    TEST_TMP=$(mktemp -d)
+    trap 'rm -rf "$TEST_TMP"' EXIT
+    local s=$TEST_TMP/study checks=0
+    mkdir -p "$s"
+    printf 'bf16\tbf16\t\nfp8\tfp8\t\nm-fp32\tfp8\t--m-dtype fp32\nqk-norm\tfp8\t--qk-norm\nupdate-clip\tfp8\t--update-clip\n' > "$s/configs.tsv"
+    echo "--steps 100" > "$s/setup.txt"
+    # bf16: finals 1.50, 1.52, 1.54: mean 1.52, std sqrt((0.02^2 + 0 + 0.02^2) / 2) = 0.02.
+    #       bests 1.50, 1.52, 1.53 (seed 3 was lower at step 50): mean 1.516667,
+    #       std sqrt((0.016667^2 + 0.003333^2 + 0.013333^2) / 2) = sqrt(4.6667e-4 / 2) = 0.015275
+    write_run "$s/bf16/seed-1" 0 5.5 1.60 1.50
+    write_run "$s/bf16/seed-2" 0 5.5 1.58 1.52
+    write_run "$s/bf16/seed-3" 0 5.5 1.53 1.54
+    # fp8: finals = bests 1.53, 1.53, 1.56: mean 1.54, std sqrt((0.01^2 + 0.01^2 + 0.02^2) / 2) = sqrt(3e-4) = 0.017321;
+    #      vs bf16: 0.02 / 1.52 = +1.3158%, 0.02 / 0.02 = +1.00 std
+    write_run "$s/fp8/seed-1" 0 5.5 1.60 1.53
+    write_run "$s/fp8/seed-2" 0 5.5 1.60 1.53
+    write_run "$s/fp8/seed-10" 0 5.5 1.60 1.56
+    # m-fp32: finals = bests 1.54, 1.55 (seed 3 exits 0 but stops at step 50 without a validation loss there):
+    #         mean 1.545, std sqrt(2 * 0.005^2) = 0.0070711; vs bf16: 0.025 / 1.52 = +1.6447%, 0.025 / 0.02 = +1.25 std;
+    #         fp8 vs m-fp32: -0.005 / 1.545 = -0.3236%
+    write_run "$s/m-fp32/seed-1" 0 5.5 1.60 1.54
+    write_run "$s/m-fp32/seed-2" 0 5.5 1.60 1.55
+    write_run "$s/m-fp32/seed-3" 0 5.5 ""
+    # qk-norm: one run counts (1.60: vs bf16 +0.08 / 1.52 = +5.2632%, +4.00 std, no std of its own), one failed
+    #          (exit 1, its log stops at step 50), one never finished (no exit.txt)
+    write_run "$s/qk-norm/seed-1" 0 5.5 1.70 1.60
+    write_run "$s/qk-norm/seed-2" 1 5.5 1.70
+    write_run "$s/qk-norm/seed-3" - 5.5 1.70
+    # update-clip: its only run crashed
+    write_run "$s/update-clip/seed-1" 139 5.5 1.70
+    local expected actual
+    expected=$(cat <<EOF
+Setup of every run: \`--steps 100\`
+
+| configuration | build | flags | n | final val loss | best val loss | final vs BF16 build |
+| --- | --- | --- | --- | --- | --- | --- |
+| bf16 | BF16 |  | 3 | 1.5200 ± 0.0200 | 1.5167 ± 0.0153 | (baseline) |
+| fp8 | FP8 |  | 3 | 1.5400 ± 0.0173 | 1.5400 ± 0.0173 | +1.32%, +1.00 std |
+| m-fp32 | FP8 | \`--m-dtype fp32\` | 2 + 1 not counted | 1.5450 ± 0.0071 | 1.5450 ± 0.0071 | +1.64%, +1.25 std |
+| qk-norm | FP8 | \`--qk-norm\` | 1 + 2 not counted | 1.6000 | 1.6000 | +5.26%, +4.00 std |
+| update-clip | FP8 | \`--update-clip\` | 0 + 1 not counted | - | - | - |
+
+mean ± sample std (n - 1) over the seeds that count; vs BF16 build: the difference of the final validation loss's mean, in % of the BF16 build's mean and in units of its std.
+Every counted run ends at step 100.
+
+Runs not counted:
+- m-fp32 seed 3: exit 0 but no validation loss at its last step (50) ($s/m-fp32/seed-3)
+- qk-norm seed 2: exit 1 ($s/qk-norm/seed-2)
+- qk-norm seed 3: not finished (no exit.txt: never ran to its end) ($s/qk-norm/seed-3)
+- update-clip seed 1: exit 139 ($s/update-clip/seed-1)
+
+Targets (issue 14):
+- FP8 recipe (fp8) vs BF16 build (bf16), final val loss: +1.32% (within 0.5%: NO), +1.00 BF16 std (within 2: yes)
+- FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -0.32% (within 0.5%: yes)
+EOF
+)
+    actual=$(python3 plot_loss.py table "$s")
+    if [[ $actual != "$expected" ]]; then
+        echo "study table test FAILED: the table differs from the one computed by hand (< expected, > printed):"
+        diff <(echo "$expected") <(echo "$actual") || true
+        exit 1
+    fi
+    checks=$((checks + 1))
+    # the targets met: bf16 finals 1.50, 1.52, 1.54 (mean 1.52, std 0.02); fp8 1.52, 1.53 -> mean 1.525:
+    # +0.33% of bf16 (within 0.5%), +0.25 std; m-fp32 (unchanged, 1.545): fp8 is -1.29% of it (not within 0.5%)
+    rm -rf "$s/fp8" "$s/qk-norm" "$s/update-clip"
+    write_run "$s/fp8/seed-1" 0 5.5 1.60 1.52
+    write_run "$s/fp8/seed-2" 0 5.5 1.60 1.53
+    actual=$(python3 plot_loss.py table "$s" | grep '^- FP8')
+    expected="- FP8 recipe (fp8) vs BF16 build (bf16), final val loss: +0.33% (within 0.5%: yes), +0.25 BF16 std (within 2: yes)
+- FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -1.29% (within 0.5%: NO)"
+    [[ $actual == "$expected" ]] || { echo "study table test FAILED: targets"; diff <(echo "$expected") <(echo "$actual") || true; exit 1; }
+    checks=$((checks + 1))
+    # malformed input: refused, naming the file
+    local out
+    expect_refusal() {   # WHAT EXPECTED_TEXT: the table of $s must fail with a message holding EXPECTED_TEXT
+        if out=$(python3 plot_loss.py table "$s" 2>&1); then
+            echo "study table test FAILED: $1 was accepted"; exit 1
+        fi
+        [[ $out == *"$2"* ]] || { echo "study table test FAILED: $1: the message '$out' does not hold '$2'"; exit 1; }
+        checks=$((checks + 1))
+    }
+    sed -i '1s/.*/step,val_loss,loss/' "$s/fp8/seed-1/log.csv"
+    expect_refusal "a log.csv with other columns" "$s/fp8/seed-1/log.csv: its columns are 'step,val_loss,loss'"
+    write_run "$s/fp8/seed-1" 0 5.5 1.60 1.52
+    echo "60,1.5,x1.4,,,,,,," >> "$s/fp8/seed-1/log.csv"
+    expect_refusal "a log.csv row that is not numbers" "$s/fp8/seed-1/log.csv, line 7: step, loss and val_loss must be numbers"
+    printf 'fp8 fp8 --qk-norm\n' > "$s/configs.tsv"
+    expect_refusal "a configs.tsv line without tabs" "$s/configs.tsv, line 1: expected NAME<tab>fp8|bf16<tab>FLAGS"
+    rm "$s/configs.tsv"
+    expect_refusal "a folder without configs.tsv" "$s/configs.tsv is missing"
+    echo "study table test: passed ($checks checks)"
+}
+
+if [[ ${1:-} == test ]]; then
+    [[ $# -eq 1 ]] || fail "usage: ./study.sh test"
+    run_test
+    exit 0
+fi
+if [[ ${1:-} == table ]]; then
+    [[ $# -eq 2 ]] || fail "usage: ./study.sh table DIR"
+    exec python3 plot_loss.py table "$2"
+fi
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line
+SEEDS=3 PARALLEL=8 STEPS=240 DIR=out/study DEADLINE=0 SKIP_DONE=0 KEEP_CKPT=0 DRY_RUN=0 LIST=0
+FP8_BIN=./train_fp8 BF16_BIN=./train_fp8_bf16
+ONLY=() SKIP=() ADDED=() EXTRA=()
+positive() { [[ $2 =~ ^[0-9]+$ && $2 -ge 1 ]] || fail "$1 $2: must be a whole number >= 1"; }
+while [[ $# -gt 0 ]]; do
+    flag=$1
+    case $flag in
+        --help|-h) usage; exit 0 ;;
+        --skip-done) SKIP_DONE=1; shift; continue ;;
+        --keep-checkpoints) KEEP_CKPT=1; shift; continue ;;
+        --dry-run) DRY_RUN=1; shift; continue ;;
+        --list) LIST=1; shift; continue ;;
+    esac
+    [[ $# -ge 2 ]] || { [[ $flag == -* ]] && fail "$flag needs a value (./study.sh --help)" || fail "unknown argument $flag (./study.sh --help)"; }
+    value=$2
+    case $flag in
+        --seeds) positive "$flag" "$value"; SEEDS=$value ;;
+        --parallel) positive "$flag" "$value"; PARALLEL=$value ;;
+        --steps) positive "$flag" "$value"; STEPS=$value ;;
+        --deadline) [[ $value =~ ^[0-9]+$ ]] || fail "--deadline $value: seconds, a whole number (0 = none)"; DEADLINE=$value ;;
+        --only) IFS=, read -r -a names <<< "$value"; ONLY+=("${names[@]}") ;;
+        --skip) IFS=, read -r -a names <<< "$value"; SKIP+=("${names[@]}") ;;
+        --add) [[ $value =~ ^([A-Za-z0-9._-]+)=(fp8|bf16):(.*)$ ]] ||
+                   fail "--add '$value': expected NAME=fp8:FLAGS or NAME=bf16:FLAGS (NAME of letters, digits, '.', '_', '-')"
+               ADDED+=("${BASH_REMATCH[1]} ${BASH_REMATCH[2]} ${BASH_REMATCH[3]}") ;;
+        --extra) read -r -a words <<< "$value"; EXTRA+=("${words[@]}") ;;
+        --dir) DIR=$value ;;
+        --fp8-bin) FP8_BIN=$value ;;
+        --bf16-bin) BF16_BIN=$value ;;
+        *) fail "unknown argument $flag (./study.sh --help)" ;;
+    esac
+    shift 2
+done
+WARMUP=$((STEPS / 10))
+EVAL_EVERY=$(( STEPS / 6 > 0 ? STEPS / 6 : 1 ))
+
+# ---- the configurations chosen
+declare -A CONFIG_BUILD=() CONFIG_FLAGS=()
+ALL_NAMES=()
+while read -r name build flags; do
+    [[ -n $name ]] || continue
+    [[ -z ${CONFIG_BUILD[$name]+x} ]] || fail "--add $name: a configuration of that name exists already (--list)"
+    ALL_NAMES+=("$name")
+    CONFIG_BUILD[$name]=$build
+    CONFIG_FLAGS[$name]=$flags
+done < <(default_configs; for a in "${ADDED[@]+"${ADDED[@]}"}"; do echo "$a"; done)
+if [[ $LIST == 1 ]]; then
+    for name in "${ALL_NAMES[@]}"; do printf '%-20s %-5s %s\n' "$name" "${CONFIG_BUILD[$name]}" "${CONFIG_FLAGS[$name]}"; done
+    exit 0
+fi
+for name in "${ONLY[@]+"${ONLY[@]}"}" "${SKIP[@]+"${SKIP[@]}"}"; do
+    [[ -n ${CONFIG_BUILD[$name]+x} ]] || fail "no configuration named '$name' (./study.sh --list shows them)"
+done
+NAMES=()
+for name in "${ALL_NAMES[@]}"; do
+    if [[ ${#ONLY[@]} -gt 0 && " ${ONLY[*]} " != *" $name "* ]]; then continue; fi
+    if [[ " ${SKIP[*]+"${SKIP[*]}"} " == *" $name "* ]]; then continue; fi
+    NAMES+=("$name")
+done
+[[ ${#NAMES[@]} -gt 0 ]] || fail "--only/--skip leave no configuration"
+
+# ---- check everything before any GPU work: binaries and their builds, every flag, the data
+binary_of() { [[ ${CONFIG_BUILD[$1]} == fp8 ]] && echo "$FP8_BIN" || echo "$BF16_BIN"; }
+declare -A HELP=()
+for build in fp8 bf16; do
+    bin=$FP8_BIN make_target=train_fp8 want=e4m3
+    [[ $build == bf16 ]] && bin=$BF16_BIN make_target=train_fp8_bf16 want=fp32
+    needed=0
+    for name in "${NAMES[@]}"; do [[ ${CONFIG_BUILD[$name]} == "$build" ]] && needed=1; done
+    [[ $needed == 1 ]] || continue
+    [[ -x $bin ]] || fail "$bin (the ${build^^} build) is missing: build it with 'make $make_target' (or make study), or name it with --$build-bin"
+    HELP[$build]=$("$bin" --help) || fail "$bin --help failed (see above)"
+    # the build shows in the default first moment: e4m3 in the FP8 build, fp32 in the BF16 build
+    m_default=$(sed -n 's/^  --m-dtype TYPE .*\[\([a-z0-9]*\)\]$/\1/p' <<< "${HELP[$build]}")
+    [[ $m_default == "$want" ]] || fail "$bin is not the ${build^^} build: its --help gives --m-dtype's default as '$m_default'," \
+                                        "the ${build^^} build's is $want (rebuild it: make $make_target)"
+done
+COMMON=($MODEL_FLAGS --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --data "$TRAIN_DATA"
+        --val-data "$VAL_DATA" --eval-every "$EVAL_EVERY" --sample-every 0 --checkpoint-every 0 --keep-checkpoints 1 --tp 0)
+bad=()
+for name in "${NAMES[@]}"; do
+    build=${CONFIG_BUILD[$name]}
+    read -r -a words <<< "${CONFIG_FLAGS[$name]}"
+    for word in "${words[@]+"${words[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}"; do
+        [[ $word == --* ]] || continue
+        grep -qE -- "^  $word( |$)" <<< "${HELP[$build]}" || bad+=("$name: $(binary_of "$name") has no flag $word")
+    done
+done
+if [[ ${#bad[@]} -gt 0 ]]; then
+    printf 'error: %s\n' "${bad[@]}" >&2
+    fail "the binaries lack flags of the configurations above (built before the flags existed? rebuild; or leave those out: --skip)"
+fi
+for f in "$TRAIN_DATA" "$VAL_DATA"; do [[ -f $f ]] || fail "$f is missing: prepare the default corpus with make data"; done
+tokens_of() { echo $(( ($(stat -c %s "$1") - 1024) / 2 )); }   # llm.c shard: 256 x int32 header, uint16 tokens
+batches_of() { echo $(( ($(tokens_of "$1") - 1) / SEQ / BATCH )); }   # windows of T+1 tokens with stride T, B a batch
+EPOCH_BATCHES=$(batches_of "$TRAIN_DATA")
+VAL_BATCHES=$(batches_of "$VAL_DATA")
+[[ $VAL_BATCHES -ge 1 ]] || fail "$VAL_DATA holds less than one batch of $BATCH x $SEQ tokens"
+COMMON+=(--eval-batches "$VAL_BATCHES")
+
+# ---- the study folder: configs.tsv (one line a configuration) and setup.txt (the flags of every run)
+SETUP="${COMMON[*]} ${EXTRA[*]+"${EXTRA[*]}"}"
+SETUP=${SETUP% }
+if [[ -f $DIR/setup.txt && $(cat "$DIR/setup.txt") != "$SETUP" ]]; then
+    fail "$DIR holds a study of another setup ($DIR/setup.txt: '$(cat "$DIR/setup.txt")', this one: '$SETUP'): use another --dir, or remove $DIR"
+fi
+for name in "${NAMES[@]}"; do
+    line=$(printf '%s\t%s\t%s' "$name" "${CONFIG_BUILD[$name]}" "${CONFIG_FLAGS[$name]}")
+    if [[ -f $DIR/configs.tsv ]] && grep -q "^$name	" "$DIR/configs.tsv" && ! grep -qxF "$line" "$DIR/configs.tsv"; then
+        fail "$DIR holds runs of configuration $name with other flags ($(grep "^$name	" "$DIR/configs.tsv" | cut -f2,3)): use another --dir"
+    fi
+done
+
+# ---- the runs: seed 1 of every configuration first, so that a study cut short has every configuration
+QUEUE=()
+for seed in $(seq 1 "$SEEDS"); do
+    for name in "${NAMES[@]}"; do
+        if [[ $SKIP_DONE == 1 && -f $DIR/$name/seed-$seed/exit.txt && $(cat "$DIR/$name/seed-$seed/exit.txt") == 0 ]]; then continue; fi
+        QUEUE+=("$name/seed-$seed")
+    done
+done
+TOTAL=${#QUEUE[@]}
+
+# ---- the estimate: model FLOPs (6 x matmul parameters + 12 x L x D x T a token, as train_fp8 counts them)
+read -r -a dims <<< "$MODEL_FLAGS"
+D=${dims[3]} L=${dims[5]} NH=${dims[7]} NKV=${dims[9]} F=${dims[11]}
+HD=$((D / NH))
+MATMUL_PARAMS=$(( L * ((NH + 2 * NKV) * HD * D + NH * HD * D + 3 * F * D) + 256 * D ))
+FLOPS_PER_TOKEN=$(( 6 * MATMUL_PARAMS + 12 * L * D * SEQ ))
+EVALS=$(( STEPS / EVAL_EVERY + 1 + (STEPS % EVAL_EVERY != 0) ))
+estimate=$(awk -v runs="$TOTAL" -v steps="$STEPS" -v bt=$((BATCH * SEQ)) -v fpt="$FLOPS_PER_TOKEN" -v evals="$EVALS" \
+               -v vb="$VAL_BATCHES" -v tf="$ASSUMED_TFLOPS" -v host="$HOST_SECONDS_PER_RUN" -v p="$PARALLEL" 'BEGIN {
+    per_run = (steps * bt + evals * vb * bt / 3) * fpt   # validation: a forward pass, a third of a training step
+    gpu = runs * per_run / (tf * 1e12)
+    printf "%.0f %.1f %.1f %.0f", gpu + runs * host / p, runs * per_run / 1e15, per_run / 1e12, gpu }')
+read -r EST_SECONDS EST_PFLOP EST_RUN_TFLOP EST_GPU <<< "$estimate"
+echo "study: ${#NAMES[@]} configurations x $SEEDS seeds = $TOTAL runs to do, $PARALLEL at a time, into $DIR"
+echo "setup: $MATMUL_PARAMS matmul parameters ($MODEL_FLAGS), $BATCH x $SEQ tokens a step, $STEPS steps" \
+     "($(awk -v s="$STEPS" -v e="$EPOCH_BATCHES" 'BEGIN { printf "%.3f", s / e }') epoch of $TRAIN_DATA: $EPOCH_BATCHES batches)," \
+     "validation every $EVAL_EVERY steps on all $VAL_BATCHES batches of $VAL_DATA"
+[[ $STEPS -le $EPOCH_BATCHES ]] || echo "WARNING: $STEPS steps are more than one epoch ($EPOCH_BATCHES batches): training windows repeat," \
+                                        "and the validation loss may reflect memorisation"
+echo "estimate: ~$EST_SECONDS s ($TOTAL runs x $EST_RUN_TFLOP TFLOP = $EST_PFLOP PFLOP at an assumed $ASSUMED_TFLOPS model TFLOP/s" \
+     "over all runs together: ${EST_GPU} s, + $HOST_SECONDS_PER_RUN s of host work a run / $PARALLEL); the progress lines show the real pace"
+[[ $DEADLINE == 0 ]] || echo "deadline: no run starts after $DEADLINE s; runs still going at $((DEADLINE + DEADLINE_GRACE)) s are stopped"
+for name in "${NAMES[@]}"; do printf '  %-20s %-5s %s\n' "$name" "${CONFIG_BUILD[$name]}" "${CONFIG_FLAGS[$name]}"; done
+echo "every run: BINARY ${COMMON[*]} [the configuration's flags]${EXTRA[*]+" ${EXTRA[*]}"} --seed S --out $DIR/NAME/seed-S"
+if [[ $DRY_RUN == 1 ]]; then
+    echo "dry run: nothing started"
+    exit 0
+fi
+
+# the study folder's description, written durably (temporary name, then rename)
+mkdir -p "$DIR"
+echo "$SETUP" > "$DIR/setup.txt.tmp" && mv "$DIR/setup.txt.tmp" "$DIR/setup.txt"
+{
+    [[ -f $DIR/configs.tsv ]] && cat "$DIR/configs.tsv"
+    for name in "${NAMES[@]}"; do
+        line=$(printf '%s\t%s\t%s' "$name" "${CONFIG_BUILD[$name]}" "${CONFIG_FLAGS[$name]}")
+        [[ -f $DIR/configs.tsv ]] && grep -qxF "$line" "$DIR/configs.tsv" || echo "$line"
+    done
+} > "$DIR/configs.tsv.tmp"
+mv "$DIR/configs.tsv.tmp" "$DIR/configs.tsv"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run: at most PARALLEL at a time; a finished run gets DIR/NAME/seed-S/exit.txt, and a line here.
+declare -A PID=() STARTED=() STOPPED_AT_DEADLINE=()
+FAILED=() NOT_STARTED=()
+DONE=0
+T0=$SECONDS
+elapsed() { echo $((SECONDS - T0)); }
+
+start_run() {   # NAME/seed-S
+    local key=$1 name=${1%/seed-*} seed=${1##*/seed-} dir=$DIR/$1 bin
+    bin=$(binary_of "$name")
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    local flags args
+    read -r -a flags <<< "${CONFIG_FLAGS[$name]}"
+    args=("${COMMON[@]}" "${flags[@]+"${flags[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" --seed "$seed" --out "$dir")
+    printf '%q ' "$bin" "${args[@]}" > "$dir/cmd.txt"
+    echo >> "$dir/cmd.txt"
+    "$bin" "${args[@]}" > "$dir/console.txt" 2>&1 &
+    PID[$key]=$!
+    STARTED[$key]=$SECONDS
+    printf '[%3ds] start  %s\n' "$(elapsed)" "$key"
+}
+
+finish_run() {   # NAME/seed-S EXIT_STATUS
+    local key=$1 status=$2 dir=$DIR/$1 result
+    echo "$status" > "$dir/exit.txt"
+    [[ $KEEP_CKPT == 1 ]] || rm -f "$dir"/ckpt-*.bin "$dir"/ckpt-*.bin.tmp "$dir/latest"
+    DONE=$((DONE + 1))
+    local took=$((SECONDS - ${STARTED[$key]}))
+    if [[ $status == 0 ]]; then
+        result=$(awk -F, 'NR > 1 && $3 != "" { final = $3; if (best == "" || $3 + 0 < best + 0) best = $3 }
+                          NR > 1 { last_val = $3 } END { if (last_val == "") print "no final validation loss in log.csv"
+                                                         else printf "final val %.4f, best %.4f", final, best }' \
+                     "$dir/log.csv" 2>&1 || true)
+        [[ $result == final* ]] || FAILED+=("$key: exit 0 but $result")
+    elif [[ -n ${STOPPED_AT_DEADLINE[$key]+x} ]]; then
+        result="STOPPED at the deadline (exit $status)"
+        FAILED+=("$key: stopped at the deadline + $DEADLINE_GRACE s (exit $status)")
+    else
+        result="FAILED (exit $status): $(grep -v '^\s*$' "$dir/console.txt" 2>/dev/null | tail -n 1 | cut -c1-160 || true)"
+        FAILED+=("$key: exit $status (see $dir/console.txt)")
+    fi
+    local left=$((TOTAL - DONE)) pace
+    pace=$(awk -v e="$(elapsed)" -v d="$DONE" -v l="$left" 'BEGIN { printf "%.0f", e / d * l }')
+    printf '[%3ds] %d/%d done  %-28s %s (%d s) | %d running, ~%d s left\n' "$(elapsed)" "$DONE" "$TOTAL" "$key" \
+           "$result" "$took" "${#PID[@]}" "$pace"
+}
+
+NEXT=0
+LAST_BEAT=$SECONDS
+STOPPED=0
+while [[ $NEXT -lt $TOTAL || ${#PID[@]} -gt 0 ]]; do
+    for key in "${!PID[@]}"; do
+        if ! kill -0 "${PID[$key]}" 2>/dev/null; then
+            wait "${PID[$key]}" && status=0 || status=$?
+            unset "PID[$key]"
+            finish_run "$key" "$status"
+        fi
+    done
+    if [[ $DEADLINE -gt 0 && $(elapsed) -ge $DEADLINE && $NEXT -lt $TOTAL ]]; then
+        NOT_STARTED=("${QUEUE[@]:NEXT}")
+        printf '[%3ds] deadline (%d s): %d runs not started\n' "$(elapsed)" "$DEADLINE" "${#NOT_STARTED[@]}"
+        TOTAL=$NEXT
+    fi
+    if [[ $DEADLINE -gt 0 && $(elapsed) -ge $((DEADLINE + DEADLINE_GRACE)) && $STOPPED == 0 && ${#PID[@]} -gt 0 ]]; then
+        printf '[%3ds] deadline + %d s: stopping %s\n' "$(elapsed)" "$DEADLINE_GRACE" "${!PID[*]}"
+        for key in "${!PID[@]}"; do
+            kill -TERM "${PID[$key]}" 2>/dev/null || true
+            STOPPED_AT_DEADLINE[$key]=1
+        done
+        STOPPED=1
+    fi
+    while [[ $NEXT -lt $TOTAL && ${#PID[@]} -lt $PARALLEL ]]; do
+        start_run "${QUEUE[NEXT]}"
+        NEXT=$((NEXT + 1))
+    done
+    if [[ $((SECONDS - LAST_BEAT)) -ge 30 && ${#PID[@]} -gt 0 ]]; then
+        beat=""
+        for key in "${!PID[@]}"; do beat+=" $key:$(tail -n 1 "$DIR/$key/log.csv" 2>/dev/null | cut -d, -f1 || true)"; done
+        printf '[%3ds] running (step of %d):%s\n' "$(elapsed)" "$STEPS" "$beat"
+        LAST_BEAT=$SECONDS
+    fi
+    [[ ${#PID[@]} -eq 0 ]] || sleep 1
+done
+
+# ---- the results
+echo "study: $DONE runs finished in $(elapsed) s, ${#FAILED[@]} failed, ${#NOT_STARTED[@]} not started"
+for f in "${FAILED[@]+"${FAILED[@]}"}"; do echo "  FAILED $f"; done
+for f in "${NOT_STARTED[@]+"${NOT_STARTED[@]}"}"; do echo "  NOT STARTED $f (deadline)"; done
+if python3 plot_loss.py table "$DIR" > "$DIR/table.md.tmp"; then
+    mv "$DIR/table.md.tmp" "$DIR/table.md"
+    echo
+    cat "$DIR/table.md"
+    echo "(the table: $DIR/table.md)"
+else
+    rm -f "$DIR/table.md.tmp"
+    echo "error: the table of $DIR could not be made (above)"
+    FAILED+=("the table")
+fi
+python3 plot_loss.py "$DIR/loss_bands.png" "$DIR" || echo "no picture (above); the table does not need one"
+[[ ${#FAILED[@]} -eq 0 && ${#NOT_STARTED[@]} -eq 0 ]]
