@@ -881,8 +881,6 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
     uint64_t* st_empty = st_full + HATTN_STAGES;
-    uint64_t* ds_full = st_empty + HATTN_STAGES;               // per dS^T buffer: written by both consumers
-    uint64_t* ds_empty = ds_full + 2;                          // per dS^T buffer: both consumers' dQ products done
 
     const int Tp = attention_padded_T(T), nq = Tp / BM;
     const int kt = (int)blockIdx.x / (NKV * B);
@@ -897,10 +895,6 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
         for (int s = 0; s < HATTN_STAGES; s++) {
             hattn_bar_init(st_full + s, 1);
             hattn_bar_init(st_empty + s, 128 * HATTN_CONSUMERS);
-        }
-        for (int d = 0; d < 2; d++) {
-            hattn_bar_init(ds_full + d, 128 * HATTN_CONSUMERS);
-            hattn_bar_init(ds_empty + d, 128 * HATTN_CONSUMERS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -945,61 +939,32 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
     for (int n = 0; n < HD / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
-    float st[BM / 8][4], dpt[BM / 8][4];   // S^T and dP^T of the step, then P^T and dS^T
-    float dq[CH][4][4];                    // dQ^T of the step: rows HD (per chunk 64), columns 32 queries
     hattn_bar_wait(kv_full, 0);
 
-    // S^T = K Q^T and dP^T = V dO^T of step i, issued as one group once its Q and dO have landed.
-    // wait false: the stage is known to have landed (the last step issued again, see below).
-    auto issue_scores = [&](int i, bool wait = true) {
+    for (int i = 0; i < steps; i++) {
         const int s = i % HATTN_STAGES;
+        const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
         const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
-        if (wait) hattn_bar_wait(st_full + s, (i / HATTN_STAGES) & 1);
+        const unsigned char* q_tile = stage;
+        const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
+        const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
+        const float* delta_q = lse_q + BM;
+        hattn_bar_wait(st_full + s, (i / HATTN_STAGES) & 1);
+
+        float st[BM / 8][4], dpt[BM / 8][4];
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
             const int ch = kk / 4, off = (kk % 4) * 32;
             const int krow = ch * S::chunk(BN) + 64 * w * 128 + off;
             hattn_wgmma_ss<BM, 0, 0>(&st[0][0], hattn_desc(k_tile + krow, 1024, HATTN_SW128),
-                                     hattn_desc(stage + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+                                     hattn_desc(q_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
             hattn_wgmma_ss<BM, 0, 0>(&dpt[0][0], hattn_desc(v_tile + krow, 1024, HATTN_SW128),
-                                     hattn_desc(stage + S::BWD_Q_BYTES + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+                                     hattn_desc(do_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
         }
         hattn_wgmma_commit();
-    };
-    // Step i's dQ^T tile (in dq, complete) into its slot: rows of 64 floats (the step's queries), streaming stores.
-    auto store_dq = [&](int i) {
-        const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
-        float* part = dq_part + (((size_t)b * NH + h) * attention_dq_slots(nq) + attention_dq_slot(qt, kt)) * HD * BM;
-#pragma unroll
-        for (int ch = 0; ch < CH; ch++)
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-#pragma unroll
-                for (int half = 0; half < 2; half++)
-                    __stcs(reinterpret_cast<float2*>(part + (64 * ch + 16 * warp + g + 8 * half) * BM + 32 * w + n * 8 + 2 * t),
-                           make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]));
-    };
-
-    // Per step, the consumers meet only through the dS^T buffers' mbarriers (ds_full: both halves written;
-    // ds_empty: both dQ products that read it are done), so one waits for the other only when it is a whole
-    // step ahead. With HD = 64 the next step's S^T, dP^T are issued behind this step's dQ^T, so that the tensor
-    // cores have work while dQ^T goes out; with HD = 128, dK and dV leave no registers for that (ptxas spills
-    // and serializes), and they follow it. ptxas serializes every wgmma of the kernel if a wgmma is issued under
-    // a condition or an accumulator is in flight across the loop's back edge (C7514/C7515): so every group is
-    // awaited within its step, and the last step issues its own S^T, dP^T again (unused) instead of none.
-    constexpr bool scores_behind_dq = HD == 64;
-    issue_scores(0);
-    hattn_wgmma_wait<0>();
-    for (int i = 0; i < steps; i++) {
-        const int s = i % HATTN_STAGES, buf = i % 2;
-        const int qt = nq - 1 - i % per_head;
-        const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
-        const unsigned char* q_tile = stage;
-        const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
-        const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
-        const float* delta_q = lse_q + BM;
-        hattn_fence_regs<BM / 2>(&st[0][0]);                     // S^T, dP^T of step i (complete)
+        hattn_wgmma_wait<0>();
+        hattn_fence_regs<BM / 2>(&st[0][0]);
         hattn_fence_regs<BM / 2>(&dpt[0][0]);
 
         const bool diagonal = qt * BM < key_base - 16 * warp + 64;   // some query row of the step precedes a key
@@ -1028,11 +993,9 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
         }
         hattn_wgmma_commit();
 
-        // dS^T (bf16) into shared memory while dV, dK run: two blocks of 32 query columns, each [128 keys x 64
+        // dS^T (bf16) into shared memory while those run: two blocks of 32 query columns, each [128 keys x 64
         // bytes] with the 64-byte swizzle (chunk c of row r at c ^ ((r / 2) % 4)), the layout wgmma reads below.
-        // The buffer was last read by the dQ products of step i - 2.
-        unsigned char* ds = smem + S::BWD_DS + buf * S::BWD_DS_BYTES;
-        if (i >= 2) hattn_bar_wait(ds_empty + buf, ((i - 2) / 2) & 1);
+        unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
 #pragma unroll
@@ -1044,14 +1007,13 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
-        hattn_bar_arrive(ds_full + buf);
         hattn_wgmma_wait<0>();
         hattn_fence_regs<HD / 2>(&dv[0][0]);
         hattn_fence_regs<HD / 2>(&dk[0][0]);
         hattn_bar_arrive(st_empty + s);                          // Q and dO of this stage are no longer read
+        hattn_sync(1, 128 * HATTN_CONSUMERS);                    // both halves of dS^T are written
 
-        // dQ^T = K^T dS^T once both halves of dS^T are written (consumer w: query columns 32w..32w+31, all HD rows).
-        hattn_bar_wait(ds_full + buf, (i / 2) & 1);
+        float dq[CH][4][4];                                      // dQ^T: rows HD (per chunk 64), columns 32 queries
         hattn_wgmma_fence();
 #pragma unroll
         for (int ch = 0; ch < CH; ch++)
@@ -1060,15 +1022,19 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
                 hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], hattn_desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128),
                                          hattn_desc(ds + w * (BN * 64) + kk * 16 * 64, 512, HATTN_SW64), kk > 0);
         hattn_wgmma_commit();
-        if constexpr (scores_behind_dq) issue_scores(min(i + 1, steps - 1), i + 1 < steps);
         hattn_wgmma_wait<0>();
         hattn_fence_regs<CH * 16>(&dq[0][0][0]);
-        hattn_bar_arrive(ds_empty + buf);
-        store_dq(i);
-        if constexpr (!scores_behind_dq) {
-            issue_scores(min(i + 1, steps - 1), i + 1 < steps);
-            hattn_wgmma_wait<0>();
-        }
+
+        // This key tile's dQ^T tile into its slot: rows of 64 floats (the step's queries), streaming stores.
+        float* part = dq_part + (((size_t)b * NH + h) * attention_dq_slots(nq) + attention_dq_slot(qt, kt)) * HD * BM;
+#pragma unroll
+        for (int ch = 0; ch < CH; ch++)
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int half = 0; half < 2; half++)
+                    __stcs(reinterpret_cast<float2*>(part + (64 * ch + 16 * warp + g + 8 * half) * BM + 32 * w + n * 8 + 2 * t),
+                           make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]));
     }
     bf16* drows = dqkv + (size_t)b * T * (NH + 2 * NKV) * HD;
     const int C3 = (NH + 2 * NKV) * HD;
