@@ -324,22 +324,28 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
 // take lse in base-2 units (lse2). A padded row (t >= T) gets D = 0 and lse2 = +inf, so that its P =
 // exp2(s - inf) = 0 and dS = 0 without a mask.
 constexpr int ATTN_DELTA_THREADS = 256;
+// HD / 8 threads per row, 16 bytes of out and dout each, summed over the row's lanes by shuffles.
 template <int HD>
 __global__ void attention_backward_delta_kernel(float* delta, float* lse2, const float* lse, const bf16* dout, const bf16* out,
                                                 int B, int T, int Tp, int NH) {
-    const long row = (long)blockIdx.x * (ATTN_DELTA_THREADS / 32) + threadIdx.x / 32;   // (b, h, t) with t < Tp
-    const int lane = threadIdx.x % 32;
-    if (row >= (long)B * NH * Tp) return;
+    constexpr int LANES = HD / BF16_PER_16B;   // threads per row, a power of two dividing 32
+    static_assert(LANES <= 32 && (32 % LANES) == 0, "a row's threads lie in one warp");
+    const long row = ((long)blockIdx.x * ATTN_DELTA_THREADS + threadIdx.x) / LANES;   // (b, h, t) with t < Tp
+    const int part = threadIdx.x % LANES;
+    const bool valid = row < (long)B * NH * Tp;   // not a return: every lane takes part in the shuffles
     const int t = (int)(row % Tp);
     const long bh = row / Tp;
     const int h = (int)(bh % NH), b = (int)(bh / NH);
     float sum = 0.0f;
-    if (t < T) {   // the whole warp's row: the branch is uniform
-        const size_t at = ((size_t)b * T + t) * NH * HD + (size_t)h * HD;
-        for (int c = lane; c < HD; c += 32) sum += to_float(out[at + c]) * to_float(dout[at + c]);
-        sum = attention_warp_sum(sum);
+    if (valid && t < T) {
+        const size_t at = ((size_t)b * T + t) * NH * HD + (size_t)h * HD + part * BF16_PER_16B;
+        Packed128<bf16> o = load128(out + at), d = load128(dout + at);
+#pragma unroll
+        for (int k = 0; k < BF16_PER_16B; k++) sum += to_float(o.v[k]) * to_float(d.v[k]);
     }
-    if (lane == 0) {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (valid && part == 0) {
         delta[row] = sum;
         if (lse2) lse2[row] = t < T ? lse[bh * T + t] * ATTN_LOG2E : INFINITY;
     }
@@ -348,7 +354,7 @@ template <int HD>
 inline void attention_backward_delta(float* delta, float* lse2, const float* lse, const bf16* dout, const bf16* out, int B, int T,
                                      int Tp, int NH, cudaStream_t s) {
     const long rows = (long)B * NH * Tp;
-    attention_backward_delta_kernel<HD><<<ceil_div(rows, ATTN_DELTA_THREADS / 32), ATTN_DELTA_THREADS, 0, s>>>(
+    attention_backward_delta_kernel<HD><<<ceil_div(rows, ATTN_DELTA_THREADS / (HD / BF16_PER_16B)), ATTN_DELTA_THREADS, 0, s>>>(
         delta, lse2, lse, dout, out, B, T, Tp, NH);
     cudaCheckLaunch();
 }

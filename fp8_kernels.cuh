@@ -81,6 +81,7 @@ struct alignas(16) Packed128 {
     T v[size];
 };
 template <class T> __device__ inline Packed128<T> load128(const T* p) { return *reinterpret_cast<const Packed128<T>*>(p); }
+constexpr int BF16_PER_16B = Packed128<bf16>::size;   // 8
 template <class T> __device__ inline void store128(T* p, Packed128<T> x) { *reinterpret_cast<Packed128<T>*>(p) = x; }
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 

@@ -299,8 +299,6 @@ inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed
 // 3. Layers. Rows are moved 16 bytes (8 BF16) at a time, so the launchers need the row length (the columns)
 // to be a multiple of 8 and the tensors 16-byte aligned; every index is computed in size_t.
 
-constexpr int BF16_PER_16B = Packed128<bf16>::size;   // 8
-
 inline void check_rows(const char* who, int cols, std::initializer_list<const void*> ptrs) {
     if (cols < 1 || cols % BF16_PER_16B != 0)
         fail("%s: rows of %d elements; they must be a positive multiple of %d (16-byte loads)", who, cols, BF16_PER_16B);
@@ -650,10 +648,17 @@ struct RopeBackwardCast {
             for (int k = 0; k < CAST_VEC; k++) v[0][k] = x[k];
             return;
         }
+        // The chunk's 8 pairs: 8 consecutive table entries, 32-byte aligned (pair0 is a multiple of 8 and so is
+        // the sine table's offset, T * HD / 2), read 16 bytes at a time.
         const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
+        float c[CAST_VEC / 2], sn[CAST_VEC / 2];
+        for (int h = 0; h < CAST_VEC / 2; h += 4) {
+            *reinterpret_cast<float4*>(c + h) = *reinterpret_cast<const float4*>(cos_t + pair0 + h);
+            *reinterpret_cast<float4*>(sn + h) = *reinterpret_cast<const float4*>(sin_t + pair0 + h);
+        }
         for (int q = 0; q < CAST_VEC / 2; q++) {
             bf16 y0, y1;
-            rope_rotate(x[2 * q], x[2 * q + 1], cos_t[pair0 + q], sin_t[pair0 + q], -1.0f, &y0, &y1);
+            rope_rotate(x[2 * q], x[2 * q + 1], c[q], sn[q], -1.0f, &y0, &y1);
             v[0][2 * q] = to_float(y0);
             v[0][2 * q + 1] = to_float(y1);
         }
@@ -680,6 +685,7 @@ inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float
                               int NKV, int HD, cudaStream_t s) {
     check_rows("rope_backward_fp8", HD, {dqkv});
     if (HD % CAST_VEC != 0) fail("rope_backward_fp8: head_dim %d must be a multiple of %d (a cast chunk within one head)", HD, CAST_VEC);
+    if (!is_aligned16(cos_t) || !is_aligned16(sin_t)) fail("rope_backward_fp8: the cos/sin tables must be 16-byte aligned (got %p, %p)", cos_t, sin_t);
     ProfileRange range(PHASE_FP8_CAST, s, "rope backward: cast dY");
     const int cols = (NH + 2 * NKV) * HD;
     fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
