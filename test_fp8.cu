@@ -40,7 +40,6 @@
 // 1. Test infrastructure. The harness: named tests registered at static-init time; a test fails if any expectation
 // fails. Then what every section uses: random inputs, device buffers, temporary folders, whole files.
 
-
 struct TestCase { const char* name; bool needs_gpu; void (*fn)(); };
 static std::vector<TestCase>& test_registry() { static std::vector<TestCase> r; return r; }
 struct TestRegistrar { TestRegistrar(const char* n, bool gpu, void (*f)()) { test_registry().push_back({n, gpu, f}); } };
@@ -165,7 +164,6 @@ static std::vector<char> read_whole_file(const std::string& path) {
 // 2. The spec: the float64 host reference of LLaMA-2. Every GPU kernel and the whole GPU model are checked against it.
 // Written from the math alone (no GPU code), plain loops, all arrays row-major double. Each layer is a
 // forward/backward pair; the model walks the parameter layout of README.md (weights are [out, in]).
-
 
 // out[M,N] = a[M,K] b[N,K]^T (the layout of every linear layer: y = x W^T with W [out, in]).
 static void ref_matmul(double* out, const double* a, const double* b, int M, int N, int K) {
@@ -1008,7 +1006,6 @@ HOST_TEST(fp8_codec_rounding_saturation_specials) {
     }
 }
 
-
 // Random floats of every magnitude: random bit patterns (all exponents, subnormals, inf, NaN), plus
 // values near the FP8 grid (ties and neighbours) where rounding is decided.
 static std::vector<float> random_float_bits(size_t n, Fp8Format f) {
@@ -1507,7 +1504,6 @@ HOST_TEST(matmul_argument_rules) {
     printf("    example: %s\n", cases[0].err.c_str());
 }
 
-
 // ---- the matmul against a float64 host GEMM of the dequantized operands
 
 // Random operand: FP8 codes (exactly representable, no NaN/inf) or BF16 values, with its host values.
@@ -1621,7 +1617,6 @@ GPU_TEST(matmul_plan_cache) {
 // 7. Attention (attention.cuh): the flash-style BF16 kernels against the float64 reference
 // (ref_attention_forward / ref_attention_backward), on inputs rounded to BF16 before the reference
 // sees them, so that the only differences are the kernels' own roundings.
-
 
 // The log-sum-exp of each causal row of scaled scores: lse[b,h,t] = log sum_{j<=t} exp(q_t.k_j / sqrt(HD)).
 static void ref_attention_lse(double* lse /* [B,NH,T] */, const double* q, const double* k, int B, int T, int NH,
@@ -1788,7 +1783,6 @@ GPU_TEST(attention_is_deterministic) {
 // ==============================================================================================
 // 8. AdamW (adamw_fp8.cuh): host references first (a float64 AdamW, and the kernel's float32 arithmetic
 // replayed on the host from a stored state), then the tests.
-
 
 // The test tensors: 2-D and 1-D, odd sizes and offsets (the kernels move whole groups of 16 elements and do
 // the ends of a tensor off that grid one by one); w_big spans three update blocks and w_c two; a 1 x 77
@@ -2489,7 +2483,6 @@ GPU_TEST(adamw_save_load_exact) {
 // float64 reference above on inputs rounded to BF16 before the reference sees them; the whole
 // tiny model against ref_model_forward_backward; determinism, gradient accumulation, the matmul plan cache.
 
-
 // Tolerances (rel_l2 unless said).
 // One BF16 rounding of a result computed in FP32: each element is off by at most 2^-9 ~ 2e-3 relative, so
 // rel_l2 <= 2e-3; 4e-3 leaves room for the FP32 arithmetic before the rounding. A wrong index, sign, scale or
@@ -3173,7 +3166,6 @@ GPU_TEST(model_qkv_clip_and_qk_norm) {
 // 10. The FP8 linear layer against the host: on the same dequantized operands (the GEMM's own error), and
 // against the exact float64 layer (the quantization error, as an SQNR in dB).
 
-
 // 10 log10(sum ref^2 / sum (got - ref)^2)
 template <class T>
 static double sqnr_db(const T* got, const double* ref, size_t n) {
@@ -3709,7 +3701,6 @@ GPU_TEST(fp8_weights_rebuilt_after_step_exact) {
 // ==============================================================================================
 // 11. Data loader (dataloader.h): shards written to a temporary folder, read back, and every kind of bad input.
 
-
 // Tokens 0, 1, 2, ...: a window's first token tells which window it is (window k of a shard starts at k*T).
 static std::vector<uint16_t> counting_tokens(size_t n, int first) {
     std::vector<uint16_t> v(n);
@@ -4015,7 +4006,6 @@ HOST_TEST(dataloader_rejects_bad_input) {
 // ==============================================================================================
 // 12. The command line and checkpoints (train_fp8.cu sections 1-3): parse_args and its refusals, --help, the
 // checkpoint header and files, the CSV logs; and the small synthetic byte corpus of the whole runs (section 14).
-
 
 // parse_args on a list of arguments (the program name is added).
 static std::string parse_list(const std::vector<std::string>& args, TrainOptions* o) {
@@ -4696,7 +4686,6 @@ static std::vector<std::string> log_rows_without_timing(const std::string& path)
 // checkpoint's weights, to float64 round-off (the export permutes rows and copies values; BF16 rounds each weight
 // once, so against the reference on the BF16-rounded weights it is exact too). Then, on the GPU, the program's own
 // logits against the exported model.
-
 
 // ---- a small JSON reader (objects, arrays, strings with simple escapes, numbers, true/false/null)
 struct Json {
@@ -5396,7 +5385,6 @@ GPU_TEST(train_tiny_follows_float64_reference) {
 // NCCL against the run without NCCL; the sharded arithmetic of 2 and 4 ranks on ONE GPU, the all-reduces done on
 // the host, against the whole model; and, with 2 GPUs or more, TP=2 training against TP=1.
 
-
 // A config that splits 2 and 4 ways: 4 heads of 64, n_kv KV heads, FFN 512 (128 per rank at 4), 2 layers.
 static ModelConfig tp_test_config(int n_kv) {
     ModelConfig c = model_config_preset("tiny", 256);
@@ -5836,7 +5824,6 @@ GPU_TEST(tp2_training_matches_tp1) {
 
 // ==============================================================================================
 // 16. Benchmarks (./test_fp8 --bench): ratios measured in one run. Never part of the tests.
-
 
 // Median time in ms of `reps` runs of fn, after warm-up, timed with events around each run.
 static float bench_median_ms(const std::function<void()>& fn, int reps = 20, int warmup = 3) {
@@ -6321,7 +6308,6 @@ static void run_benchmarks(const std::vector<std::string>& which) {
 
 // ==============================================================================================
 // 17. main
-
 
 int main(int argc, char** argv) {
     std::vector<std::string> filters;
