@@ -1383,59 +1383,107 @@ struct TrainResult {
     ProfileReport profile;
 };
 
-inline TrainResult train(const TrainOptions& o) {
-    TrainResult result;
-    const int B = o.batch, T = o.seq, accum = grad_accum_steps(o);
-    const int last_step = o.stop_after > 0 ? o.stop_after : o.steps;
-
-    // ---- everything that can be wrong with the data or the checkpoint, before any GPU work
+// The state of one training run, shared by the steps of train() below: the options, the data, the ranks, the
+// logs and the counters a checkpoint saves.
+struct TrainRun {
+    const TrainOptions* o = nullptr;
+    int B = 0, T = 0, accum = 0, V = 0;
+    int P = 1;                            // GPUs (ranks); --tp 0: 1
+    int first_step = 1, last_step = 0;    // the steps this call runs (1-based, inclusive)
+    int eval_batches = 0;
+    ModelConfig config;
+    AdamWConfig adamw_config;
+    CheckpointHeader header;              // this run's checkpoint header; step and counters set at each save
+    CheckpointHeader saved = {};          // the resumed checkpoint's header
+    std::string resume_path;              // its file
     DataLoader train_data, val_data;
-    std::string err = dataloader_open(&train_data, o.data.c_str(), B, T, 0, 1, 0, true, (uint64_t)o.seed);
-    if (!err.empty()) fail("--data %s: %s", o.data.c_str(), err.c_str());
-    err = dataloader_open(&val_data, o.val_data.c_str(), B, T, 0, 1, train_data.vocab_size, false, 0);
-    if (!err.empty()) fail("--val-data %s: %s", o.val_data.c_str(), err.c_str());
-    const int V = train_data.vocab_size;
-    printf("data: %s, %llu tokens, vocab %d (%s); validation %s, %llu tokens\n", o.data.c_str(),
-           (unsigned long long)train_data.num_tokens, V, train_data.vocab_source.c_str(), o.val_data.c_str(),
-           (unsigned long long)val_data.num_tokens);
-    int eval_batches = o.eval_batches;
-    if ((uint64_t)eval_batches > val_data.batches_per_epoch) {
-        eval_batches = (int)val_data.batches_per_epoch;
-        printf("evaluation: --eval-batches %d is more than the validation data holds; using %d\n", o.eval_batches, eval_batches);
-    }
-    ModelConfig config = model_config_from_options(o, V);
-    model_config_validate(config);
-    AdamWConfig adamw_config = adamw_config_from_options(o);
-    adamw_config_validate(adamw_config);
-    CheckpointHeader run = checkpoint_header_for(config, o);
-    int first_step = 1;
+    std::vector<TpGroup> groups;          // --tp >= 1: one NCCL communicator per rank
+    std::vector<TrainRank> ranks;
+    GpuPeak peak;                         // of GPU 0, taken for every GPU of the group
+    std::vector<int> prompt;              // the samples' first tokens
+    FILE* log = nullptr;                  // OUT/log.csv
+    FILE* fp8_csv = nullptr;              // OUT/fp8_stats.csv (FP8 build, --fp8-stats)
+    double flops_per_token = 0, tokens_per_step = 0;
+    float grad_scale = 0;                 // 1 / (tokens per step): the mean loss's gradient
     long bad_in_row = 0;
-    uint64_t sample_rng = (uint64_t)o.seed;
-    CheckpointHeader saved = {};   // the resumed checkpoint's header
-    std::string resume_path;       // its file
+    uint64_t sample_rng = 0;
+    StepProfile profile;
+    double time_sum = 0;                  // ms of the steps after the first
+    int timed_steps = 0;
+    TrainResult result;
+};
+
+// What one optimizer step measured, for the step's log line and CSV row.
+struct StepStats {
+    int step = 0;
+    float loss = 0, grad_norm = 0, lr = 0;
+    bool bad = false;                     // non-finite loss or gradient norm: the update was skipped
+    bool fp8_stats_step = false;
+    double ms = 0, tokens_per_s = 0, tflops = 0, mfu = NAN;
+#if defined(PRECISION_FP8)
+    Fp8StatsSummary fp8_summary = {0, 0, "", ""};
+#endif
+};
+
+// Setup, part 1: everything that can be wrong with the data or the checkpoint, before any GPU work.
+inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
+    run->o = &o;
+    run->B = o.batch;
+    run->T = o.seq;
+    run->accum = grad_accum_steps(o);
+    run->last_step = o.stop_after > 0 ? o.stop_after : o.steps;
+    const int B = run->B, T = run->T;
+    std::string err = dataloader_open(&run->train_data, o.data.c_str(), B, T, 0, 1, 0, true, (uint64_t)o.seed);
+    if (!err.empty()) fail("--data %s: %s", o.data.c_str(), err.c_str());
+    err = dataloader_open(&run->val_data, o.val_data.c_str(), B, T, 0, 1, run->train_data.vocab_size, false, 0);
+    if (!err.empty()) fail("--val-data %s: %s", o.val_data.c_str(), err.c_str());
+    const int V = run->V = run->train_data.vocab_size;
+    printf("data: %s, %llu tokens, vocab %d (%s); validation %s, %llu tokens\n", o.data.c_str(),
+           (unsigned long long)run->train_data.num_tokens, V, run->train_data.vocab_source.c_str(), o.val_data.c_str(),
+           (unsigned long long)run->val_data.num_tokens);
+    run->eval_batches = o.eval_batches;
+    if ((uint64_t)run->eval_batches > run->val_data.batches_per_epoch) {
+        run->eval_batches = (int)run->val_data.batches_per_epoch;
+        printf("evaluation: --eval-batches %d is more than the validation data holds; using %d\n", o.eval_batches, run->eval_batches);
+    }
+    run->config = model_config_from_options(o, V);
+    model_config_validate(run->config);
+    run->adamw_config = adamw_config_from_options(o);
+    adamw_config_validate(run->adamw_config);
+    run->header = checkpoint_header_for(run->config, o);
+    run->first_step = 1;
+    run->bad_in_row = 0;
+    run->sample_rng = (uint64_t)o.seed;
     if (!o.resume.empty()) {   // checked whole (size, checksums, flags) before anything is written
-        err = checkpoint_resolve(o.resume, &resume_path);
-        if (err.empty()) err = checkpoint_verify(resume_path, &saved);
-        if (err.empty()) err = checkpoint_header_check(saved, run, resume_path.c_str());
-        if (err.empty()) err = dataloader_set_state(&train_data, {saved.loader_epoch, saved.loader_position});
+        err = checkpoint_resolve(o.resume, &run->resume_path);
+        if (err.empty()) err = checkpoint_verify(run->resume_path, &run->saved);
+        if (err.empty()) err = checkpoint_header_check(run->saved, run->header, run->resume_path.c_str());
+        if (err.empty()) err = dataloader_set_state(&run->train_data, {run->saved.loader_epoch, run->saved.loader_position});
         if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
-        first_step = (int)saved.step + 1;
-        result.bad_steps = saved.bad_steps;
-        bad_in_row = saved.bad_in_row;
-        sample_rng = saved.sample_rng;
-        printf("resuming %s at step %d (%lld non-finite steps so far)\n", resume_path.c_str(), first_step, (long long)saved.bad_steps);
+        run->first_step = (int)run->saved.step + 1;
+        run->result.bad_steps = run->saved.bad_steps;
+        run->bad_in_row = run->saved.bad_in_row;
+        run->sample_rng = run->saved.sample_rng;
+        printf("resuming %s at step %d (%lld non-finite steps so far)\n", run->resume_path.c_str(), run->first_step,
+               (long long)run->saved.bad_steps);
     }
     if (!o.out.empty()) make_dirs(o.out);
+}
 
-    // ---- the ranks: GPU r holds rank r's shard of the model and of the optimizer (--tp 0: GPU 0, no NCCL)
-    const int P = std::max(1, o.tp);
-    std::vector<TpGroup> groups;
-    if (o.tp >= 1) groups = tp_groups_create(o.tp);   // the start-up checks: the GPUs are there, and can talk
-    std::vector<TrainRank> ranks(P);
+// Setup, part 2: the ranks. GPU r holds rank r's shard of the model and of the optimizer (--tp 0: GPU 0, no
+// NCCL), made from the init or the resumed checkpoint, and its batch buffers.
+inline void train_create_ranks(TrainRun* run) {
+    const TrainOptions& o = *run->o;
+    const int B = run->B, T = run->T, V = run->V, accum = run->accum;
+    const ModelConfig& config = run->config;
+    const int P = run->P = std::max(1, o.tp);
+    if (o.tp >= 1) run->groups = tp_groups_create(o.tp);   // the start-up checks: the GPUs are there, and can talk
+    std::vector<TrainRank>& ranks = run->ranks;
+    ranks.resize(P);
     for (int r = 0; r < P; r++) {
         ranks[r].device = r;
-        ranks[r].tp = o.tp >= 1 ? &groups[r] : nullptr;
-        err = dataloader_open(&ranks[r].val_data, o.val_data.c_str(), B, T, 0, 1, V, false, 0);
+        ranks[r].tp = o.tp >= 1 ? &run->groups[r] : nullptr;
+        std::string err = dataloader_open(&ranks[r].val_data, o.val_data.c_str(), B, T, 0, 1, V, false, 0);
         if (!err.empty()) fail("--val-data %s: %s", o.val_data.c_str(), err.c_str());
     }
     for (int r = 0; r < P; r++) {
@@ -1444,16 +1492,15 @@ inline TrainResult train(const TrainOptions& o) {
         printf("device %d: %s (sm_%d%d), build PRECISION=%s\n", r, prop.name, prop.major, prop.minor, BUILD_PRECISION == 8 ? "FP8" : "BF16");
     }
     cudaCheck(cudaSetDevice(0));   // this thread's GPU: rank 0's
-    GpuPeak peak;   // of GPU 0, taken for every GPU of the group
     {
         cudaDeviceProp prop;
         int clock_khz;
         cudaCheck(cudaGetDeviceProperties(&prop, 0));
         cudaCheck(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-        peak = gpu_peak(prop.name, prop.major, prop.minor, prop.multiProcessorCount, clock_khz, BUILD_PRECISION == 8);
+        run->peak = gpu_peak(prop.name, prop.major, prop.minor, prop.multiProcessorCount, clock_khz, BUILD_PRECISION == 8);
         const char* precision = BUILD_PRECISION == 8 ? "FP8" : "BF16";
-        if (peak.tflops > 0) printf("MFU: model FLOP/s over %d x %.0f TFLOP/s, the dense %s peak (%s)\n", P, peak.tflops, precision, peak.source.c_str());
-        else printf("MFU: not shown, the dense %s peak is %s\n", precision, peak.source.c_str());
+        if (run->peak.tflops > 0) printf("MFU: model FLOP/s over %d x %.0f TFLOP/s, the dense %s peak (%s)\n", P, run->peak.tflops, precision, run->peak.source.c_str());
+        else printf("MFU: not shown, the dense %s peak is %s\n", precision, run->peak.source.c_str());
     }
     printf("batch: %d x %d tokens x %d micro-batches = %ld tokens per step; steps %d (warm-up %d), lr %g -> %g\n",
            B, T, accum, o.total_batch, o.steps, o.warmup, o.lr, o.lr * o.final_lr_frac);
@@ -1465,20 +1512,20 @@ inline TrainResult train(const TrainOptions& o) {
     fp8.all_layers = o.fp8_all_layers;
     fp8.fast_accum = o.fp8_fast_accum == 1;
     fp8.tp_amax_sync = o.tp_amax_sync;
-    fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
+    fp8.recipe.warmup = run->first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
     fp8.smooth_quant = o.smooth_quant;
     if (o.smooth_quant > 0.0f && !o.resume.empty())
         printf("warning: --smooth-quant's per-channel s are not in checkpoints: they start again at 1 for the first resumed "
                "step (then from its amaxes), so the resumed run differs from an uninterrupted one\n");
     // Every rank cuts its shard out of the same whole weights: the init, or a checkpoint written at another TP size.
-    const bool reshard = !o.resume.empty() && std::max(1u, saved.tp_size) != (uint32_t)P;
+    const bool reshard = !o.resume.empty() && std::max(1u, run->saved.tp_size) != (uint32_t)P;
     std::vector<float> whole;
     if (reshard) {
-        whole = checkpoint_read_master(resume_path, saved);
+        whole = checkpoint_read_master(run->resume_path, run->saved);
         printf("warning: %s was written with --tp %u and this run has --tp %d: the master weights are cut into the new "
                "shards exactly, but the AdamW moments and the FP8 scale records are per shard and start over (moments "
                "zero, bias correction from step 1, FP8 scales from the first casts), so the next steps differ from an "
-               "uninterrupted run\n", resume_path.c_str(), std::max(1u, saved.tp_size), P);
+               "uninterrupted run\n", run->resume_path.c_str(), std::max(1u, run->saved.tp_size), P);
     } else {
         whole = model_init_weights(config, (uint64_t)o.seed, (InitKind)init_kind_from_name(o.init), o.init_std);
     }
@@ -1492,10 +1539,10 @@ inline TrainResult train(const TrainOptions& o) {
         }
         std::vector<float> norm_weights;   // replicated tensors count once in the global gradient norm
         for (size_t i = 0; i < r.model.params.size(); i++) norm_weights.push_back(model_param_sharded(config, (int)i) ? 1.0f : 1.0f / P);
-        adamw_create(&r.opt, r.model.params, r.model.num_params, P > 1 ? shard.data() : whole.data(), adamw_config, norm_weights);
+        adamw_create(&r.opt, r.model.params, r.model.num_params, P > 1 ? shard.data() : whole.data(), run->adamw_config, norm_weights);
         adamw_gather_weight_amax(&r.opt, model_weight_amax_slots(&r.model));   // W8's amax comes from the update pass
         if (!o.resume.empty() && !reshard) {
-            checkpoint_load_rank(resume_path, saved, &r.opt, &r.model, rank);
+            checkpoint_load_rank(run->resume_path, run->saved, &r.opt, &r.model, rank);
         } else {
             adamw_export_weights(&r.opt, r.model.weights, r.model.stream);   // BF16 weights (and FP8 copies)
             model_weights_changed(&r.model);
@@ -1519,218 +1566,228 @@ inline TrainResult train(const TrainOptions& o) {
         cudaCheck(cudaMemGetInfo(&free_b, &total_b));
         printf("GPU 0 memory in use: %.1f GiB of %.1f GiB\n", (total_b - free_b) / 1073741824.0, total_b / 1073741824.0);
     }
-    std::vector<int> prompt;
-    if (V == BYTE_VOCAB) {
-        for (const char* p = "In the beginning"; *p; p++) prompt.push_back((unsigned char)*p);
+}
+
+// Setup, part 3: the samples' prompt, the logs (a resumed run keeps the rows up to its checkpoint's step:
+// open_run_csv) and the per-step constants.
+inline void train_open_logs(TrainRun* run) {
+    const TrainOptions& o = *run->o;
+    if (run->V == BYTE_VOCAB) {
+        for (const char* p = "In the beginning"; *p; p++) run->prompt.push_back((unsigned char)*p);
     } else {   // no tokenizer here: the first tokens of the validation data
-        dataloader_reset(&val_data);
-        dataloader_next_batch(&val_data);
-        prompt.assign(val_data.inputs.begin(), val_data.inputs.begin() + std::min(T, 16));
+        dataloader_reset(&run->val_data);
+        dataloader_next_batch(&run->val_data);
+        run->prompt.assign(run->val_data.inputs.begin(), run->val_data.inputs.begin() + std::min(run->T, 16));
     }
-
-    // the logs: a resumed run keeps the rows up to its checkpoint's step (open_run_csv)
-    const long keep_rows_through = o.resume.empty() ? -1 : first_step - 1;
-    FILE* log = nullptr;
+    const long keep_rows_through = o.resume.empty() ? -1 : run->first_step - 1;
     if (!o.out.empty())
-        log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent", keep_rows_through);
+        run->log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent", keep_rows_through);
 #if defined(PRECISION_FP8)
-    FILE* fp8_csv = nullptr;
     if (o.fp8_stats > 0 && !o.out.empty())
-        fp8_csv = open_run_csv(o.out, "fp8_stats.csv", "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac",
-                               keep_rows_through);
+        run->fp8_csv = open_run_csv(o.out, "fp8_stats.csv", "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac",
+                                    keep_rows_through);
 #endif
-    const double flops_per_token = model_flops_per_token(config, T);   // the whole model's: TFLOP/s of all GPUs together
-    const double tokens_per_step = (double)o.total_batch;
-    const float grad_scale = 1.0f / ((float)B * T * accum);
-    auto evaluate = [&]() {   // the same loss on every rank
-        on_ranks(ranks, [&](TrainRank& r) { r.val_loss = evaluate_val_loss(&r.model, &r.val_data, eval_batches, r.d_inputs, r.d_targets); });
-        return ranks[0].val_loss;
-    };
-    if (first_step == 1 && o.eval_every > 0) {
-        float val = evaluate();
-        result.val_losses.push_back({0, val});
-        printf("step %5d | val loss %.4f\n", 0, val);
-        if (log) fprintf(log, "0,,%.6f,,,,,,,\n", val);
-    }
+    run->flops_per_token = model_flops_per_token(run->config, run->T);   // the whole model's: TFLOP/s of all GPUs together
+    run->tokens_per_step = (double)o.total_batch;
+    run->grad_scale = 1.0f / ((float)run->B * run->T * run->accum);
+}
 
-    // ---- the loop
-    result.first_step = first_step;
-    if (first_step > last_step) printf("nothing to do: the checkpoint is at step %d and this run ends at step %d\n", first_step - 1, last_step);
-    double time_sum = 0;
-    int timed_steps = 0;
-    StepProfile profile;
-    for (int step = first_step; step <= last_step; step++) {
-        NvtxRange step_range(strprintf("step %d", step));
-        auto t0 = std::chrono::steady_clock::now();
-        const bool profile_step = step == o.profile;   // rank 0's GPU, the stream of its model
-        if (profile_step) profile_begin(&profile, ranks[0].model.stream, (size_t)accum * (40 * config.n_layers + 40) + 20);
-        const bool fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
-#if defined(PRECISION_FP8)
-        if (fp8_stats_step) model_fp8_stats_begin(&ranks[0].model);   // under --tp: rank 0's shards
-#endif
-        for (int k = 0; k < accum; k++) {
-            dataloader_next_batch(&train_data);
-            // Eager: the run's first micro-batch (it loads the kernels and makes the GEMM plans the capture then
-            // finds), the profiled step (its ranges time each phase) and --fp8-stats steps (their health counters).
-            const bool graph = o.cuda_graph && (step > first_step || k > 0) && !profile_step && !fp8_stats_step;
-            const int staging = (int)(((long)(step - first_step) * accum + k) % 2);
-            on_ranks(ranks, [&](TrainRank& r) {   // every rank gets the whole batch
-                NvtxRange micro_batch_range(strprintf("micro-batch %d", k));
-                cudaStream_t s = r.model.stream;
-                if (k == 0) {
-                    ProfileRange range(PHASE_OPTIMIZER, s, "zero gradients");
-                    model_zero_grads(&r.model);
-                }
-                {   // through pinned memory, one asynchronous copy: the host goes on while the copy waits its turn
-                    ProfileRange range(PHASE_DATA, s, "input copies");
-                    int* h = r.h_batch[staging];
-                    cudaCheck(cudaEventSynchronize(r.batch_copied[staging]));   // its previous copy, 2 micro-batches ago, has run
-                    memcpy(h, train_data.inputs.data(), (size_t)B * T * sizeof(int));
-                    memcpy(h + (size_t)B * T, train_data.targets.data(), (size_t)B * T * sizeof(int));
-                    cudaCheck(cudaMemcpyAsync(r.d_inputs, h, 2 * (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice, s));
-                    cudaCheck(cudaEventRecord(r.batch_copied[staging], s));
-                }
-                auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, grad_scale); };
-                // two graphs: the first micro-batch of a step writes the gradients, the others add to them
-                if (graph) {   // keys 2, 3: the same in the --amax-warmup steps (their casts are current-scaled)
-                    model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0), micro_batch);
-                    r.model.accumulate_grads = true;   // as the micro-batch would leave it: a replay runs no host code
-                } else {
-                    micro_batch();
-                }
-                cudaCheck(cudaMemcpyAsync(r.d_losses + k, r.model.acts.loss_mean, sizeof(float), cudaMemcpyDeviceToDevice, s));
-            });
-            result.graph_launches += graph;
-        }
-#if defined(PRECISION_FP8)
-        on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
-        // --amax-warmup N: the casts after step N's record (its evaluation, then step N + 1 on) use the history's scales
-        for (TrainRank& r : ranks) r.model.fp8_options.recipe.warmup = step < o.amax_warmup;
-#endif
-        on_ranks(ranks, [&](TrainRank& r) {
-            {
-                ProfileRange range(PHASE_LOSS, r.model.stream, "losses to the host");
-                cudaCheck(cudaMemcpyAsync(r.h_losses, r.d_losses, accum * sizeof(float), cudaMemcpyDeviceToHost, r.model.stream));
+// One optimizer step, part 1: the micro-batches, forward and backward, the gradients accumulated. Every rank
+// gets the whole batch. eager: run without the CUDA graphs (the profiled step, --fp8-stats steps).
+inline void train_micro_batches(TrainRun* run, int step, bool eager) {
+    const TrainOptions& o = *run->o;
+    const int B = run->B, T = run->T, accum = run->accum;
+    for (int k = 0; k < accum; k++) {
+        dataloader_next_batch(&run->train_data);
+        // Eager: the run's first micro-batch (it loads the kernels and makes the GEMM plans the capture then
+        // finds), the profiled step (its ranges time each phase) and --fp8-stats steps (their health counters).
+        const bool graph = o.cuda_graph && (step > run->first_step || k > 0) && !eager;
+        const int staging = (int)(((long)(step - run->first_step) * accum + k) % 2);
+        on_ranks(run->ranks, [&](TrainRank& r) {   // every rank gets the whole batch
+            NvtxRange micro_batch_range(strprintf("micro-batch %d", k));
+            cudaStream_t s = r.model.stream;
+            if (k == 0) {
+                ProfileRange range(PHASE_OPTIMIZER, s, "zero gradients");
+                model_zero_grads(&r.model);
             }
-            {
-                ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
-                r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp);
+            {   // through pinned memory, one asynchronous copy: the host goes on while the copy waits its turn
+                ProfileRange range(PHASE_DATA, s, "input copies");
+                int* h = r.h_batch[staging];
+                cudaCheck(cudaEventSynchronize(r.batch_copied[staging]));   // its previous copy, 2 micro-batches ago, has run
+                memcpy(h, run->train_data.inputs.data(), (size_t)B * T * sizeof(int));
+                memcpy(h + (size_t)B * T, run->train_data.targets.data(), (size_t)B * T * sizeof(int));
+                cudaCheck(cudaMemcpyAsync(r.d_inputs, h, 2 * (size_t)B * T * sizeof(int), cudaMemcpyHostToDevice, s));
+                cudaCheck(cudaEventRecord(r.batch_copied[staging], s));
             }
-            cudaCheck(cudaStreamSynchronize(r.model.stream));   // the losses are on the host
+            auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, run->grad_scale); };
+            // two graphs: the first micro-batch of a step writes the gradients, the others add to them
+            if (graph) {   // keys 2, 3: the same in the --amax-warmup steps (their casts are current-scaled)
+                model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0), micro_batch);
+                r.model.accumulate_grads = true;   // as the micro-batch would leave it: a replay runs no host code
+            } else {
+                micro_batch();
+            }
+            cudaCheck(cudaMemcpyAsync(r.d_losses + k, r.model.acts.loss_mean, sizeof(float), cudaMemcpyDeviceToDevice, s));
         });
-        double loss_sum = 0.0;
-        for (int k = 0; k < accum; k++) loss_sum += ranks[0].h_losses[k];   // the same on every rank
-        float loss = (float)(loss_sum / accum);
-        float grad_norm = ranks[0].grad_norm;   // all-reduced: the same on every rank
-        float lr = lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
-        bool bad = !std::isfinite(loss) || !std::isfinite(grad_norm);
-        if (bad) {   // skip the update: the weights and moments stay as they were
-            result.bad_steps++;
-            bad_in_row++;
-        } else {
-            on_ranks(ranks, [&](TrainRank& r) {
-                {
-                    ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "AdamW");
-                    adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
-                }
-                ProfileRange range(PHASE_WEIGHT_QUANT, r.model.stream, "weight re-quantization");
-                model_weights_changed(&r.model, true);   // the FP8 build's W8 and W8^T (amax from the update pass)
-            });
-            bad_in_row = 0;
-        }
-#if defined(PRECISION_FP8)
-        Fp8StatsSummary fp8_summary = {0, 0, "", ""};
-        if (fp8_stats_step) {   // counted over this step's casts, W after its update
-            fp8_summary = model_fp8_stats_write(&ranks[0].model, step, fp8_csv);
-            model_fp8_stats_end(&ranks[0].model);
-        }
-#endif
-        if (profile_step) profile_end(&profile);
-        on_ranks(ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
-        double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        if (profile_step) {
-            result.profiled = true;
-            result.profile = profile_report(&profile);
-            profile_print(result.profile, strprintf("profile of step %d (PRECISION=%s, %d micro-batch%s of %d x %d tokens%s): %.3f ms on "
-                                                    "the host clock", step, BUILD_PRECISION == 8 ? "FP8" : "BF16", accum,
-                                                    accum > 1 ? "es" : "", B, T, P > 1 ? ", GPU 0 of the tensor-parallel group" : "",
-                                                    ms).c_str());
-        }
-        double tokens_per_s = tokens_per_step / (ms / 1000.0);
-        double tflops = flops_per_token * tokens_per_s / 1e12;
-        const double mfu = peak.tflops > 0 ? 100.0 * tflops / (peak.tflops * P) : NAN;   // percent; NaN: no peak known
-        if (step > first_step) { time_sum += ms; timed_steps++; }
-        result.losses.push_back(loss);
-        result.grad_norms.push_back(grad_norm);
-        result.lrs.push_back(lr);
-        result.last_step = step;
-        printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s%s\n", step, o.steps,
-               loss, lr, grad_norm, ms, tokens_per_s, tflops, std::isnan(mfu) ? "" : strprintf(" | MFU %.1f%%", mfu).c_str(),
-               bad ? strprintf(" | non-finite: update skipped (%lld in a row)", (long long)bad_in_row).c_str() : "");
-
-#if defined(PRECISION_FP8)
-        if (fp8_stats_step)
-            printf("step %5d | fp8: worst saturated %.2e (%s), worst flushed to zero %.2e (%s)\n", step, fp8_summary.worst_saturated,
-                   fp8_summary.saturated_at.c_str(), fp8_summary.worst_flushed, fp8_summary.flushed_at.c_str());
-#endif
-        bool last = step == last_step;
-        float val = NAN;
-        if ((o.eval_every > 0 && step % o.eval_every == 0) || last) {
-            val = evaluate();
-            result.val_losses.push_back({step, val});
-            printf("step %5d | val loss %.4f\n", step, val);
-        }
-        if (log) {
-            fprintf(log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s\n", step, loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
-                    lr, grad_norm, ms, tokens_per_s, tflops, bad ? 1 : 0, std::isnan(mfu) ? "" : strprintf("%.2f", mfu).c_str());
-            fflush(log);
-        }
-        if (o.sample_every > 0 && (step % o.sample_every == 0 || last)) {
-            on_ranks(ranks, [&](TrainRank& r) {   // every rank draws the same tokens from its own copy of the RNG
-                r.sample_rng = sample_rng;
-                r.sample = sample_text(&r.model, prompt, o.sample_tokens, o.temperature, &r.sample_rng, r.d_inputs, r.d_logits);
-            });
-            sample_rng = ranks[0].sample_rng;
-            printf("---- sample at step %d ----\n%s%s\n-------------------------\n", step, tokens_to_text(prompt, V).c_str(),
-                   tokens_to_text(ranks[0].sample, V).c_str());
-        }
-        if (bad_in_row >= o.max_bad_steps) {
-            // No checkpoint now: the last one holds the weights from before the trouble (skipped steps change
-            // no weights), and resuming from it with a lower --lr is the usual fix.
-            printf("stopping: %lld non-finite steps in a row (--max-bad-steps %d), %lld in the whole run.%s\n",
-                   (long long)bad_in_row, o.max_bad_steps, (long long)result.bad_steps,
-                   o.out.empty() ? "" : strprintf(" The last checkpoint in %s is kept as it was; resume from it with a lower --lr.",
-                                                  o.out.c_str()).c_str());
-            result.stopped_on_bad_steps = true;
-            break;
-        }
-        if (!o.out.empty() && ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || last)) {
-            run.step = step;
-            run.bad_steps = result.bad_steps;
-            run.bad_in_row = bad_in_row;
-            DataLoaderState s = dataloader_get_state(&train_data);
-            run.loader_epoch = s.epoch;
-            run.loader_position = s.position;
-            run.sample_rng = sample_rng;
-            std::vector<const AdamW*> opts;
-            std::vector<Model*> models;
-            for (TrainRank& r : ranks) {
-                opts.push_back(&r.opt);
-                models.push_back(&r.model);
-            }
-            std::string path = checkpoint_save(o.out, run, o.keep_checkpoints, opts, models);
-            printf("checkpoint: %s (step %d)\n", path.c_str(), step);
-        }
+        run->result.graph_launches += graph;
     }
-    profile_destroy(&profile);
-    if (timed_steps > 0) result.tokens_per_s = tokens_per_step / (time_sum / timed_steps / 1000.0);
-    if (result.bad_steps > 0) printf("non-finite steps skipped in this run so far: %ld\n", result.bad_steps);
+}
 
-    if (log) fclose(log);
+// One optimizer step, part 2: the FP8 amax record, the step's loss and global gradient norm, then (when both are
+// finite) AdamW with clipping and the weights' re-quantization; a non-finite step changes no weights.
+inline void train_update(TrainRun* run, StepStats* s) {
+    const TrainOptions& o = *run->o;
+    const int accum = run->accum;
+    std::vector<TrainRank>& ranks = run->ranks;
 #if defined(PRECISION_FP8)
-    if (fp8_csv) fclose(fp8_csv);
+    on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
+    // --amax-warmup N: the casts after step N's record (its evaluation, then step N + 1 on) use the history's scales
+    for (TrainRank& r : ranks) r.model.fp8_options.recipe.warmup = s->step < o.amax_warmup;
 #endif
     on_ranks(ranks, [&](TrainRank& r) {
+        {
+            ProfileRange range(PHASE_LOSS, r.model.stream, "losses to the host");
+            cudaCheck(cudaMemcpyAsync(r.h_losses, r.d_losses, accum * sizeof(float), cudaMemcpyDeviceToHost, r.model.stream));
+        }
+        {
+            ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "gradient norm");
+            r.grad_norm = adamw_grad_norm(&r.opt, r.model.grads, r.model.stream, r.tp);
+        }
+        cudaCheck(cudaStreamSynchronize(r.model.stream));   // the losses are on the host
+    });
+    double loss_sum = 0.0;
+    for (int k = 0; k < accum; k++) loss_sum += ranks[0].h_losses[k];   // the same on every rank
+    s->loss = (float)(loss_sum / accum);
+    s->grad_norm = ranks[0].grad_norm;   // all-reduced: the same on every rank
+    s->lr = lr_schedule(s->step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
+    s->bad = !std::isfinite(s->loss) || !std::isfinite(s->grad_norm);
+    if (s->bad) {   // skip the update: the weights and moments stay as they were
+        run->result.bad_steps++;
+        run->bad_in_row++;
+    } else {
+        const float lr = s->lr;
+        on_ranks(ranks, [&](TrainRank& r) {
+            {
+                ProfileRange range(PHASE_OPTIMIZER, r.model.stream, "AdamW");
+                adamw_step(&r.opt, r.model.grads, r.model.weights, lr, r.grad_norm, r.model.stream);
+            }
+            ProfileRange range(PHASE_WEIGHT_QUANT, r.model.stream, "weight re-quantization");
+            model_weights_changed(&r.model, true);   // the FP8 build's W8 and W8^T (amax from the update pass)
+        });
+        run->bad_in_row = 0;
+    }
+}
+
+// One optimizer step: the micro-batches and the update, timed on the host clock; --profile's step also by phase,
+// --fp8-stats steps with the casts' health counted.
+inline StepStats train_step(TrainRun* run, int step) {
+    const TrainOptions& o = *run->o;
+    StepStats s;
+    s.step = step;
+    auto t0 = std::chrono::steady_clock::now();
+    const bool profile_step = step == o.profile;   // rank 0's GPU, the stream of its model
+    if (profile_step) profile_begin(&run->profile, run->ranks[0].model.stream, (size_t)run->accum * (40 * run->config.n_layers + 40) + 20);
+    s.fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
+#if defined(PRECISION_FP8)
+    if (s.fp8_stats_step) model_fp8_stats_begin(&run->ranks[0].model);   // under --tp: rank 0's shards
+#endif
+    train_micro_batches(run, step, profile_step || s.fp8_stats_step);
+    train_update(run, &s);
+#if defined(PRECISION_FP8)
+    if (s.fp8_stats_step) {   // counted over this step's casts, W after its update
+        s.fp8_summary = model_fp8_stats_write(&run->ranks[0].model, step, run->fp8_csv);
+        model_fp8_stats_end(&run->ranks[0].model);
+    }
+#endif
+    if (profile_step) profile_end(&run->profile);
+    on_ranks(run->ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
+    s.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (profile_step) {
+        run->result.profiled = true;
+        run->result.profile = profile_report(&run->profile);
+        profile_print(run->result.profile, strprintf("profile of step %d (PRECISION=%s, %d micro-batch%s of %d x %d tokens%s): %.3f ms on "
+                                                     "the host clock", step, BUILD_PRECISION == 8 ? "FP8" : "BF16", run->accum,
+                                                     run->accum > 1 ? "es" : "", run->B, run->T,
+                                                     run->P > 1 ? ", GPU 0 of the tensor-parallel group" : "", s.ms).c_str());
+    }
+    s.tokens_per_s = run->tokens_per_step / (s.ms / 1000.0);
+    s.tflops = run->flops_per_token * s.tokens_per_s / 1e12;
+    s.mfu = run->peak.tflops > 0 ? 100.0 * s.tflops / (run->peak.tflops * run->P) : NAN;   // percent; NaN: no peak known
+    return s;
+}
+
+// The step's line on stdout, and its numbers in the result.
+inline void train_print_step(TrainRun* run, const StepStats& s) {
+    const TrainOptions& o = *run->o;
+    if (s.step > run->first_step) { run->time_sum += s.ms; run->timed_steps++; }
+    run->result.losses.push_back(s.loss);
+    run->result.grad_norms.push_back(s.grad_norm);
+    run->result.lrs.push_back(s.lr);
+    run->result.last_step = s.step;
+    printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s%s\n", s.step, o.steps,
+           s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, std::isnan(s.mfu) ? "" : strprintf(" | MFU %.1f%%", s.mfu).c_str(),
+           s.bad ? strprintf(" | non-finite: update skipped (%lld in a row)", (long long)run->bad_in_row).c_str() : "");
+#if defined(PRECISION_FP8)
+    if (s.fp8_stats_step)
+        printf("step %5d | fp8: worst saturated %.2e (%s), worst flushed to zero %.2e (%s)\n", s.step, s.fp8_summary.worst_saturated,
+               s.fp8_summary.saturated_at.c_str(), s.fp8_summary.worst_flushed, s.fp8_summary.flushed_at.c_str());
+#endif
+}
+
+// The validation loss after `step` (0: before training), the same on every rank.
+inline float train_evaluate(TrainRun* run, int step) {
+    on_ranks(run->ranks, [&](TrainRank& r) { r.val_loss = evaluate_val_loss(&r.model, &r.val_data, run->eval_batches, r.d_inputs, r.d_targets); });
+    const float val = run->ranks[0].val_loss;
+    run->result.val_losses.push_back({step, val});
+    printf("step %5d | val loss %.4f\n", step, val);
+    return val;
+}
+
+// The step's row of OUT/log.csv; val: NaN when the step was not evaluated.
+inline void train_log_row(TrainRun* run, const StepStats& s, float val) {
+    fprintf(run->log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s\n", s.step, s.loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
+            s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, s.bad ? 1 : 0, std::isnan(s.mfu) ? "" : strprintf("%.2f", s.mfu).c_str());
+    fflush(run->log);
+}
+
+// A sample from the model after `step`, continuing the prompt.
+inline void train_sample(TrainRun* run, int step) {
+    const TrainOptions& o = *run->o;
+    on_ranks(run->ranks, [&](TrainRank& r) {   // every rank draws the same tokens from its own copy of the RNG
+        r.sample_rng = run->sample_rng;
+        r.sample = sample_text(&r.model, run->prompt, o.sample_tokens, o.temperature, &r.sample_rng, r.d_inputs, r.d_logits);
+    });
+    run->sample_rng = run->ranks[0].sample_rng;
+    printf("---- sample at step %d ----\n%s%s\n-------------------------\n", step, tokens_to_text(run->prompt, run->V).c_str(),
+           tokens_to_text(run->ranks[0].sample, run->V).c_str());
+}
+
+// A checkpoint after `step` in OUT: every rank's shard, the loader's position, the counters and the sampling RNG.
+inline void train_checkpoint(TrainRun* run, int step) {
+    const TrainOptions& o = *run->o;
+    CheckpointHeader& h = run->header;
+    h.step = step;
+    h.bad_steps = run->result.bad_steps;
+    h.bad_in_row = run->bad_in_row;
+    DataLoaderState s = dataloader_get_state(&run->train_data);
+    h.loader_epoch = s.epoch;
+    h.loader_position = s.position;
+    h.sample_rng = run->sample_rng;
+    std::vector<const AdamW*> opts;
+    std::vector<Model*> models;
+    for (TrainRank& r : run->ranks) {
+        opts.push_back(&r.opt);
+        models.push_back(&r.model);
+    }
+    std::string path = checkpoint_save(o.out, h, o.keep_checkpoints, opts, models);
+    printf("checkpoint: %s (step %d)\n", path.c_str(), step);
+}
+
+// The end of the run: the logs closed, every GPU buffer freed, the NCCL communicators destroyed.
+inline void train_close(TrainRun* run) {
+    if (run->log) fclose(run->log);
+    if (run->fp8_csv) fclose(run->fp8_csv);
+    on_ranks(run->ranks, [&](TrainRank& r) {
         cudaCheck(cudaFree(r.d_inputs));   // and d_targets
         for (int i = 0; i < 2; i++) {
             cudaCheck(cudaFreeHost(r.h_batch[i]));
@@ -1743,11 +1800,50 @@ inline TrainResult train(const TrainOptions& o) {
         model_destroy(&r.model);
         dataloader_free(&r.val_data);
     });
-    if (!groups.empty()) tp_groups_destroy(&groups);
+    if (!run->groups.empty()) tp_groups_destroy(&run->groups);
     cudaCheck(cudaSetDevice(0));
-    dataloader_free(&train_data);
-    dataloader_free(&val_data);
-    return result;
+    dataloader_free(&run->train_data);
+    dataloader_free(&run->val_data);
+}
+
+// The training run, step by step: each step below is a function above.
+inline TrainResult train(const TrainOptions& o) {
+    TrainRun run;
+    train_check_inputs(&run, o);   // the data and the checkpoint, before any GPU work
+    train_create_ranks(&run);      // the model and optimizer shards, from the init or the checkpoint
+    train_open_logs(&run);
+    if (run.first_step == 1 && o.eval_every > 0) {
+        float val = train_evaluate(&run, 0);
+        if (run.log) fprintf(run.log, "0,,%.6f,,,,,,,\n", val);
+    }
+    run.result.first_step = run.first_step;
+    if (run.first_step > run.last_step)
+        printf("nothing to do: the checkpoint is at step %d and this run ends at step %d\n", run.first_step - 1, run.last_step);
+    for (int step = run.first_step; step <= run.last_step; step++) {
+        NvtxRange step_range(strprintf("step %d", step));
+        StepStats s = train_step(&run, step);   // micro-batches, gradient norm, AdamW, W8 re-quantization
+        train_print_step(&run, s);
+        const bool last = step == run.last_step;
+        const float val = (o.eval_every > 0 && step % o.eval_every == 0) || last ? train_evaluate(&run, step) : NAN;
+        if (run.log) train_log_row(&run, s, val);
+        if (o.sample_every > 0 && (step % o.sample_every == 0 || last)) train_sample(&run, step);
+        if (run.bad_in_row >= o.max_bad_steps) {
+            // No checkpoint now: the last one holds the weights from before the trouble (skipped steps change
+            // no weights), and resuming from it with a lower --lr is the usual fix.
+            printf("stopping: %lld non-finite steps in a row (--max-bad-steps %d), %lld in the whole run.%s\n",
+                   (long long)run.bad_in_row, o.max_bad_steps, (long long)run.result.bad_steps,
+                   o.out.empty() ? "" : strprintf(" The last checkpoint in %s is kept as it was; resume from it with a lower --lr.",
+                                                  o.out.c_str()).c_str());
+            run.result.stopped_on_bad_steps = true;
+            break;
+        }
+        if (!o.out.empty() && ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || last)) train_checkpoint(&run, step);
+    }
+    profile_destroy(&run.profile);
+    if (run.timed_steps > 0) run.result.tokens_per_s = run.tokens_per_step / (run.time_sum / run.timed_steps / 1000.0);
+    if (run.result.bad_steps > 0) printf("non-finite steps skipped in this run so far: %ld\n", run.result.bad_steps);
+    train_close(&run);
+    return run.result;
 }
 
 // ----------------------------------------------------------------------------------------------
