@@ -461,26 +461,30 @@ __device__ inline void block_atomic_max(unsigned int* target, unsigned int v) {
 }
 
 // 16 consecutive elements as loaded (16-byte loads: 2 for bf16, 4 for float), then as floats. The pipelined cast
-// issues the loads (fetch16) of its next tile before it converts (raw16_to_float) those of the current one.
+// issues the loads (fetch16) of its next tile before it converts (raw16_float) those of the current one. Held as
+// 32-bit words: a struct of bf16 arrays would be moved (and spilled) 16 bits at a time.
 template <class T>
 struct Raw16 {
     static constexpr int per = Packed128<T>::size;
-    Packed128<T> p[CAST_VEC / per];
+    uint4 w[CAST_VEC / per];
 };
 template <class T>
 __device__ inline Raw16<T> fetch16(const T* p) {
     Raw16<T> r;
 #pragma unroll
-    for (int j = 0; j < CAST_VEC / Raw16<T>::per; j++) r.p[j] = load128(p + j * Raw16<T>::per);
+    for (int j = 0; j < CAST_VEC / Raw16<T>::per; j++) r.w[j] = *reinterpret_cast<const uint4*>(p + j * Raw16<T>::per);
     return r;
 }
-// Element k of a Raw16, as loaded.
-template <class T>
-__device__ inline T raw16_at(const Raw16<T>& r, int k) { return r.p[k / Raw16<T>::per].v[k % Raw16<T>::per]; }
+// Element k of a Raw16 as a float: to_float of the element as loaded.
+__device__ inline float raw16_float(const Raw16<float>& r, int k) { return __uint_as_float(reinterpret_cast<const uint32_t*>(r.w)[k]); }
+__device__ inline float raw16_float(const Raw16<bf16>& r, int k) {
+    const uint32_t pair = reinterpret_cast<const uint32_t*>(r.w)[k / 2];   // element 2i in the low half
+    return to_float(__ushort_as_bfloat16((unsigned short)(k % 2 ? pair >> 16 : pair & 0xffffu)));
+}
 template <class T>
 __device__ inline void raw16_to_float(float* out, const Raw16<T>& r) {
 #pragma unroll
-    for (int k = 0; k < CAST_VEC; k++) out[k] = to_float(raw16_at(r, k));
+    for (int k = 0; k < CAST_VEC; k++) out[k] = raw16_float(r, k);
 }
 template <class T>
 __device__ inline void load16_as_float(float* out, const T* p) { raw16_to_float(out, fetch16(p)); }
@@ -607,37 +611,47 @@ __device__ inline void cast_load_ragged(const P& p, float v[][CAST_VEC], int gr,
     }
 }
 
-// Phase 1 (rows) for one thread: its 16 values of each output at tile position (tr, tc), global (gr, gc) ->
-// codes, stored to out (one 16-byte store when full) and into the tile rows; health counts (count) into sat, flush.
+// Phase 1 (rows) for one thread, in two steps. Encode: its 16 values of each output -> codes q (16 bytes an
+// output), health counts (count) into sat and flush. Store: the codes at tile position (tr, tc), global (gr, gc),
+// to out (one 16-byte store when full) and into the tile rows.
 template <Fp8Format F, int O, class C>
-__device__ inline void cast_tile_rows(const float v[][CAST_VEC], float scale, fp8* out, uint32_t (*tile_words)[CT_TILE_WORDS], int rows,
-                                      int cols, int tr, int tc, int gr, int gc, bool full, bool count, C& sat, C& flush) {
-    const size_t ld = (size_t)O * cols;   // the row length of out
+__device__ inline void cast_encode16(uint4 q[O], const float v[][CAST_VEC], float scale, bool count, C& sat, C& flush) {
 #pragma unroll
     for (int o = 0; o < O; o++) {
-        alignas(16) fp8 q[CAST_VEC];
+        fp8* qo = reinterpret_cast<fp8*>(&q[o]);
 #pragma unroll
         for (int k = 0; k < CAST_VEC / 2; k++) {
             uint16_t pair = fp8x2_encode<F>(v[o][2 * k] * scale, v[o][2 * k + 1] * scale);
-            q[2 * k] = pair & 0xff;
-            q[2 * k + 1] = pair >> 8;
+            qo[2 * k] = pair & 0xff;
+            qo[2 * k + 1] = pair >> 8;
         }
         if (count)
 #pragma unroll
             for (int k = 0; k < CAST_VEC; k++) {
                 sat += fabsf(v[o][k] * scale) > fp8_max(F);
-                flush += v[o][k] != 0.0f && (q[k] & 0x7F) == 0;
+                flush += v[o][k] != 0.0f && (qo[k] & 0x7F) == 0;
             }
+    }
+}
+template <int O>
+__device__ inline void cast_store_rows(const uint4 q[O], fp8* out, uint32_t (*tile_words)[CT_TILE_WORDS], int rows, int cols, int tr, int tc,
+                                       int gr, int gc, bool full) {
+    const size_t ld = (size_t)O * cols;   // the row length of out
+#pragma unroll
+    for (int o = 0; o < O; o++) {
+        const fp8* qo = reinterpret_cast<const fp8*>(&q[o]);
         if (full) {
-            *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = *reinterpret_cast<const uint4*>(q);
+            *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = q[o];
         } else if (gr < rows) {
 #pragma unroll
             for (int k = 0; k < CAST_VEC; k++)
-                if (gc + k < cols) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = q[k];
+                if (gc + k < cols) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = qo[k];
         }
         uint32_t* tile_row = &tile_words[o][(tr * (CT_TILE + 4) + tc) / 4];
-#pragma unroll
-        for (int k = 0; k < CAST_VEC / 4; k++) tile_row[k] = reinterpret_cast<const uint32_t*>(q)[k];
+        tile_row[0] = q[o].x;
+        tile_row[1] = q[o].y;
+        tile_row[2] = q[o].z;
+        tile_row[3] = q[o].w;
     }
 }
 
@@ -706,7 +720,11 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
         if (full) p.compute(p.fetch(gr, gc), v, gr, gc);
         else cast_load_ragged(p, v, gr, gc, rows, cols);
         m = amax16<O>(m, v);
-        if constexpr (STORE) cast_tile_rows<F, O>(v, scale, out, tile_words, rows, cols, tr, tc, gr, gc, full, health != nullptr, sat, flush);
+        if constexpr (STORE) {
+            uint4 q[O];
+            cast_encode16<F, O>(q, v, scale, health != nullptr, sat, flush);
+            cast_store_rows<O>(q, out, tile_words, rows, cols, tr, tc, gr, gc, full);
+        }
     }
     if constexpr (STORE) {   // phase 2: columns
         __syncthreads();
@@ -717,17 +735,18 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
 }
 
 // A few blocks per SM (a 1-D grid), each looping over tiles t = blockIdx.x + i * gridDim.x (row-major over the
-// tile grid). Software pipelined: a thread makes the current tile's values from the loads it issued earlier, issues
-// the loads of its next tile (the producer's fetch), and only then converts, stores and transposes the current one,
-// so its next loads are in flight through that work and the barrier. Two shared tiles alternate: one barrier per
-// tile orders its phase 1 writes before its phase 2 reads, and a tile's phase 2 reads (before the next tile's
-// barrier) before the phase 1 writes of the tile after that into the same buffer. Ragged tiles take the scalar
-// path (load1) when they are reached. Per-block work (scale, health, amax, the block counter) is done once per block.
-// At least 3 blocks per SM (2 with two outputs: 80 and 128 registers) keep 24 KB (plain BF16) to 48 KB (SwiGLU
-// backward) of loads in flight per SM through the loop; 4 would spill.
+// tile grid). Software pipelined: a thread makes the current tile's values from the loads it issued earlier and
+// encodes them, issues the loads of its next tile (the producer's fetch), and only then stores and transposes the
+// current one, so its next loads are in flight through the stores, the barrier and the transpose. Two shared
+// tiles alternate: one barrier per tile orders its phase 1 writes before its phase 2 reads, and a tile's phase 2
+// reads (before the next tile's barrier) before the phase 1 writes of the tile after that into the same buffer.
+// Ragged tiles take the scalar path (load1) when they are reached. The per-block work (scale, health counts, amax,
+// the block counter of fp8_cast_done, which counts gridDim.x blocks) is done once per block, not per tile.
+// At least 3 blocks per SM (80 registers; 2 with two outputs, 128): 768 threads each with one tile's loads in
+// flight, 24 KB (plain BF16) to 48 KB (SwiGLU backward) per SM. 4 blocks (64 registers) would spill.
 template <Fp8Format F, bool STORE, class P>
-__global__ void __launch_bounds__(CAST_THREADS, P::outs == 1 ? 3 : 2) cast_transpose_pipelined_kernel(P p, fp8* out, fp8* out_t, int rows, int cols,
-                                                                                Fp8Meta* meta, Fp8Recipe r, bool record, Fp8Health* health) {
+__global__ void __launch_bounds__(CAST_THREADS, P::outs == 1 ? 3 : 2)
+    cast_transpose_pipelined_kernel(P p, fp8* out, fp8* out_t, int rows, int cols, Fp8Meta* meta, Fp8Recipe r, bool record, Fp8Health* health) {
     constexpr int O = P::outs;
     __shared__ uint32_t tile_words[STORE ? 2 : 1][O][CT_TILE_WORDS];
     const float scale = STORE ? fp8_cast_scale(meta, F, r) : 0.0f;
@@ -749,11 +768,14 @@ __global__ void __launch_bounds__(CAST_THREADS, P::outs == 1 ? 3 : 2) cast_trans
         float v[O][CAST_VEC];
         if (full) p.compute(raw, v, gr, gc);
         else cast_load_ragged(p, v, gr, gc, rows, cols);
+        m = amax16<O>(m, v);
+        uint4 q[O];
+        if constexpr (STORE) cast_encode16<F, O>(q, v, scale, health != nullptr, sat, flush);
+        // The next tile's loads, now that only the codes are live (16 bytes an output, not 16 floats).
         const int next = t + gridDim.x;
         if (next < tiles && full_at(row_of(next), col_of(next))) raw = p.fetch(row_of(next), col_of(next));
-        m = amax16<O>(m, v);
         if constexpr (STORE) {
-            cast_tile_rows<F, O>(v, scale, out, tile_words[buf], rows, cols, tr, tc, gr, gc, full, health != nullptr, sat, flush);
+            cast_store_rows<O>(q, out, tile_words[buf], rows, cols, tr, tc, gr, gc, full);
             __syncthreads();
             const int r0 = t / tiles_x * CT_TILE, c0 = t % tiles_x * CT_TILE;
             cast_tile_columns<O>(tile_words[buf], out_t, rows, cols, tr2, tc2, r0 + tr2, c0 + tc2, vec_cols);

@@ -537,7 +537,7 @@ struct RmsNormCast {
     struct Raw { Raw16<bf16> x, w; float r; };
     __device__ Raw fetch(int row, int col) const { return Raw{fetch16(x + (size_t)row * cols + col), fetch16(w + col), rstd[row]}; }
     __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        for (int k = 0; k < CAST_VEC; k++) v[0][k] = to_float(rmsnorm_value(to_float(raw16_at(raw.x, k)), raw.r, to_float(raw16_at(raw.w, k))));
+        for (int k = 0; k < CAST_VEC; k++) v[0][k] = to_float(rmsnorm_value(raw16_float(raw.x, k), raw.r, raw16_float(raw.w, k)));
     }
     __device__ void load1(float* v, int row, int col) const {
         v[0] = to_float(rmsnorm_value(to_float(x[(size_t)row * cols + col]), rstd[row], to_float(w[col])));
@@ -912,7 +912,7 @@ struct SwigluCast {
         return Raw{fetch16(g), fetch16(g + cols)};
     }
     __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        for (int k = 0; k < CAST_VEC; k++) v[0][k] = to_float(swiglu_value(to_float(raw16_at(raw.g, k)), to_float(raw16_at(raw.u, k))));
+        for (int k = 0; k < CAST_VEC; k++) v[0][k] = to_float(swiglu_value(raw16_float(raw.g, k), raw16_float(raw.u, k)));
     }
     __device__ void load1(float* v, int row, int col) const {
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
@@ -934,7 +934,7 @@ struct SwigluBackwardCast {
     __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
         for (int k = 0; k < CAST_VEC; k++) {
             bf16 dg, du;
-            swiglu_grads(to_float(raw16_at(raw.g, k)), to_float(raw16_at(raw.u, k)), to_float(raw16_at(raw.dy, k)), &dg, &du);
+            swiglu_grads(raw16_float(raw.g, k), raw16_float(raw.u, k), raw16_float(raw.dy, k), &dg, &du);
             v[0][k] = to_float(dg);
             v[1][k] = to_float(du);
         }
