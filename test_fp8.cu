@@ -3414,8 +3414,9 @@ GPU_TEST(fp8_fused_casts_bitexact) {
 // The pipelined cast (the default) against the one-block-per-tile kernel on the same inputs: codes, transposes,
 // scale records and health counts identical. A delayed scale that saturates some values and inputs with tiny
 // values that flush, so the counts are not all 0; current scaling takes the amax pass of each kernel too.
+// Returns the health counts (the caller checks that its cases saw some).
 template <class P>
-static void check_pipelined_cast(const char* what, const P& p, int rows, int cols, Fp8Format f, bool delayed) {
+static Fp8Health check_pipelined_cast(const char* what, const P& p, int rows, int cols, Fp8Format f, bool delayed) {
     const size_t n = (size_t)rows * P::outs * cols;
     Fp8Recipe r;
     if (delayed) r.history_len = 4;
@@ -3449,7 +3450,7 @@ static void check_pipelined_cast(const char* what, const P& p, int rows, int col
            what, rows, P::outs, cols, fp8_name(f), delayed ? "delayed" : "current", bad, bad_t, a.meta.scale, b.meta.scale, a.meta.amax,
            b.meta.amax, float_from_bits(a.meta.amax_pending), float_from_bits(b.meta.amax_pending), a.health.saturated, b.health.saturated,
            a.health.flushed, b.health.flushed, a.health.total, b.health.total, n);
-    if (delayed) expect(a.health.saturated > 0, "%s: no value saturated, the health comparison would see nothing", what);
+    return a.health;
 }
 
 // Normal values, every 7th scaled by 1e-6 (these flush to zero).
@@ -3471,6 +3472,11 @@ GPU_TEST(fp8_cast_pipelined_matches_one_block_per_tile) {
     const long big_tiles = (long)ceil_div(big_rows, CT_TILE) * ceil_div(big_cols, CT_TILE);
     expect(big_tiles > 2 * max_grid, "the large shape has %ld tiles, not more than twice the largest grid (%ld blocks)", big_tiles, max_grid);
     const int shapes[][2] = {{317, 315}, {100, 48}, {1, 1}, {256, 512}, {big_rows, big_cols}};
+    unsigned long long saturated = 0, flushed = 0;   // over all cases: the health comparison must have seen some
+    auto count = [&](const Fp8Health& h) {
+        saturated += h.saturated;
+        flushed += h.flushed;
+    };
     for (auto& sh : shapes) {
         const int rows = sh[0], cols = sh[1];
         std::vector<bf16> x = pipelined_test_values((size_t)rows * 2 * cols, 1.0f), dout = pipelined_test_values((size_t)rows * cols, 2.0f);
@@ -3484,12 +3490,13 @@ GPU_TEST(fp8_cast_pipelined_matches_one_block_per_tile) {
         DeviceBuffer<bf16> dw(to_bf16(random_normal(cols, 1.0f)));
         for (Fp8Format f : {E4M3, E5M2})
             for (bool delayed : {false, true}) {
-                check_pipelined_cast("plain bf16", CastPlain<bf16>{dx.ptr, cols}, rows, cols, f, delayed);
-                check_pipelined_cast("plain float", CastPlain<float>{dxf.ptr, cols}, rows, cols, f, delayed);
-                check_pipelined_cast("rmsnorm", RmsNormCast{dx.ptr, drstd.ptr, dw.ptr, cols}, rows, cols, f, delayed);
-                check_pipelined_cast("swiglu", SwigluCast{dx.ptr, cols}, rows, cols, f, delayed);
-                check_pipelined_cast("swiglu backward (2 outputs)", SwigluBackwardCast{ddout.ptr, dx.ptr, cols}, rows, cols, f, delayed);
-                check_pipelined_cast("column scaled", ColumnScaledCast<CastPlain<bf16>>{{dx.ptr, cols}, dscale.ptr}, rows, cols, f, delayed);
+                count(check_pipelined_cast("plain bf16", CastPlain<bf16>{dx.ptr, cols}, rows, cols, f, delayed));
+                count(check_pipelined_cast("plain float", CastPlain<float>{dxf.ptr, cols}, rows, cols, f, delayed));
+                count(check_pipelined_cast("rmsnorm", RmsNormCast{dx.ptr, drstd.ptr, dw.ptr, cols}, rows, cols, f, delayed));
+                count(check_pipelined_cast("swiglu", SwigluCast{dx.ptr, cols}, rows, cols, f, delayed));
+                count(check_pipelined_cast("swiglu backward (2 outputs)", SwigluBackwardCast{ddout.ptr, dx.ptr, cols}, rows, cols, f, delayed));
+                count(check_pipelined_cast("column scaled", ColumnScaledCast<CastPlain<bf16>>{{dx.ptr, cols}, dscale.ptr}, rows, cols, f,
+                                           delayed));
             }
     }
     // RoPE backward: Q and K chunks rotated, V chunks as they are (HD 64, 4 query and 2 KV heads, T 50).
@@ -3503,9 +3510,13 @@ GPU_TEST(fp8_cast_pipelined_matches_one_block_per_tile) {
         DeviceBuffer<bf16> dqkv(pipelined_test_values((size_t)rows * C3, 1.0f));
         for (Fp8Format f : {E4M3, E5M2})
             for (bool delayed : {false, true})
-                check_pipelined_cast("rope backward", RopeBackwardCast{dqkv.ptr, tables.ptr, tables.ptr + cos_t.size(), T, HD, (NH + NKV) * HD, C3},
-                                     rows, C3, f, delayed);
+                count(check_pipelined_cast("rope backward",
+                                           RopeBackwardCast{dqkv.ptr, tables.ptr, tables.ptr + cos_t.size(), T, HD, (NH + NKV) * HD, C3}, rows,
+                                           C3, f, delayed));
     }
+    printf("    health counts compared: %llu saturated, %llu flushed in all\n", saturated, flushed);
+    expect(saturated > 0 && flushed > 0, "the cases saturated %llu and flushed %llu values: the health comparison saw nothing", saturated,
+           flushed);
 }
 
 #if defined(PRECISION_FP8)
