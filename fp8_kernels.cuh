@@ -98,7 +98,7 @@ struct TensorSpec {
 };
 
 // A tensor-parallel group as the code that needs one sees it: this rank, the group size, and an in-place
-// all-reduce on a stream with ncclAllReduce's types and ops. llama2.cuh's is NCCL (tp_nccl_all_reduce); the
+// all-reduce on a stream with ncclAllReduce's types and ops. train_fp8.cu's is NCCL (tp_nccl_all_reduce); the
 // one-GPU shard test's sums on the host. Every rank ends with the same bits (NCCL's all-reduce guarantees it).
 struct TpGroup {
     int size = 1, rank = 0;

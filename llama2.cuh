@@ -8,7 +8,7 @@
 //   5. the linear   linear_forward / linear_backward: every decoder projection, and where the FP8 linear layer
 //                   (fp8_kernels.cuh) plugs in
 //   6. the model    create/destroy, forward, backward, loss, logits
-//   7. tensor parallelism   the NCCL groups, the start-up checks, the layout print
+//   7. tensor parallelism   where the all-reduces go, the layout print (the NCCL groups: train_fp8.cu)
 // One token through the forward pass:
 //   x = tok_embedding[token]
 //   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))   (--qkv-clip, --qk-norm: clip, then norm, before rope)
@@ -1992,8 +1992,8 @@ inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_l
 }
 
 // ----------------------------------------------------------------------------------------------
-// 7. Tensor parallelism over NCCL: one process, one host thread per GPU (train_fp8.cu), one communicator per
-// GPU from ncclCommInitAll. The parameters are split as section 2 says; per layer and micro-batch:
+// 7. Tensor parallelism over NCCL: one process, one host thread per GPU, one communicator per GPU (both made in
+// train_fp8.cu, tp_groups_create). The parameters are split as section 2 says; per layer and micro-batch:
 //   forward   all-reduce (sum, BF16) of the outputs of wo and w_down (row-parallel) before the residual add
 //   backward  all-reduce (sum, BF16) of the input gradients of w_gate_up and wqkv (column-parallel)
 // After these every rank holds the same bits of the residual stream, the norms, lm_head's logits, the loss and
@@ -2003,44 +2003,6 @@ inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_l
 // FP8: every rank scales its own shards (its own Fp8Meta); --tp-amax-sync takes the MAX of the sharded
 // tensors' amaxes over the group instead (model_amax_group), so that every rank uses the scale the unsharded
 // tensor would get.
-
-inline void tp_nccl_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) {
-    ncclCheck(ncclAllReduce(buf, buf, count, type, op, g->comm, s));
-}
-
-// The groups of GPUs 0..n-1 (group r on GPU r), after the start-up checks: n GPUs present; every pair able to
-// reach each other directly (peer access over NVLink or PCIe). Without peer access NCCL still works, through
-// host memory (its SHM transport) at a fraction of the bandwidth: a warning, not an error, because such a
-// machine trains correctly, only slower, and some PCIe topologies (GPUs on two CPU sockets) have nothing better.
-inline std::vector<TpGroup> tp_groups_create(int n) {
-    int count = 0;
-    cudaCheck(cudaGetDeviceCount(&count));
-    if (n > count) fail("--tp %d needs %d GPUs; this machine has %d: lower --tp (CUDA_VISIBLE_DEVICES may hide some)", n, n, count);
-    for (int a = 0; a < n; a++)
-        for (int b = 0; b < n; b++) {
-            int ok = 1;
-            if (a != b) cudaCheck(cudaDeviceCanAccessPeer(&ok, a, b));
-            if (!ok)
-                printf("warning: GPU %d cannot access GPU %d directly (no peer access): NCCL will go through host memory, "
-                       "and the all-reduces of --tp %d will be slow\n", a, b, n);
-        }
-    std::vector<ncclComm_t> comms(n);
-    std::vector<int> devices(n);
-    for (int r = 0; r < n; r++) devices[r] = r;
-    ncclCheck(ncclCommInitAll(comms.data(), n, devices.data()));
-    std::vector<TpGroup> groups(n);
-    for (int r = 0; r < n; r++) {
-        groups[r].size = n;
-        groups[r].rank = r;
-        groups[r].comm = comms[r];
-        groups[r].all_reduce = tp_nccl_all_reduce;
-    }
-    return groups;
-}
-inline void tp_groups_destroy(std::vector<TpGroup>* groups) {
-    for (TpGroup& g : *groups) ncclCheck(ncclCommDestroy(g.comm));
-    groups->clear();
-}
 
 // The layout of tp_size ranks, one line per rank, for the start-up print.
 inline std::string model_tp_layout(const ModelConfig& c, int tp_size) {

@@ -22,7 +22,7 @@
 //  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
 //  13. export                 train_fp8.cu 4: HF safetensors and llama2.c files read back and run in float64
 //  14. whole training runs    train_fp8.cu 6: resume, CUDA graphs, the profile, the tiny model against float64
-//  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's ranks: shards, TP 1 through NCCL, 2 and 4 ranks
+//  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's groups and ranks: shards, TP 1 through NCCL, 2 and 4 ranks
 //  16. benchmarks             ./test_fp8 --bench: tables of ratios measured in one run
 //  17. main                   the filters, the run of the tests, the summary line
 #define TESTING            // train_fp8.cu without main: the tests call its functions
