@@ -6,6 +6,8 @@
 //   5. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
 //   6. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
 //   7. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
+//   8. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs,
+//                            the weight re-quantization after each optimizer step
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -96,7 +98,7 @@ struct TensorSpec {
 };
 
 // A tensor-parallel group as the code that needs one sees it: this rank, the group size, and an in-place
-// all-reduce on a stream with ncclAllReduce's types and ops. llama2.cuh's is NCCL (tp_nccl_all_reduce); the
+// all-reduce on a stream with ncclAllReduce's types and ops. train_fp8.cu's is NCCL (tp_nccl_all_reduce); the
 // one-GPU shard test's sums on the host. Every rank ends with the same bits (NCCL's all-reduce guarantees it).
 struct TpGroup {
     int size = 1, rank = 0;
@@ -1116,4 +1118,77 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     cublasCheck(cublasLtMatmul(ctx->handle, plan.desc, &alpha, B.ptr, plan.a_layout, A.ptr, plan.b_layout, &beta,
                                D, plan.d_layout, D, plan.d_layout, &plan.algo, ctx->workspace, MATMUL_WORKSPACE_BYTES, stream));
+}
+
+// ----------------------------------------------------------------------------------------------
+// 8. The FP8 linear layer (PRECISION=FP8): Y[N,out] = X[N,in] W^T in E4M3; backward with dY in E5M2.
+//   forward   X8, X8^T = cast_transpose(X)             (E4M3; X8^T is what backward keeps)
+//             Y = X8 * W8^T                            A = X8 [N,in],     B = W8 [out,in]
+//   backward  dY8, dY8^T = cast_transpose(dY)          (E5M2)
+//             dX = dY8 * W8                            A = dY8 [N,out],   B = W8^T [in,out]
+//             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
+// Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
+// transposed copies. W8 and W8^T are made once per optimizer step (llama2.cuh, model_weights_changed), not per micro-batch.
+// The casts of X and dY are the caller's (fp8_cast_produced): the kernel that produces the tensor, or a plain cast.
+
+// The FP8 state of one linear layer: the weight's FP8 copies and the scales of X, W and dY.
+struct Fp8Linear {
+    fp8* w8;            // [out, in] E4M3
+    fp8* w8_t;          // [in, out] E4M3
+    Fp8Meta* meta;      // [3] device: X, W, dY
+    Fp8Health* health;  // [3] device, or nullptr: --fp8-stats counts for X, W, dY
+};
+enum { FP8_X = 0, FP8_W = 1, FP8_DY = 2 };
+
+// A producer's values times scale[col]: X / s and W s of SmoothQuant (llama2.cuh, --smooth-quant) for a cast (P has one output).
+template <class P>
+struct ColumnScaledCast {
+    static constexpr int outs = 1;
+    P p;
+    const float* scale;
+    struct Raw { typename P::Raw raw; float s[CAST_VEC]; };
+    __device__ Raw fetch(int row, int col) const {
+        Raw r;
+        r.raw = p.fetch(row, col);
+        for (int k = 0; k < CAST_VEC; k++) r.s[k] = scale[col + k];
+        return r;
+    }
+    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
+        p.compute(raw.raw, v, row, col);
+        for (int k = 0; k < CAST_VEC; k++) v[0][k] *= raw.s[k];
+    }
+    __device__ void load1(float* v, int row, int col) const {
+        p.load1(v, row, col);
+        v[0] *= scale[col];
+    }
+};
+
+// W [out, in] (BF16) -> W8 and W8^T with current scaling (the weights just changed), counting W's health when
+// --fp8-stats is on. amax_gathered: W's amax is already in meta[FP8_W].amax_pending (the optimizer's update pass
+// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice. col_scale (--smooth-quant's s):
+// W' = W s is cast instead, after an amax pass of its own.
+inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false,
+                              const float* col_scale = nullptr) {
+    const Fp8CastOut o{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr};
+    if (col_scale) fp8_cast_produced(o, ColumnScaledCast<CastPlain<bf16>>{{w, in}, col_scale}, out, in, stream);
+    else fp8_cast_produced(o, CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
+}
+
+// Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
+inline void fp8_linear_forward(MatmulContext* mm, bf16* y, const fp8* x8, const Fp8Linear* lin, int N, int in, int out, bool fast_accum,
+                               cudaStream_t stream) {
+    ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward");
+    matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
+           N, out, in, false, fast_accum, stream);
+}
+
+// dX = dY8 W8 and dW += dY8^T X8 (FP32, accumulating over micro-batches; written when accumulate is false):
+// dY8 [N,out] and dY8^T [out,N] cast with lin->meta[FP8_DY], X8^T [in,N] kept from the forward.
+inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp8* dy8, const fp8* dy8_t, const fp8* x8_t,
+                                const Fp8Linear* lin, int N, int in, int out, cudaStream_t stream, bool accumulate = true) {
+    ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward");
+    matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
+           N, in, out, false, false, stream);
+    matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
+           out, in, N, accumulate, false, stream);
 }

@@ -5,9 +5,10 @@
 //                   lm_head: each a forward/backward pair of kernels with plain launchers (attention.cuh has
 //                   the attention)
 //   4. the state    Model: weights, gradients and activations, one allocation each
-//   5. the linear   linear_forward / linear_backward: every decoder projection, and where FP8 plugs in
+//   5. the linear   linear_forward / linear_backward: every decoder projection, and where the FP8 linear layer
+//                   (fp8_kernels.cuh) plugs in
 //   6. the model    create/destroy, forward, backward, loss, logits
-//   7. tensor parallelism   the NCCL groups, the start-up checks, the layout print
+//   7. tensor parallelism   where the all-reduces go, the layout print (the NCCL groups: train_fp8.cu)
 // One token through the forward pass:
 //   x = tok_embedding[token]
 //   each layer:  h = x + wo(attention(rope(wqkv(rmsnorm(x)))))   (--qkv-clip, --qk-norm: clip, then norm, before rope)
@@ -1121,15 +1122,6 @@ struct ModelActivations {
 
 struct ActivationSpec { const char* name; DType type; size_t numel; void** slot; };
 
-// The FP8 state of one linear layer: the weight's FP8 copies and the scales of X, W and dY.
-struct Fp8Linear {
-    fp8* w8;            // [out, in] E4M3
-    fp8* w8_t;          // [in, out] E4M3
-    Fp8Meta* meta;      // [3] device: X, W, dY
-    Fp8Health* health;  // [3] device, or nullptr: --fp8-stats counts for X, W, dY
-};
-enum { FP8_X = 0, FP8_W = 1, FP8_DY = 2 };
-
 // The FP8 recipe's knobs (read in both builds so that the BF16 build can refuse them clearly).
 struct Fp8Options {
     bool enabled = true;        // false: every layer BF16 (the FP8 build's own baseline, for the benchmarks)
@@ -1207,21 +1199,10 @@ inline float* model_grad(Model* m, int param) { return m->grads + m->params[para
 // ----------------------------------------------------------------------------------------------
 // 5. The linear layer: out[N,out] = inp[N,in] W^T, W = parameter `param` of the table ([out,in]: rows, cols).
 // Every decoder projection (wqkv, wo, w_gate_up, w_down) calls linear_forward / linear_backward, which run
-// the FP8 layer below in the FP8 build's FP8 layers and BF16 GEMMs everywhere else:
+// the FP8 layer (fp8_kernels.cuh, section 8) in the FP8 build's FP8 layers and BF16 GEMMs everywhere else:
 //   forward   Y = X W^T           A = X [N,in], B = W [out,in]
 //   backward  dX = dY W           A = dY [N,out], B = W stored [K=out, in] (transposed)
 //             dW += dY^T X        A = dY stored [K=N, out], B = X stored [K=N, in] (both transposed), FP32 grads
-
-// The FP8 linear layer (PRECISION=FP8): Y[N,out] = X[N,in] W^T in E4M3; backward with dY in E5M2.
-//   forward   X8, X8^T = cast_transpose(X)             (E4M3; X8^T is what backward keeps)
-//             Y = X8 * W8^T                            A = X8 [N,in],     B = W8 [out,in]
-//   backward  dY8, dY8^T = cast_transpose(dY)          (E5M2)
-//             dX = dY8 * W8                            A = dY8 [N,out],   B = W8^T [in,out]
-//             dW += dY8^T * X8                         A = dY8^T [out,N], B = X8^T [in,N], FP32 grads
-// Every operand is K-contiguous (the TN form Hopper's FP8 GEMMs require): that is why the casts write
-// transposed copies. W8 and W8^T are made once per optimizer step (model_weights_changed), not per micro-batch.
-// The casts of X and dY are the caller's (fp8_cast_produced): the kernel that produces the tensor, or a plain cast.
-
 
 // ---- SmoothQuant (--smooth-quant ALPHA): each FP8 linear's input channel j moves scale from X to W,
 //   X' = X / s, W' = W s (by columns), so X' W'^T = X W^T,   s_j = 2^round(ALPHA log2 amax_j(X) - (1 - ALPHA) log2 amax_j(W))
@@ -1288,59 +1269,6 @@ inline void smooth_quant_update(const SmoothQuantState& q, const bf16* w, int ou
     column_amax(q.w_amax, w, out, in, s);
     smooth_quant_scales_kernel<<<ceil_div(in, SMOOTH_THREADS), SMOOTH_THREADS, 0, s>>>(q, in, alpha);
     cudaCheckLaunch();
-}
-
-// A producer's values times scale[col]: X / s and W s of SmoothQuant for a cast (P has one output).
-template <class P>
-struct ColumnScaledCast {
-    static constexpr int outs = 1;
-    P p;
-    const float* scale;
-    struct Raw { typename P::Raw raw; float s[CAST_VEC]; };
-    __device__ Raw fetch(int row, int col) const {
-        Raw r;
-        r.raw = p.fetch(row, col);
-        for (int k = 0; k < CAST_VEC; k++) r.s[k] = scale[col + k];
-        return r;
-    }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        p.compute(raw.raw, v, row, col);
-        for (int k = 0; k < CAST_VEC; k++) v[0][k] *= raw.s[k];
-    }
-    __device__ void load1(float* v, int row, int col) const {
-        p.load1(v, row, col);
-        v[0] *= scale[col];
-    }
-};
-
-// W [out, in] (BF16) -> W8 and W8^T with current scaling (the weights just changed), counting W's health when
-// --fp8-stats is on. amax_gathered: W's amax is already in meta[FP8_W].amax_pending (the optimizer's update pass
-// gathered it), so the cast reads W once (2 bytes a parameter) instead of twice. col_scale (--smooth-quant's s):
-// W' = W s is cast instead, after an amax pass of its own.
-inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cudaStream_t stream, bool amax_gathered = false,
-                              const float* col_scale = nullptr) {
-    const Fp8CastOut o{lin->w8, lin->w8_t, E4M3, &lin->meta[FP8_W], Fp8Recipe(), lin->health ? &lin->health[FP8_W] : nullptr};
-    if (col_scale) fp8_cast_produced(o, ColumnScaledCast<CastPlain<bf16>>{{w, in}, col_scale}, out, in, stream);
-    else fp8_cast_produced(o, CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
-}
-
-// Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
-inline void fp8_linear_forward(MatmulContext* mm, bf16* y, const fp8* x8, const Fp8Linear* lin, int N, int in, int out, bool fast_accum,
-                               cudaStream_t stream) {
-    ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward");
-    matmul(mm, y, DT_BF16, {x8, DT_E4M3, false, &lin->meta[FP8_X].inv_scale}, {lin->w8, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
-           N, out, in, false, fast_accum, stream);
-}
-
-// dX = dY8 W8 and dW += dY8^T X8 (FP32, accumulating over micro-batches; written when accumulate is false):
-// dY8 [N,out] and dY8^T [out,N] cast with lin->meta[FP8_DY], X8^T [in,N] kept from the forward.
-inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp8* dy8, const fp8* dy8_t, const fp8* x8_t,
-                                const Fp8Linear* lin, int N, int in, int out, cudaStream_t stream, bool accumulate = true) {
-    ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward");
-    matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
-           N, in, out, false, false, stream);
-    matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
-           out, in, N, accumulate, false, stream);
 }
 
 // Whether decoder layer l runs its linears in FP8: never in the BF16 build; in the FP8 build all layers
@@ -2070,8 +1998,8 @@ inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_l
 }
 
 // ----------------------------------------------------------------------------------------------
-// 7. Tensor parallelism over NCCL: one process, one host thread per GPU (train_fp8.cu), one communicator per
-// GPU from ncclCommInitAll. The parameters are split as section 2 says; per layer and micro-batch:
+// 7. Tensor parallelism over NCCL: one process, one host thread per GPU, one communicator per GPU (both made in
+// train_fp8.cu, tp_groups_create). The parameters are split as section 2 says; per layer and micro-batch:
 //   forward   all-reduce (sum, BF16) of the outputs of wo and w_down (row-parallel) before the residual add
 //   backward  all-reduce (sum, BF16) of the input gradients of w_gate_up and wqkv (column-parallel)
 // After these every rank holds the same bits of the residual stream, the norms, lm_head's logits, the loss and
@@ -2081,44 +2009,6 @@ inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_l
 // FP8: every rank scales its own shards (its own Fp8Meta); --tp-amax-sync takes the MAX of the sharded
 // tensors' amaxes over the group instead (model_amax_group), so that every rank uses the scale the unsharded
 // tensor would get.
-
-inline void tp_nccl_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) {
-    ncclCheck(ncclAllReduce(buf, buf, count, type, op, g->comm, s));
-}
-
-// The groups of GPUs 0..n-1 (group r on GPU r), after the start-up checks: n GPUs present; every pair able to
-// reach each other directly (peer access over NVLink or PCIe). Without peer access NCCL still works, through
-// host memory (its SHM transport) at a fraction of the bandwidth: a warning, not an error, because such a
-// machine trains correctly, only slower, and some PCIe topologies (GPUs on two CPU sockets) have nothing better.
-inline std::vector<TpGroup> tp_groups_create(int n) {
-    int count = 0;
-    cudaCheck(cudaGetDeviceCount(&count));
-    if (n > count) fail("--tp %d needs %d GPUs; this machine has %d: lower --tp (CUDA_VISIBLE_DEVICES may hide some)", n, n, count);
-    for (int a = 0; a < n; a++)
-        for (int b = 0; b < n; b++) {
-            int ok = 1;
-            if (a != b) cudaCheck(cudaDeviceCanAccessPeer(&ok, a, b));
-            if (!ok)
-                printf("warning: GPU %d cannot access GPU %d directly (no peer access): NCCL will go through host memory, "
-                       "and the all-reduces of --tp %d will be slow\n", a, b, n);
-        }
-    std::vector<ncclComm_t> comms(n);
-    std::vector<int> devices(n);
-    for (int r = 0; r < n; r++) devices[r] = r;
-    ncclCheck(ncclCommInitAll(comms.data(), n, devices.data()));
-    std::vector<TpGroup> groups(n);
-    for (int r = 0; r < n; r++) {
-        groups[r].size = n;
-        groups[r].rank = r;
-        groups[r].comm = comms[r];
-        groups[r].all_reduce = tp_nccl_all_reduce;
-    }
-    return groups;
-}
-inline void tp_groups_destroy(std::vector<TpGroup>* groups) {
-    for (TpGroup& g : *groups) ncclCheck(ncclCommDestroy(g.comm));
-    groups->clear();
-}
 
 // The layout of tp_size ranks, one line per rank, for the start-up print.
 inline std::string model_tp_layout(const ModelConfig& c, int tp_size) {

@@ -16,12 +16,13 @@
 //   7. attention              attention.cuh: forward, backward, determinism, both kernel paths
 //   8. AdamW                  adamw_fp8.cuh: against a float64 AdamW and a host replay of its float32 arithmetic
 //   9. the model              llama2.cuh: config, layout, init; each layer's kernels; the whole model
-//  10. the FP8 linear layer   llama2.cuh 4-5: the FP8 linear against the host, fused casts, the FP8 model, SmoothQuant
+//  10. the FP8 linear layer   fp8_kernels.cuh 8, llama2.cuh 4-5: the FP8 linear against the host, fused casts, the FP8
+//                             model, SmoothQuant
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
 //  13. export                 train_fp8.cu 4: HF safetensors and llama2.c files read back and run in float64
 //  14. whole training runs    train_fp8.cu 6: resume, CUDA graphs, the profile, the tiny model against float64
-//  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's ranks: shards, TP 1 through NCCL, 2 and 4 ranks
+//  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's groups and ranks: shards, TP 1 through NCCL, 2 and 4 ranks
 //  16. benchmarks             ./test_fp8 --bench: tables of ratios measured in one run
 //  17. main                   the filters, the run of the tests, the summary line
 #define TESTING            // train_fp8.cu without main: the tests call its functions
@@ -6285,7 +6286,7 @@ static void bench_optimizer(const char* preset, int vocab, double copy_gbs) {
 //   forward   Y_r = X W_r^T                  (no communication)
 //   backward  dX = sum_r dY_r W_r            (each rank's partial, all-reduced in BF16 over NCCL)
 //             dW_r += dY_r^T X
-// FP8 as the FP8 linear of llama2.cuh (X and dY cast per call, current scaling; W8 made once: a weight cast is
+// FP8 as the FP8 linear of fp8_kernels.cuh (X and dY cast per call, current scaling; W8 made once: a weight cast is
 // per optimizer step, not per micro-batch); BF16 as its BF16 GEMMs. FLOPs of the whole layer: 6 S^3.
 // Returns the slowest rank's median ms per forward + backward.
 static float bench_tp_linear_ms(int S, int n, bool use_fp8) {

@@ -10,7 +10,8 @@
 //                              kept, verified before they are read; the run's CSV logs
 //   4. export                  HF safetensors + config.json, llama2.c model.bin + tokenizer.bin (host only)
 //   5. evaluation, sampling
-//   6. the run                 train(): data, the ranks (model and AdamW per GPU), the loop, logging, checkpoints
+//   6. the run                 the NCCL groups of tensor parallelism; train(): data, the ranks (model and AdamW
+//                              per GPU), the loop, logging, checkpoints
 //   7. main
 // test_fp8.cu includes this file with TESTING defined (no main), and calls parse_args, the checkpoint
 // functions and train() directly.
@@ -1294,6 +1295,47 @@ inline std::string tokens_to_text(const std::vector<int>& tokens, int vocab_size
 
 // ----------------------------------------------------------------------------------------------
 // 6. The training run.
+
+// ---- The tensor-parallel groups (--tp N): one NCCL communicator per GPU, from ncclCommInitAll; llama2.cuh, section 7,
+// says where the model's all-reduces go.
+
+inline void tp_nccl_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) {
+    ncclCheck(ncclAllReduce(buf, buf, count, type, op, g->comm, s));
+}
+
+// The groups of GPUs 0..n-1 (group r on GPU r), after the start-up checks: n GPUs present; every pair able to
+// reach each other directly (peer access over NVLink or PCIe). Without peer access NCCL still works, through
+// host memory (its SHM transport) at a fraction of the bandwidth: a warning, not an error, because such a
+// machine trains correctly, only slower, and some PCIe topologies (GPUs on two CPU sockets) have nothing better.
+inline std::vector<TpGroup> tp_groups_create(int n) {
+    int count = 0;
+    cudaCheck(cudaGetDeviceCount(&count));
+    if (n > count) fail("--tp %d needs %d GPUs; this machine has %d: lower --tp (CUDA_VISIBLE_DEVICES may hide some)", n, n, count);
+    for (int a = 0; a < n; a++)
+        for (int b = 0; b < n; b++) {
+            int ok = 1;
+            if (a != b) cudaCheck(cudaDeviceCanAccessPeer(&ok, a, b));
+            if (!ok)
+                printf("warning: GPU %d cannot access GPU %d directly (no peer access): NCCL will go through host memory, "
+                       "and the all-reduces of --tp %d will be slow\n", a, b, n);
+        }
+    std::vector<ncclComm_t> comms(n);
+    std::vector<int> devices(n);
+    for (int r = 0; r < n; r++) devices[r] = r;
+    ncclCheck(ncclCommInitAll(comms.data(), n, devices.data()));
+    std::vector<TpGroup> groups(n);
+    for (int r = 0; r < n; r++) {
+        groups[r].size = n;
+        groups[r].rank = r;
+        groups[r].comm = comms[r];
+        groups[r].all_reduce = tp_nccl_all_reduce;
+    }
+    return groups;
+}
+inline void tp_groups_destroy(std::vector<TpGroup>* groups) {
+    for (TpGroup& g : *groups) ncclCheck(ncclCommDestroy(g.comm));
+    groups->clear();
+}
 
 inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     AdamWConfig a;
