@@ -4453,6 +4453,42 @@ HOST_TEST(train_flags_in_help_and_readme) {
     printf("    %zu flags: each in --help and in README.md's table (%zu names there)\n", flags.size() - 1, in_readme.size());
 }
 
+// Every line link of README.md, [`name`](file#Ln), lands on the line that defines `name` ("name(", or "struct ... name {"
+// there): code moves, and a tour that points a reader at the wrong line is worse than none.
+HOST_TEST(readme_line_links_land_on_their_names) {
+    const std::vector<char> readme_bytes = read_whole_file("README.md");
+    const std::string readme(readme_bytes.begin(), readme_bytes.end());
+    expect(!readme.empty(), "README.md not found: run ./test_fp8 in the repository's folder");
+    std::map<std::string, std::vector<std::string>> files;   // file -> its lines
+    int links = 0;
+    for (size_t at = readme.find("#L"); at != std::string::npos; at = readme.find("#L", at + 2)) {
+        const size_t open = readme.rfind("](", at), text_open = readme.rfind('[', open);
+        if (open == std::string::npos || text_open == std::string::npos || readme.find(')', at) == std::string::npos) continue;
+        const std::string file = readme.substr(open + 2, at - open - 2);
+        const int line = atoi(readme.c_str() + at + 2);
+        std::string name = readme.substr(text_open + 1, open - text_open - 1);   // `name` or `Type::name`, maybe with (...)
+        name.erase(std::remove(name.begin(), name.end(), '`'), name.end());
+        name = name.substr(0, name.find_first_of("(< "));
+        if (name.rfind("::") != std::string::npos) name = name.substr(name.rfind("::") + 2);
+        if (!files.count(file)) {
+            const std::vector<char> bytes = read_whole_file(file);
+            std::string l;
+            for (char ch : bytes)
+                if (ch == '\n') { files[file].push_back(l); l.clear(); }
+                else l += ch;
+        }
+        const std::vector<std::string>& lines = files[file];
+        links++;
+        if (line < 1 || line > (int)lines.size()) { expect(false, "README.md links %s#L%d for %s: the file has %zu lines", file.c_str(), line, name.c_str(), lines.size()); continue; }
+        const std::string& l = lines[line - 1];
+        expect(l.find(name + "(") != std::string::npos || (l.find("struct ") != std::string::npos && l.find(" " + name + " {") != std::string::npos),
+               "README.md links %s#L%d for %s, but that line is \"%s\": point the link at the line defining %s",
+               file.c_str(), line, name.c_str(), l.c_str(), name.c_str());
+    }
+    expect(links > 0, "README.md has no line links ([`name`](file#Ln)) at all");
+    printf("    %d line links, each on the line defining its name\n", links);
+}
+
 // ---- checkpoint files on the host: the checksum, verification, rotation, the refusals of a resume, the CSV logs
 
 HOST_TEST(train_xxh64_known_values) {
