@@ -462,34 +462,17 @@ __device__ inline void block_atomic_max(unsigned int* target, unsigned int v) {
     }
 }
 
-// 16 consecutive elements as loaded (16-byte loads: 2 for bf16, 4 for float), then as floats. The pipelined cast
-// issues the loads (fetch16) of its next tile before it converts (raw16_float) those of the current one. Held as
-// 32-bit words: a struct of bf16 arrays would be moved (and spilled) 16 bits at a time.
+// Load 16 consecutive elements as floats: 16-byte loads (2 for bf16, 4 for float).
 template <class T>
-struct Raw16 {
-    static constexpr int per = Packed128<T>::size;
-    uint4 w[CAST_VEC / per];
-};
-template <class T>
-__device__ inline Raw16<T> fetch16(const T* p) {
-    Raw16<T> r;
+__device__ inline void load16_as_float(float* out, const T* p) {
+    constexpr int per = Packed128<T>::size;
 #pragma unroll
-    for (int j = 0; j < CAST_VEC / Raw16<T>::per; j++) r.w[j] = *reinterpret_cast<const uint4*>(p + j * Raw16<T>::per);
-    return r;
-}
-// Element k of a Raw16 as a float: to_float of the element as loaded.
-__device__ inline float raw16_float(const Raw16<float>& r, int k) { return __uint_as_float(reinterpret_cast<const uint32_t*>(r.w)[k]); }
-__device__ inline float raw16_float(const Raw16<bf16>& r, int k) {
-    const uint32_t pair = reinterpret_cast<const uint32_t*>(r.w)[k / 2];   // element 2i in the low half
-    return to_float(__ushort_as_bfloat16((unsigned short)(k % 2 ? pair >> 16 : pair & 0xffffu)));
-}
-template <class T>
-__device__ inline void raw16_to_float(float* out, const Raw16<T>& r) {
+    for (int j = 0; j < CAST_VEC / per; j++) {
+        Packed128<T> v = load128(p + j * per);
 #pragma unroll
-    for (int k = 0; k < CAST_VEC; k++) out[k] = raw16_float(r, k);
+        for (int k = 0; k < per; k++) out[j * per + k] = to_float(v.v[k]);
+    }
 }
-template <class T>
-__device__ inline void load16_as_float(float* out, const T* p) { raw16_to_float(out, fetch16(p)); }
 
 // The scale a cast multiplies by (see above); every block reads it before it casts.
 __device__ inline float fp8_cast_scale(const Fp8Meta* meta, Fp8Format f, const Fp8Recipe& r) {
@@ -570,148 +553,37 @@ __global__ void quantize_kernel(fp8* out, const T* x, size_t n, Fp8Meta* meta, F
 }
 
 // What a cast reads. A producer gives the values of one row as floats, 16 consecutive columns at a time
-// (col a multiple of 16, cols a multiple of 16) or one column (load1), for each of its `outs` outputs, rounded
-// as the kernel that would store them as a tensor rounds them. The 16 columns come in two steps: fetch issues
-// the global loads into a Raw (registers), compute makes the values from it, so that a cast can have the loads
-// of its next tile in flight while it works on the current one. The cast of a producer with two outputs is
-// [rows, 2 cols]: output o's column c is its column o * cols + c. CastPlain, a tensor as it is, is the producer
-// of a plain cast; llama2.cuh casts RMSNorm, SwiGLU and RoPE outputs where they are made.
+// (load16: col a multiple of 16, cols a multiple of 16) or one column (load1), for each of its `outs`
+// outputs, rounded as the kernel that would store them as a tensor rounds them. The cast of a producer with
+// two outputs is [rows, 2 cols]: output o's column c is its column o * cols + c. CastPlain, a tensor as it is,
+// is the producer of a plain cast; llama2.cuh casts RMSNorm, SwiGLU and RoPE outputs where they are made.
 template <class T>
 struct CastPlain {
     static constexpr int outs = 1;
     const T* x;   // [rows, cols]
     int cols;
-    using Raw = Raw16<T>;
-    __device__ Raw fetch(int row, int col) const { return fetch16(x + (size_t)row * cols + col); }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const { raw16_to_float(v[0], raw); }
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const { load16_as_float(v[0], x + (size_t)row * cols + col); }
     __device__ void load1(float* v, int row, int col) const { v[0] = to_float(x[(size_t)row * cols + col]); }
 };
 
 // Cast + transpose of a producer's values [rows, outs * cols]: out = fp8(v * scale) and out_t = its transpose
-// [outs * cols, rows], through 64 x 64 tiles in shared memory (all outputs of a tile at once). A thread converts
-// 16 consecutive elements of a row (one 16-byte store to out), then gathers 16 consecutive rows of one column from
-// the tile (one 16-byte store to out_t). STORE false: the amax pass of current scaling (the values' amax into
-// meta->amax_pending; nothing stored). record: delayed scaling gathers the amax (false in evaluation); health:
-// --fp8-stats counts, or nullptr. Two kernels do this, with the same helpers and bit for bit the same results:
-// cast_transpose_kernel, one block per tile, and cast_transpose_pipelined_kernel, a few blocks per SM looping
-// over tiles (Fp8CastOut::pipelined picks; the benchmark compares them).
+// [outs * cols, rows], through 64 x 64 tiles in shared memory (one block per tile row/column block, all
+// outputs). A thread converts 16 consecutive elements of a row (one 16-byte store to out), then gathers 16
+// consecutive rows of one column from the tile (one 16-byte store to out_t). STORE false: the amax pass of
+// current scaling (the values' amax into meta->amax_pending; nothing stored). record: delayed scaling gathers
+// the amax (false in evaluation); health: --fp8-stats counts, or nullptr.
 constexpr int CT_TILE = 64;
-// Row pitch 68 bytes (17 words): the column gathers of one warp (4 row groups, 16 rows apart) then
-// fall in 2 banks' worth of words instead of 1 (a pitch of 64 or 80 puts all 4 in one bank).
-constexpr int CT_TILE_WORDS = CT_TILE * (CT_TILE + 4) / 4;
-
-// A thread's 16 values of each output at (gr, gc.. gc + 15) by the producer's scalar path: the tile's ragged
-// edges (outside the tensor: 0, code 0, never stored).
-template <class P>
-__device__ inline void cast_load_ragged(const P& p, float v[][CAST_VEC], int gr, int gc, int rows, int cols) {
-#pragma unroll
-    for (int k = 0; k < CAST_VEC; k++) {   // constant indices (unrolled): v stays in registers
-        float e[P::outs];
-        for (int o = 0; o < P::outs; o++) e[o] = 0.0f;
-        if (gr < rows && gc + k < cols) p.load1(e, gr, gc + k);
-        for (int o = 0; o < P::outs; o++) v[o][k] = e[o];
-    }
-}
-
-// Phase 1 (rows) for one thread, in two steps. Encode: its 16 values of each output -> codes q (16 bytes an
-// output), health counts (count) into sat and flush. Store: the codes at tile position (tr, tc), global (gr, gc),
-// to out (one 16-byte store when full) and into the tile rows.
-template <Fp8Format F, int O, class C>
-__device__ inline void cast_encode16(uint4 q[O], const float v[][CAST_VEC], float scale, bool count, C& sat, C& flush) {
-#pragma unroll
-    for (int o = 0; o < O; o++) {
-        fp8* qo = reinterpret_cast<fp8*>(&q[o]);
-#pragma unroll
-        for (int k = 0; k < CAST_VEC / 2; k++) {
-            uint16_t pair = fp8x2_encode<F>(v[o][2 * k] * scale, v[o][2 * k + 1] * scale);
-            qo[2 * k] = pair & 0xff;
-            qo[2 * k + 1] = pair >> 8;
-        }
-        if (count)
-#pragma unroll
-            for (int k = 0; k < CAST_VEC; k++) {
-                sat += fabsf(v[o][k] * scale) > fp8_max(F);
-                flush += v[o][k] != 0.0f && (qo[k] & 0x7F) == 0;
-            }
-    }
-}
-template <int O>
-__device__ inline void cast_store_rows(const uint4 q[O], fp8* out, uint32_t (*tile_words)[CT_TILE_WORDS], int rows, int cols, int tr, int tc,
-                                       int gr, int gc, bool full) {
-    const size_t ld = (size_t)O * cols;   // the row length of out
-#pragma unroll
-    for (int o = 0; o < O; o++) {
-        const fp8* qo = reinterpret_cast<const fp8*>(&q[o]);
-        if (full) {
-            *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = q[o];
-        } else if (gr < rows) {
-#pragma unroll
-            for (int k = 0; k < CAST_VEC; k++)
-                if (gc + k < cols) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = qo[k];
-        }
-        uint32_t* tile_row = &tile_words[o][(tr * (CT_TILE + 4) + tc) / 4];
-        tile_row[0] = q[o].x;
-        tile_row[1] = q[o].y;
-        tile_row[2] = q[o].z;
-        tile_row[3] = q[o].w;
-    }
-}
-
-// Phase 2 (columns), after a barrier: for each output, the thread gathers rows tr.. tr + 15 of tile column tc
-// and stores them to out_t at (gc, gr) (one 16-byte store when whole).
-template <int O>
-__device__ inline void cast_tile_columns(const uint32_t (*tile_words)[CT_TILE_WORDS], fp8* out_t, int rows, int cols, int tr, int tc,
-                                         int gr, int gc, bool vec_cols) {
-#pragma unroll
-    for (int o = 0; o < O; o++) {
-        const fp8(*tile)[CT_TILE + 4] = reinterpret_cast<const fp8(*)[CT_TILE + 4]>(tile_words[o]);
-        alignas(16) fp8 q[CAST_VEC];
-#pragma unroll
-        for (int k = 0; k < CAST_VEC; k++) q[k] = tile[tr + k][tc];
-        if (gc < cols) {
-            fp8* dst = out_t + ((size_t)o * cols + gc) * rows + gr;
-            if (vec_cols && gr + CAST_VEC <= rows) {
-                *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q);
-            } else {
-#pragma unroll
-                for (int k = 0; k < CAST_VEC; k++)
-                    if (gr + k < rows) dst[k] = q[k];
-            }
-        }
-    }
-}
-
-template <int O>
-__device__ inline unsigned int amax16(unsigned int m, const float v[][CAST_VEC]) {
-#pragma unroll
-    for (int o = 0; o < O; o++)
-#pragma unroll
-        for (int k = 0; k < CAST_VEC; k++) m = max(m, abs_bits(v[o][k]));
-    return m;
-}
-
-// The end of a cast's block, once per block: health counts (the total once per grid, by block 0), the amax
-// gathered (the amax pass, or delayed scaling's record), current scaling's last-block record.
-template <Fp8Format F, bool STORE, class C>
-__device__ inline void cast_block_done(Fp8Meta* meta, const Fp8Recipe& r, bool record, Fp8Health* health, unsigned int m, C sat, C flush,
-                                       unsigned long long total) {
-    if (STORE && health) {
-        const bool first = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
-        fp8_health_add(health, sat, flush, first ? total : 0ull);
-    }
-    if (!STORE || (r.delayed() && record)) block_atomic_max(&meta->amax_pending, m);
-    if constexpr (STORE) fp8_cast_done(meta, F, r, record);
-}
-
-// One block per tile (grid: column tiles x row tiles).
 template <Fp8Format F, bool STORE, class P>
 __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* out, fp8* out_t, int rows, int cols, Fp8Meta* meta,
                                                                       Fp8Recipe r, bool record, Fp8Health* health) {
     constexpr int O = P::outs;
-    __shared__ uint32_t tile_words[O][CT_TILE_WORDS];
+    // Row pitch 68 bytes (17 words): the column gathers of one warp (4 row groups, 16 rows apart) then
+    // fall in 2 banks' worth of words instead of 1 (a pitch of 64 or 80 puts all 4 in one bank).
+    __shared__ uint32_t tile_words[O][CT_TILE * (CT_TILE + 4) / 4];
     const float scale = STORE ? fp8_cast_scale(meta, F, r) : 0.0f;
     const int r0 = blockIdx.y * CT_TILE, c0 = blockIdx.x * CT_TILE;
     const bool vec_rows = (cols % CAST_VEC) == 0, vec_cols = (rows % CAST_VEC) == 0;
+    const size_t ld = (size_t)O * cols;   // the row length of out
     unsigned int m = 0;
     unsigned long long sat = 0, flush = 0;
     {   // phase 1: rows
@@ -719,71 +591,78 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
         const int gr = r0 + tr, gc = c0 + tc;
         const bool full = gr < rows && vec_rows && gc + CAST_VEC <= cols;
         float v[O][CAST_VEC];
-        if (full) p.compute(p.fetch(gr, gc), v, gr, gc);
-        else cast_load_ragged(p, v, gr, gc, rows, cols);
-        m = amax16<O>(m, v);
+        if (full) {
+            p.load16(v, gr, gc);
+        } else {
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) {   // constant indices (unrolled): v stays in registers
+                float e[O];
+                for (int o = 0; o < O; o++) e[o] = 0.0f;   // outside the tensor: code 0, never stored
+                if (gr < rows && gc + k < cols) p.load1(e, gr, gc + k);
+                for (int o = 0; o < O; o++) v[o][k] = e[o];
+            }
+        }
+#pragma unroll
+        for (int o = 0; o < O; o++)
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) m = max(m, abs_bits(v[o][k]));
         if constexpr (STORE) {
-            uint4 q[O];
-            cast_encode16<F, O>(q, v, scale, health != nullptr, sat, flush);
-            cast_store_rows<O>(q, out, tile_words, rows, cols, tr, tc, gr, gc, full);
+#pragma unroll
+            for (int o = 0; o < O; o++) {
+                alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+                for (int k = 0; k < CAST_VEC / 2; k++) {
+                    uint16_t pair = fp8x2_encode<F>(v[o][2 * k] * scale, v[o][2 * k + 1] * scale);
+                    q[2 * k] = pair & 0xff;
+                    q[2 * k + 1] = pair >> 8;
+                }
+                if (health)
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++) {
+                        sat += fabsf(v[o][k] * scale) > fp8_max(F);
+                        flush += v[o][k] != 0.0f && (q[k] & 0x7F) == 0;
+                    }
+                if (full) {
+                    *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = *reinterpret_cast<const uint4*>(q);
+                } else if (gr < rows) {
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++)
+                        if (gc + k < cols) out[(size_t)gr * ld + (size_t)o * cols + gc + k] = q[k];
+                }
+                uint32_t* tile_row = &tile_words[o][(tr * (CT_TILE + 4) + tc) / 4];
+#pragma unroll
+                for (int k = 0; k < CAST_VEC / 4; k++) tile_row[k] = reinterpret_cast<const uint32_t*>(q)[k];
+            }
         }
     }
     if constexpr (STORE) {   // phase 2: columns
         __syncthreads();
         const int tc = threadIdx.x / (CT_TILE / CAST_VEC), tr = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;
-        cast_tile_columns<O>(tile_words, out_t, rows, cols, tr, tc, r0 + tr, c0 + tc, vec_cols);
-    }
-    cast_block_done<F, STORE>(meta, r, record, health, m, sat, flush, (unsigned long long)rows * O * cols);
-}
-
-// A few blocks per SM (a 1-D grid), each looping over tiles t = blockIdx.x + i * gridDim.x (row-major over the
-// tile grid). Software pipelined: a thread makes the current tile's values from the loads it issued earlier and
-// encodes them, issues the loads of its next tile (the producer's fetch), and only then stores and transposes the
-// current one, so its next loads are in flight through the stores, the barrier and the transpose. Two shared
-// tiles alternate: one barrier per tile orders its phase 1 writes before its phase 2 reads, and a tile's phase 2
-// reads (before the next tile's barrier) before the phase 1 writes of the tile after that into the same buffer.
-// Ragged tiles take the scalar path (load1) when they are reached. The per-block work (scale, health counts, amax,
-// the block counter of fp8_cast_done, which counts gridDim.x blocks) is done once per block, not per tile.
-// At least 3 blocks per SM (80 registers; 2 with two outputs, 128): 768 threads each with one tile's loads in
-// flight, 24 KB (plain BF16) to 48 KB (SwiGLU backward) per SM. 4 blocks (64 registers) would spill.
-template <Fp8Format F, bool STORE, class P>
-__global__ void __launch_bounds__(CAST_THREADS, P::outs == 1 ? 3 : 2)
-    cast_transpose_pipelined_kernel(P p, fp8* out, fp8* out_t, int rows, int cols, Fp8Meta* meta, Fp8Recipe r, bool record, Fp8Health* health) {
-    constexpr int O = P::outs;
-    __shared__ uint32_t tile_words[STORE ? 2 : 1][O][CT_TILE_WORDS];
-    const float scale = STORE ? fp8_cast_scale(meta, F, r) : 0.0f;
-    const int tiles_x = (cols + CT_TILE - 1) / CT_TILE, tiles = tiles_x * ((rows + CT_TILE - 1) / CT_TILE);
-    const bool vec_rows = (cols % CAST_VEC) == 0, vec_cols = (rows % CAST_VEC) == 0;
-    const int tr = threadIdx.x / (CT_TILE / CAST_VEC), tc = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;     // phase 1
-    const int tc2 = threadIdx.x / (CT_TILE / CAST_VEC), tr2 = (threadIdx.x % (CT_TILE / CAST_VEC)) * CAST_VEC;   // phase 2
-    // The thread's phase 1 element of tile t, and whether its 16 columns take the 16-byte path.
-    auto row_of = [&](int t) { return t / tiles_x * CT_TILE + tr; };
-    auto col_of = [&](int t) { return t % tiles_x * CT_TILE + tc; };
-    auto full_at = [&](int gr, int gc) { return gr < rows && vec_rows && gc + CAST_VEC <= cols; };
-    unsigned int m = 0, sat = 0, flush = 0;   // 32-bit counts: at most 16 * O a tile per thread
-    typename P::Raw raw;
-    int t = blockIdx.x;
-    if (t < tiles && full_at(row_of(t), col_of(t))) raw = p.fetch(row_of(t), col_of(t));
-    for (int buf = 0; t < tiles; t += gridDim.x, buf ^= 1) {
-        const int gr = row_of(t), gc = col_of(t);
-        const bool full = full_at(gr, gc);
-        float v[O][CAST_VEC];
-        if (full) p.compute(raw, v, gr, gc);
-        else cast_load_ragged(p, v, gr, gc, rows, cols);
-        m = amax16<O>(m, v);
-        uint4 q[O];
-        if constexpr (STORE) cast_encode16<F, O>(q, v, scale, health != nullptr, sat, flush);
-        // The next tile's loads, now that only the codes are live (16 bytes an output, not 16 floats).
-        const int next = t + gridDim.x;
-        if (next < tiles && full_at(row_of(next), col_of(next))) raw = p.fetch(row_of(next), col_of(next));
-        if constexpr (STORE) {
-            cast_store_rows<O>(q, out, tile_words[buf], rows, cols, tr, tc, gr, gc, full);
-            __syncthreads();
-            const int r0 = t / tiles_x * CT_TILE, c0 = t % tiles_x * CT_TILE;
-            cast_tile_columns<O>(tile_words[buf], out_t, rows, cols, tr2, tc2, r0 + tr2, c0 + tc2, vec_cols);
+        const int gc = c0 + tc, gr = r0 + tr;
+#pragma unroll
+        for (int o = 0; o < O; o++) {
+            const fp8(*tile)[CT_TILE + 4] = reinterpret_cast<const fp8(*)[CT_TILE + 4]>(tile_words[o]);
+            alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) q[k] = tile[tr + k][tc];
+            if (gc < cols) {
+                fp8* dst = out_t + ((size_t)o * cols + gc) * rows + gr;
+                if (vec_cols && gr + CAST_VEC <= rows) {
+                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < CAST_VEC; k++)
+                        if (gr + k < rows) dst[k] = q[k];
+                }
+            }
+        }
+        if (health) {
+            const bool first = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+            fp8_health_add(health, sat, flush, first ? (unsigned long long)rows * ld : 0ull);
         }
     }
-    cast_block_done<F, STORE>(meta, r, record, health, m, sat, flush, (unsigned long long)rows * O * cols);
+    if (!STORE || (r.delayed() && record)) block_atomic_max(&meta->amax_pending, m);
+    if constexpr (STORE) fp8_cast_done(meta, F, r, record);
 }
 
 // out = decode(code) * inv_scale
@@ -880,32 +759,10 @@ struct Fp8CastOut {
     Fp8Health* health = nullptr;          // --fp8-stats counts, or nullptr
     const TpGroup* amax_group = nullptr;  // current scaling: the scale from the MAX of amax over this group
     bool record = true;                   // delayed scaling: gather the amax for the step's record (false: evaluation)
-    bool pipelined = true;                // cast_transpose_pipelined_kernel (false: cast_transpose_kernel, for the benchmark's A/B)
 };
-
-// The pipelined kernel's grid: as many blocks as fit on the GPU at once (its occupancy, queried once per kernel),
-// at most one per tile.
-template <Fp8Format F, bool STORE, class P>
-void cast_transpose_pipelined_launch(const P& p, const Fp8CastOut& o, int rows, int cols, cudaStream_t stream) {
-    static const int blocks_per_sm = [] {
-        int n = 0;
-        cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cast_transpose_pipelined_kernel<F, STORE, P>, CAST_THREADS, 0));
-        return std::max(n, 1);
-    }();
-    const long tiles = (long)ceil_div(rows, CT_TILE) * ceil_div(cols, CT_TILE);
-    if (tiles > INT_MAX) fail("FP8 cast of %d x %d: %ld tiles of %d x %d, more than the int range", rows, cols, tiles, CT_TILE, CT_TILE);
-    const int grid = (int)std::min(tiles, (long)device_sm_count() * blocks_per_sm);
-    cast_transpose_pipelined_kernel<F, STORE><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_t, rows, cols, o.meta, o.recipe, o.record, o.health);
-}
 
 template <bool STORE, class P>
 void cast_transpose_launch(const P& p, const Fp8CastOut& o, int rows, int cols, cudaStream_t stream) {
-    if (o.pipelined) {
-        if (o.format == E4M3) cast_transpose_pipelined_launch<E4M3, STORE>(p, o, rows, cols, stream);
-        else                  cast_transpose_pipelined_launch<E5M2, STORE>(p, o, rows, cols, stream);
-        cudaCheckLaunch();
-        return;
-    }
     if (ceil_div(rows, CT_TILE) > 65535) fail("FP8 cast of %d rows: more than the grid's 65535 tiles of %d rows", rows, CT_TILE);
     dim3 grid(ceil_div(cols, CT_TILE), ceil_div(rows, CT_TILE));
     if (o.format == E4M3)
@@ -1146,16 +1003,9 @@ struct ColumnScaledCast {
     static constexpr int outs = 1;
     P p;
     const float* scale;
-    struct Raw { typename P::Raw raw; float s[CAST_VEC]; };
-    __device__ Raw fetch(int row, int col) const {
-        Raw r;
-        r.raw = p.fetch(row, col);
-        for (int k = 0; k < CAST_VEC; k++) r.s[k] = scale[col + k];
-        return r;
-    }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        p.compute(raw.raw, v, row, col);
-        for (int k = 0; k < CAST_VEC; k++) v[0][k] *= raw.s[k];
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        p.load16(v, row, col);
+        for (int k = 0; k < CAST_VEC; k++) v[0][k] *= scale[col + k];
     }
     __device__ void load1(float* v, int row, int col) const {
         p.load1(v, row, col);

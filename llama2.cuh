@@ -535,10 +535,12 @@ struct RmsNormCast {
     const float* rstd;
     const bf16* w;
     int cols;   // D
-    struct Raw { Raw16<bf16> x, w; float r; };
-    __device__ Raw fetch(int row, int col) const { return Raw{fetch16(x + (size_t)row * cols + col), fetch16(w + col), rstd[row]}; }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        for (int k = 0; k < CAST_VEC; k++) v[0][k] = to_float(rmsnorm_value(raw16_float(raw.x, k), raw.r, raw16_float(raw.w, k)));
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        const float r = rstd[row];
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> a = load128(x + (size_t)row * cols + col + h), wv = load128(w + col + h);
+            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(rmsnorm_value(to_float(a.v[k]), r, to_float(wv.v[k])));
+        }
     }
     __device__ void load1(float* v, int row, int col) const {
         v[0] = to_float(rmsnorm_value(to_float(x[(size_t)row * cols + col]), rstd[row], to_float(w[col])));
@@ -640,31 +642,24 @@ struct RopeBackwardCast {
     const bf16* dqkv;
     const float *cos_t, *sin_t;
     int T, HD, rot_cols, cols;
-    // The chunk and, for Q and K, its 8 pairs' cos and sin (unused for V).
-    struct Raw { Raw16<bf16> x; float c[CAST_VEC / 2], sn[CAST_VEC / 2]; };
-    __device__ Raw fetch(int row, int col) const {
-        Raw raw;
-        raw.x = fetch16(dqkv + (size_t)row * cols + col);
-        if (col >= rot_cols) return raw;
-        // The chunk's 8 pairs: 8 consecutive table entries, 32-byte aligned (pair0 is a multiple of 8 and so is
-        // the sine table's offset, T * HD / 2), read 16 bytes at a time.
-        const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
-        for (int h = 0; h < CAST_VEC / 2; h += 4) {
-            *reinterpret_cast<float4*>(raw.c + h) = *reinterpret_cast<const float4*>(cos_t + pair0 + h);
-            *reinterpret_cast<float4*>(raw.sn + h) = *reinterpret_cast<const float4*>(sin_t + pair0 + h);
-        }
-        return raw;
-    }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
         float x[CAST_VEC];
-        raw16_to_float(x, raw.x);
+        load16_as_float(x, dqkv + (size_t)row * cols + col);
         if (col >= rot_cols) {
             for (int k = 0; k < CAST_VEC; k++) v[0][k] = x[k];
             return;
         }
+        // The chunk's 8 pairs: 8 consecutive table entries, 32-byte aligned (pair0 is a multiple of 8 and so is
+        // the sine table's offset, T * HD / 2), read 16 bytes at a time.
+        const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
+        float c[CAST_VEC / 2], sn[CAST_VEC / 2];
+        for (int h = 0; h < CAST_VEC / 2; h += 4) {
+            *reinterpret_cast<float4*>(c + h) = *reinterpret_cast<const float4*>(cos_t + pair0 + h);
+            *reinterpret_cast<float4*>(sn + h) = *reinterpret_cast<const float4*>(sin_t + pair0 + h);
+        }
         for (int q = 0; q < CAST_VEC / 2; q++) {
             bf16 y0, y1;
-            rope_rotate(x[2 * q], x[2 * q + 1], raw.c[q], raw.sn[q], -1.0f, &y0, &y1);
+            rope_rotate(x[2 * q], x[2 * q + 1], c[q], sn[q], -1.0f, &y0, &y1);
             v[0][2 * q] = to_float(y0);
             v[0][2 * q + 1] = to_float(y1);
         }
@@ -907,13 +902,12 @@ struct SwigluCast {
     static constexpr int outs = 1;
     const bf16* gate_up;
     int cols;   // F
-    struct Raw { Raw16<bf16> g, u; };
-    __device__ Raw fetch(int row, int col) const {
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
-        return Raw{fetch16(g), fetch16(g + cols)};
-    }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        for (int k = 0; k < CAST_VEC; k++) v[0][k] = to_float(swiglu_value(raw16_float(raw.g, k), raw16_float(raw.u, k)));
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h);
+            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(swiglu_value(to_float(gv.v[k]), to_float(uv.v[k])));
+        }
     }
     __device__ void load1(float* v, int row, int col) const {
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
@@ -927,17 +921,17 @@ struct SwigluBackwardCast {
     const bf16* dout;
     const bf16* gate_up;
     int cols;   // F
-    struct Raw { Raw16<bf16> g, u, dy; };
-    __device__ Raw fetch(int row, int col) const {
+    __device__ void load16(float v[][CAST_VEC], int row, int col) const {
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
-        return Raw{fetch16(g), fetch16(g + cols), fetch16(dout + (size_t)row * cols + col)};
-    }
-    __device__ void compute(const Raw& raw, float v[][CAST_VEC], int row, int col) const {
-        for (int k = 0; k < CAST_VEC; k++) {
-            bf16 dg, du;
-            swiglu_grads(raw16_float(raw.g, k), raw16_float(raw.u, k), raw16_float(raw.dy, k), &dg, &du);
-            v[0][k] = to_float(dg);
-            v[1][k] = to_float(du);
+        const bf16* dy = dout + (size_t)row * cols + col;
+        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
+            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h), dv = load128(dy + h);
+            for (int k = 0; k < BF16_PER_16B; k++) {
+                bf16 dg, du;
+                swiglu_grads(to_float(gv.v[k]), to_float(uv.v[k]), to_float(dv.v[k]), &dg, &du);
+                v[0][h + k] = to_float(dg);
+                v[1][h + k] = to_float(du);
+            }
         }
     }
     __device__ void load1(float* v, int row, int col) const {

@@ -3412,114 +3412,6 @@ GPU_TEST(fp8_fused_casts_bitexact) {
     }
 }
 
-// The pipelined cast (the default) against the one-block-per-tile kernel on the same inputs: codes, transposes,
-// scale records and health counts identical. A delayed scale that saturates some values and inputs with tiny
-// values that flush, so the counts are not all 0; current scaling takes the amax pass of each kernel too.
-// Returns the health counts (the caller checks that its cases saw some).
-template <class P>
-static Fp8Health check_pipelined_cast(const char* what, const P& p, int rows, int cols, Fp8Format f, bool delayed) {
-    const size_t n = (size_t)rows * P::outs * cols;
-    Fp8Recipe r;
-    if (delayed) r.history_len = 4;
-    Fp8Meta m0 = fp8_meta_initial();
-    m0.scale = f == E4M3 ? 128.0f : 16384.0f;   // |v| > 3.5 saturates
-    m0.inv_scale = 1.0f / m0.scale;
-    struct Result { std::vector<fp8> q, qt; Fp8Meta meta; Fp8Health health; };
-    auto run = [&](bool pipelined) {
-        DeviceBuffer<fp8> q(n), qt(n);
-        q.poison();
-        qt.poison();
-        DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{m0});
-        DeviceBuffer<Fp8Health> health(std::vector<Fp8Health>{Fp8Health{0, 0, 0}});
-        Fp8CastOut o{q.ptr, qt.ptr, f, meta.ptr, r, health.ptr};
-        o.pipelined = pipelined;
-        fp8_cast_produced(o, p, rows, cols, 0);
-        return Result{q.download(), qt.download(), meta.download()[0], health.download()[0]};
-    };
-    Result a = run(true), b = run(false);
-    size_t bad = 0, bad_t = 0;
-    for (size_t i = 0; i < n; i++) {
-        bad += a.q[i] != b.q[i];
-        bad_t += a.qt[i] != b.qt[i];
-    }
-    const bool meta_ok = same_meta(a.meta, b.meta) && a.meta.amax_pending == b.meta.amax_pending && a.meta.blocks_done == b.meta.blocks_done;
-    const bool health_ok = a.health.saturated == b.health.saturated && a.health.flushed == b.health.flushed && a.health.total == b.health.total &&
-                           a.health.total == n;
-    expect(bad == 0 && bad_t == 0 && meta_ok && health_ok,
-           "%s [%d, %d x %d] %s %s: pipelined vs one block per tile: %zu codes differ in X, %zu in X^T; scale %g / %g, amax %g / %g, "
-           "amax slot %g / %g; saturated %llu / %llu, flushed %llu / %llu, total %llu / %llu of %zu",
-           what, rows, P::outs, cols, fp8_name(f), delayed ? "delayed" : "current", bad, bad_t, a.meta.scale, b.meta.scale, a.meta.amax,
-           b.meta.amax, float_from_bits(a.meta.amax_pending), float_from_bits(b.meta.amax_pending), a.health.saturated, b.health.saturated,
-           a.health.flushed, b.health.flushed, a.health.total, b.health.total, n);
-    return a.health;
-}
-
-// Normal values, every 7th scaled by 1e-6 (these flush to zero).
-static std::vector<bf16> pipelined_test_values(size_t n, float std) {
-    std::vector<float> x = random_normal(n, std);
-    for (size_t i = 0; i < n; i += 7) x[i] *= 1e-6f;
-    return to_bf16(x);
-}
-
-GPU_TEST(fp8_cast_pipelined_matches_one_block_per_tile) {
-    // Ragged shapes (the scalar path), a 16-multiple one, and one with more than two tiles per block of the
-    // largest grid the pipelined kernel can have (every SM full of 256-thread blocks): the loop, its prefetch and
-    // its alternating shared tiles.
-    int dev, threads_per_sm;
-    cudaCheck(cudaGetDevice(&dev));
-    cudaCheck(cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
-    const long max_grid = (long)device_sm_count() * (threads_per_sm / CAST_THREADS);
-    const int big_rows = 4100, big_cols = 3000;
-    const long big_tiles = (long)ceil_div(big_rows, CT_TILE) * ceil_div(big_cols, CT_TILE);
-    expect(big_tiles > 2 * max_grid, "the large shape has %ld tiles, not more than twice the largest grid (%ld blocks)", big_tiles, max_grid);
-    const int shapes[][2] = {{317, 315}, {100, 48}, {1, 1}, {256, 512}, {big_rows, big_cols}};
-    unsigned long long saturated = 0, flushed = 0;   // over all cases: the health comparison must have seen some
-    auto count = [&](const Fp8Health& h) {
-        saturated += h.saturated;
-        flushed += h.flushed;
-    };
-    for (auto& sh : shapes) {
-        const int rows = sh[0], cols = sh[1];
-        std::vector<bf16> x = pipelined_test_values((size_t)rows * 2 * cols, 1.0f), dout = pipelined_test_values((size_t)rows * cols, 2.0f);
-        DeviceBuffer<bf16> dx(x), ddout(dout);
-        std::vector<float> xf(x.size());
-        for (size_t i = 0; i < x.size(); i++) xf[i] = to_float(x[i]);
-        DeviceBuffer<float> dxf(xf);
-        std::vector<float> rstd = random_normal(rows, 0.3f), col_scale = random_normal(cols, 1.0f);
-        for (float& v : rstd) v = 1.0f + fabsf(v);
-        DeviceBuffer<float> drstd(rstd), dscale(col_scale);
-        DeviceBuffer<bf16> dw(to_bf16(random_normal(cols, 1.0f)));
-        for (Fp8Format f : {E4M3, E5M2})
-            for (bool delayed : {false, true}) {
-                count(check_pipelined_cast("plain bf16", CastPlain<bf16>{dx.ptr, cols}, rows, cols, f, delayed));
-                count(check_pipelined_cast("plain float", CastPlain<float>{dxf.ptr, cols}, rows, cols, f, delayed));
-                count(check_pipelined_cast("rmsnorm", RmsNormCast{dx.ptr, drstd.ptr, dw.ptr, cols}, rows, cols, f, delayed));
-                count(check_pipelined_cast("swiglu", SwigluCast{dx.ptr, cols}, rows, cols, f, delayed));
-                count(check_pipelined_cast("swiglu backward (2 outputs)", SwigluBackwardCast{ddout.ptr, dx.ptr, cols}, rows, cols, f, delayed));
-                count(check_pipelined_cast("column scaled", ColumnScaledCast<CastPlain<bf16>>{{dx.ptr, cols}, dscale.ptr}, rows, cols, f,
-                                           delayed));
-            }
-    }
-    // RoPE backward: Q and K chunks rotated, V chunks as they are (HD 64, 4 query and 2 KV heads, T 50).
-    const int T = 50, HD = 64, NH = 4, NKV = 2, C3 = (NH + 2 * NKV) * HD;
-    std::vector<float> cos_t, sin_t;
-    rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
-    DeviceBuffer<float> tables(std::vector<float>(2 * cos_t.size()));
-    cudaCheck(cudaMemcpy(tables.ptr, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(tables.ptr + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-    for (int rows : {3 * T, 40 * T}) {
-        DeviceBuffer<bf16> dqkv(pipelined_test_values((size_t)rows * C3, 1.0f));
-        for (Fp8Format f : {E4M3, E5M2})
-            for (bool delayed : {false, true})
-                count(check_pipelined_cast("rope backward",
-                                           RopeBackwardCast{dqkv.ptr, tables.ptr, tables.ptr + cos_t.size(), T, HD, (NH + NKV) * HD, C3}, rows,
-                                           C3, f, delayed));
-    }
-    printf("    health counts compared: %llu saturated, %llu flushed in all\n", saturated, flushed);
-    expect(saturated > 0 && flushed > 0, "the cases saturated %llu and flushed %llu values: the health comparison saw nothing", saturated,
-           flushed);
-}
-
 #if defined(PRECISION_FP8)
 // The whole model with FP8 linears against the float64 reference (which has no FP8): the loss, and each
 // gradient tensor's SQNR. One FP8 linear gives ~26 dB forward and ~22 dB backward (above); through the
@@ -6033,31 +5925,25 @@ static void bench_fused_casts(double copy_gbs) {
     Fp8Meta m0 = fp8_meta_initial();
     cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
     printf("\nFP8 casts fused into their producers (1B shapes, %d tokens): the BF16 kernel then a plain cast+transpose, "
-           "against the fused kernels, one block per tile (1blk) and pipelined (pipe, the default); median ms. floor: the\n"
-           "bytes the fused kernels must move (current scaling reads its inputs twice: the amax pass, then the cast) at the\n"
-           "copy's %.0f GB/s\n", N, copy_gbs);
-    printf("%-30s %-8s %11s %9s %9s %9s %9s %9s %9s\n", "producer -> FP8 tensor", "scaling", "unfused ms", "1blk ms", "pipe ms",
-           "pipe/1blk", "floor ms", "1blk/floor", "pipe/floor");
+           "against the fused kernels; median ms. floor: the bytes the fused kernels must move (current scaling reads\n"
+           "its inputs twice: the amax pass, then the cast) at the copy's %.0f GB/s\n", N, copy_gbs);
+    printf("%-30s %-8s %11s %9s %9s %9s %8s\n", "producer -> FP8 tensor", "scaling", "unfused ms", "fused ms", "speed-up", "floor ms",
+           "vs floor");
     for (bool delayed : {false, true}) {
         Fp8Recipe r;
         if (delayed) r.history_len = 16;
-        Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
-        // bytes: what the fused kernels read and write in current and in delayed scaling. fused runs with the
-        // kernel x_out and dy_out pick.
+        const Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
+        // bytes: what the fused kernels read and write in current and in delayed scaling.
         auto row = [&](const char* name, double current_bytes, double delayed_bytes, const std::function<void()>& unfused,
                        const std::function<void()>& fused) {
-            float t_unfused = bench_median_ms(unfused), t_fused[2];
-            for (bool pipelined : {false, true}) {
-                x_out.pipelined = dy_out.pipelined = pipelined;
-                t_fused[pipelined] = bench_median_ms(fused);
-            }
+            float t_unfused = bench_median_ms(unfused), t_fused = bench_median_ms(fused);
             double floor_ms = (delayed ? delayed_bytes : current_bytes) / copy_gbs / 1e6;
-            printf("%-30s %-8s %11.3f %9.3f %9.3f %8.2fx %9.3f %9.2fx %8.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused[0],
-                   t_fused[1], t_fused[1] / t_fused[0], floor_ms, t_fused[0] / floor_ms, t_fused[1] / floor_ms);
+            printf("%-30s %-8s %11.3f %9.3f %8.2fx %9.3f %7.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused,
+                   t_unfused / t_fused, floor_ms, t_fused / floor_ms);
         };
         const double nd = (double)N * D, nf = (double)N * F, nqkv = (double)N * QKV;
         row("plain cast+transpose -> X", 6 * nd, 4 * nd, [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); },
-            [&] { fp8_cast_produced(x_out, CastPlain<bf16>{c, D}, N, D, 0); });
+            [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); });
         // The statistics kernel reads resid and branch and writes resid_out (and gathers the amax in current
         // scaling); the cast reads resid_out once and writes X8 and X8^T: 10 bytes an element either way.
         row("rmsnorm (+ add) -> X", 10 * nd, 10 * nd, [&] {
@@ -6153,13 +6039,6 @@ static void bench_casts() {
     fill_random_device(x, n * 2, DT_BF16);
     Fp8Recipe current, delayed;
     delayed.history_len = 16;
-    // cast+transpose: the pipelined kernel (the default), then the one-block-per-tile kernel it replaces.
-    const CastPlain<bf16> plain{x, cols};
-    auto one_block_per_tile = [&](const Fp8Recipe& r) {
-        Fp8CastOut o{q, qt, E4M3, meta, r};
-        o.pipelined = false;
-        return o;
-    };
     struct Row { const char* name; double bytes; float ms; };
     std::vector<Row> rows_out = {
         {"copy (cudaMemcpy D2D)", n * 4.0, bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(x_copy, x, n * 2, cudaMemcpyDeviceToDevice)); })},
@@ -6168,8 +6047,6 @@ static void bench_casts() {
         {"quantize (current: amax+cast)", n * 5.0, bench_median_ms([&] { fp8_quantize(q, x, n, E4M3, meta, current, 0); })},
         {"cast+transpose (delayed)", n * 4.0, bench_median_ms([&] { fp8_cast_transpose(q, qt, x, rows, cols, E4M3, meta, delayed, 0); })},
         {"cast+transpose (current)", n * 6.0, bench_median_ms([&] { fp8_cast_transpose(q, qt, x, rows, cols, E4M3, meta, current, 0); })},
-        {"  one block per tile (delayed)", n * 4.0, bench_median_ms([&] { fp8_cast_produced(one_block_per_tile(delayed), plain, rows, cols, 0); })},
-        {"  one block per tile (current)", n * 6.0, bench_median_ms([&] { fp8_cast_produced(one_block_per_tile(current), plain, rows, cols, 0); })},
         {"dequantize to bf16", n * 3.0, bench_median_ms([&] { fp8_dequantize(x_copy, q, n, E4M3, meta, 0); })},
     };
     double copy_gbs = rows_out[0].bytes / rows_out[0].ms / 1e6;
