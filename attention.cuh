@@ -533,11 +533,19 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
 // same helpers pack, rescale and store it. An A operand from registers (16 x 16 per warp) is the mma.sync A
 // fragment: attention_pack_a turns a 64-column accumulator into the A operands of 4 k-steps.
 
-constexpr int HATTN_CONSUMERS = 2;                               // consumer warpgroups per block
+constexpr int HATTN_CONSUMERS = 2;                               // backward: consumer warpgroups per block
 constexpr int HATTN_THREADS = 128 * (1 + HATTN_CONSUMERS);
-constexpr int HATTN_PRODUCER_REGS = 24, HATTN_CONSUMER_REGS = 240;   // setmaxnreg: 128*24 + 256*240 <= 65536
-constexpr int HATTN_STAGES = 2;
-constexpr int HATTN_FWD_BM = 64 * HATTN_CONSUMERS;               // forward: query rows per block
+constexpr int HATTN_PRODUCER_REGS = 24;
+// Registers of a consumer thread when nc consumer warpgroups share the SM's 65536 with the producer's 128 x 24
+// (setmaxnreg takes multiples of 8): 2 -> 240, 3 -> 160.
+constexpr int hattn_consumer_regs(int nc) { return (65536 / 128 - HATTN_PRODUCER_REGS) / nc / 8 * 8; }
+// mbarrier stages of K/V (forward) and of Q/dO (backward). H200, forward at D = 128, T = 2048: 2 -> 3 stages
+// 402 -> 417 TFLOP/s; the backward at the same shape ran slower with 3 (274 -> 265).
+constexpr int HATTN_FWD_STAGES = 3, HATTN_BWD_STAGES = 2;
+// Forward consumer warpgroups (64 query rows each): at HD = 64 three fit in registers (O 32 + S 64 + P 32 floats
+// a thread under 160), so a K/V tile serves 192 rows; at HD = 128 two (O alone is 64 floats). H200, 1b shape:
+// two 340-343 TFLOP/s, three 353-356; the d12 shape (T = 512: three 192-row tiles, 89% of them rows) 149 -> 144.
+template <int HD> constexpr int hattn_fwd_consumers() { return HD == 64 ? 3 : 2; }
 constexpr int HATTN_FWD_BN = 128;                                // forward: keys per K/V tile
 constexpr int HATTN_BWD_BM = 64;                                 // backward: query rows per step
 constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: keys per block
@@ -547,13 +555,14 @@ constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: ke
 template <int HD> struct HattnSmem {
     static constexpr int CH = HD / 64;
     static constexpr int chunk(int rows) { return rows * 128; }
-    // forward: Q (both consumers), K and V stages, barriers
+    // forward: Q (all consumers' rows), K and V stages, barriers
+    static constexpr int FWD_BM = 64 * hattn_fwd_consumers<HD>();   // query rows per block
     static constexpr int FWD_Q = 0;
-    static constexpr int FWD_Q_BYTES = CH * chunk(HATTN_FWD_BM);
+    static constexpr int FWD_Q_BYTES = CH * chunk(FWD_BM);
     static constexpr int FWD_KV_BYTES = CH * chunk(HATTN_FWD_BN);
     static constexpr int FWD_K = FWD_Q + FWD_Q_BYTES;
-    static constexpr int FWD_V = FWD_K + HATTN_STAGES * FWD_KV_BYTES;
-    static constexpr int FWD_BAR = FWD_V + HATTN_STAGES * FWD_KV_BYTES;
+    static constexpr int FWD_V = FWD_K + HATTN_FWD_STAGES * FWD_KV_BYTES;
+    static constexpr int FWD_BAR = FWD_V + HATTN_FWD_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
     // backward: K, V of the block; Q and dO stages; dS^T twice; lse and D rows of each stage; barriers. Every
     // tile starts on a 1024-byte boundary.
@@ -565,9 +574,9 @@ template <int HD> struct HattnSmem {
     static constexpr int BWD_K = 0;
     static constexpr int BWD_V = BWD_K + BWD_KV_BYTES;
     static constexpr int BWD_STAGE = BWD_V + BWD_KV_BYTES;
-    static constexpr int BWD_DS = BWD_STAGE + HATTN_STAGES * BWD_STAGE_BYTES;
+    static constexpr int BWD_DS = BWD_STAGE + HATTN_BWD_STAGES * BWD_STAGE_BYTES;
     static constexpr int BWD_ROWS = BWD_DS + 2 * BWD_DS_BYTES;
-    static constexpr int BWD_BAR = BWD_ROWS + HATTN_STAGES * BWD_ROWS_BYTES;
+    static constexpr int BWD_BAR = BWD_ROWS + HATTN_BWD_STAGES * BWD_ROWS_BYTES;
     static constexpr int BWD_BYTES = BWD_BAR + 128 + 1024;
     static_assert(FWD_BYTES <= 227 * 1024 && BWD_BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
 };
@@ -670,42 +679,42 @@ __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b)
 }
 #endif   // __CUDA_ARCH__
 
-// ---- Hopper forward. One block per (128-row query tile, query head, batch), longest rows first over the
+// ---- Hopper forward. One block per (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers; longest rows first over the
 // whole grid; heads of one KV group are neighbours in the grid, so their K/V tiles come from L2. Consumer c
 // owns query rows 64c..64c+63 of the tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major), online
 // softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then O += P V
 // (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
 template <int HD>
-__global__ void __launch_bounds__(HATTN_THREADS, 1)
+__global__ void __launch_bounds__(128 * (1 + hattn_fwd_consumers<HD>()), 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
                                 const __grid_constant__ CUtensorMap kv_map, int B, int T, int NH, int NKV) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef HattnSmem<HD> S;
-    constexpr int CH = S::CH, BN = HATTN_FWD_BN;
+    constexpr int CH = S::CH, BN = HATTN_FWD_BN, NC = hattn_fwd_consumers<HD>(), BM = S::FWD_BM;
     extern __shared__ unsigned char hattn_smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(hattn_smem_raw) + 1023) & ~uintptr_t(1023));
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::FWD_BAR);
     uint64_t* q_full = bars;                                  // then per stage: K full, K empty, V full, V empty
     uint64_t* k_full = bars + 1;
-    uint64_t* k_empty = k_full + HATTN_STAGES;
-    uint64_t* v_full = k_empty + HATTN_STAGES;
-    uint64_t* v_empty = v_full + HATTN_STAGES;
+    uint64_t* k_empty = k_full + HATTN_FWD_STAGES;
+    uint64_t* v_full = k_empty + HATTN_FWD_STAGES;
+    uint64_t* v_empty = v_full + HATTN_FWD_STAGES;
 
     const int ntiles = gridDim.x / (NH * B);
     const int qt = ntiles - 1 - (int)blockIdx.x / (NH * B);
     const int h = (int)blockIdx.x % NH, b = ((int)blockIdx.x / NH) % B;
     const int kvh = h / (NH / NKV);
-    const int q0 = qt * HATTN_FWD_BM;
-    const int nkv = (min(q0 + HATTN_FWD_BM, T) + BN - 1) / BN;   // K/V tiles holding keys <= the last row
+    const int q0 = qt * BM;
+    const int nkv = (min(q0 + BM, T) + BN - 1) / BN;   // K/V tiles holding keys <= the last row
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         hattn_bar_init(q_full, 1);
-        for (int s = 0; s < HATTN_STAGES; s++) {
+        for (int s = 0; s < HATTN_FWD_STAGES; s++) {
             hattn_bar_init(k_full + s, 1);
             hattn_bar_init(v_full + s, 1);
-            hattn_bar_init(k_empty + s, 128 * HATTN_CONSUMERS);
-            hattn_bar_init(v_empty + s, 128 * HATTN_CONSUMERS);
+            hattn_bar_init(k_empty + s, 128 * NC);
+            hattn_bar_init(v_empty + s, 128 * NC);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -716,16 +725,16 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         if (threadIdx.x == 0) {
             hattn_bar_expect(q_full, S::FWD_Q_BYTES);
             for (int ch = 0; ch < CH; ch++)
-                hattn_tma_load(smem + S::FWD_Q + ch * S::chunk(HATTN_FWD_BM), &q_map, q_full, h * HD + 64 * ch, q0, b);
+                hattn_tma_load(smem + S::FWD_Q + ch * S::chunk(BM), &q_map, q_full, h * HD + 64 * ch, q0, b);
             for (int j = 0; j < nkv; j++) {
-                const int s = j % HATTN_STAGES;
-                const uint32_t empty_parity = ((j / HATTN_STAGES) + 1) & 1;   // the release of use j - STAGES
-                if (j >= HATTN_STAGES) hattn_bar_wait(k_empty + s, empty_parity);
+                const int s = j % HATTN_FWD_STAGES;
+                const uint32_t empty_parity = ((j / HATTN_FWD_STAGES) + 1) & 1;   // the release of use j - STAGES
+                if (j >= HATTN_FWD_STAGES) hattn_bar_wait(k_empty + s, empty_parity);
                 hattn_bar_expect(k_full + s, S::FWD_KV_BYTES);
                 for (int ch = 0; ch < CH; ch++)
                     hattn_tma_load(smem + S::FWD_K + s * S::FWD_KV_BYTES + ch * S::chunk(BN), &kv_map, k_full + s,
                                    (NH + kvh) * HD + 64 * ch, j * BN, b);
-                if (j >= HATTN_STAGES) hattn_bar_wait(v_empty + s, empty_parity);
+                if (j >= HATTN_FWD_STAGES) hattn_bar_wait(v_empty + s, empty_parity);
                 hattn_bar_expect(v_full + s, S::FWD_KV_BYTES);
                 for (int ch = 0; ch < CH; ch++)
                     hattn_tma_load(smem + S::FWD_V + s * S::FWD_KV_BYTES + ch * S::chunk(BN), &kv_map, v_full + s,
@@ -734,7 +743,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(HATTN_CONSUMER_REGS));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(NC)));
     const int c = wg - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row_base = q0 + 64 * c + 16 * warp;           // this warp's first query row
@@ -751,13 +760,13 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     // S = Q K^T of tile j into sc (issued, not awaited).
     float sc[BN / 8][4];
     auto issue_scores = [&](int j) {
-        const unsigned char* k_tile = smem + S::FWD_K + (j % HATTN_STAGES) * S::FWD_KV_BYTES;
-        hattn_bar_wait(k_full + j % HATTN_STAGES, (j / HATTN_STAGES) & 1);
+        const unsigned char* k_tile = smem + S::FWD_K + (j % HATTN_FWD_STAGES) * S::FWD_KV_BYTES;
+        hattn_bar_wait(k_full + j % HATTN_FWD_STAGES, (j / HATTN_FWD_STAGES) & 1);
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
             const int ch = kk / 4, off = (kk % 4) * 32;
-            hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], hattn_desc(q_tile + ch * S::chunk(HATTN_FWD_BM) + off, 1024, HATTN_SW128),
+            hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], hattn_desc(q_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128),
                                      hattn_desc(k_tile + ch * S::chunk(BN) + off, 1024, HATTN_SW128), kk > 0);
         }
         hattn_wgmma_commit();
@@ -779,16 +788,17 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     // is ready, S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs
     // while P_j V_j is still on the tensor cores. O is rescaled and P_{j+1} converted only after that product
     // has finished: no register of an unfinished wgmma is written (ptxas would serialize them, C7515).
-    // The two consumers take turns at the tensor cores (named barriers 4 and 5): one issues its products while
-    // the other runs its softmax. Each has nkv + 1 issue points; consumer 1 opens with an arrival for consumer
-    // 0 and skips its last one, so every bar.sync meets exactly one matching arrival.
-    // (H200: 1b shape 268 -> 301 TFLOP/s, D = 128 T = 2048 375 -> 395.)
+    // The consumers take turns at the tensor cores, in a ring (consumer c waits at named barrier 4 + c, where
+    // its predecessor arrives): one issues its products while the others run their softmax. Each has nkv + 1
+    // issue points; the last consumer opens with an arrival for consumer 0 and skips its last one, so every
+    // bar.sync (256 threads: the waiter and its predecessor) meets exactly one matching arrival.
+    // (H200, two consumers: 1b shape 268 -> 301 TFLOP/s, D = 128 T = 2048 375 -> 395.)
     int turns_left = nkv + 1;
-    auto turn_begin = [&] { hattn_sync(4 + c, 128 * HATTN_CONSUMERS); };
+    auto turn_begin = [&] { hattn_sync(4 + c, 256); };
     auto turn_end = [&] {
-        if (--turns_left > 0 || c == 0) hattn_arrive(5 - c, 128 * HATTN_CONSUMERS);
+        if (--turns_left > 0 || c < NC - 1) hattn_arrive(4 + (c + 1) % NC, 256);
     };
-    if (c == 1) hattn_arrive(4, 128 * HATTN_CONSUMERS);
+    if (c == NC - 1) hattn_arrive(4, 256);
     hattn_bar_wait(q_full, 0);
     float alpha[2];
     uint32_t pa[BN / 16][4];
@@ -803,9 +813,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
     // O += P_j V_j (issued, not awaited).
     auto issue_pv = [&](int j) {
-        const int s = j % HATTN_STAGES;
+        const int s = j % HATTN_FWD_STAGES;
         const unsigned char* v_tile = smem + S::FWD_V + s * S::FWD_KV_BYTES;
-        hattn_bar_wait(v_full + s, (j / HATTN_STAGES) & 1);
+        hattn_bar_wait(v_full + s, (j / HATTN_FWD_STAGES) & 1);
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
@@ -821,11 +831,11 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         turn_end();
         hattn_wgmma_wait<1>();                     // groups complete in order: the scores first
         hattn_fence_regs<BN / 2>(&sc[0][0]);
-        hattn_bar_arrive(k_empty + (j + 1) % HATTN_STAGES);
+        hattn_bar_arrive(k_empty + (j + 1) % HATTN_FWD_STAGES);
         softmax(j + 1, alpha);
         hattn_wgmma_wait<0>();
         hattn_fence_regs<HD / 2>(&o[0][0]);
-        hattn_bar_arrive(v_empty + j % HATTN_STAGES);
+        hattn_bar_arrive(v_empty + j % HATTN_FWD_STAGES);
 #pragma unroll
         for (int n = 0; n < HD / 8; n++) {
             o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
@@ -886,7 +896,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BWD_BAR);
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
-    uint64_t* st_empty = st_full + HATTN_STAGES;
+    uint64_t* st_empty = st_full + HATTN_BWD_STAGES;
 
     const int Tp = attention_padded_T(T), nq = Tp / BM;
     const int kt = (int)blockIdx.x / (NKV * B);
@@ -898,7 +908,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
 
     if (threadIdx.x == 0) {
         hattn_bar_init(kv_full, 1);
-        for (int s = 0; s < HATTN_STAGES; s++) {
+        for (int s = 0; s < HATTN_BWD_STAGES; s++) {
             hattn_bar_init(st_full + s, 1);
             hattn_bar_init(st_empty + s, 128 * HATTN_CONSUMERS);
         }
@@ -915,9 +925,9 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
                 hattn_tma_load(smem + S::BWD_V + ch * S::chunk(BN), &kv_map, kv_full, (NH + NKV + kvh) * HD + 64 * ch, k0, b);
             }
             for (int i = 0; i < steps; i++) {
-                const int s = i % HATTN_STAGES;
+                const int s = i % HATTN_BWD_STAGES;
                 const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
-                if (i >= HATTN_STAGES) hattn_bar_wait(st_empty + s, ((i / HATTN_STAGES) + 1) & 1);
+                if (i >= HATTN_BWD_STAGES) hattn_bar_wait(st_empty + s, ((i / HATTN_BWD_STAGES) + 1) & 1);
                 unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
                 unsigned char* rows = smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES;
                 hattn_bar_expect(st_full + s, S::BWD_STAGE_BYTES + S::BWD_ROWS_BYTES);
@@ -932,7 +942,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(HATTN_CONSUMER_REGS));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(HATTN_CONSUMERS)));
     const int w = wg - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int key_base = k0 + 64 * w + 16 * warp;            // this warp's first key row
@@ -948,14 +958,14 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
     hattn_bar_wait(kv_full, 0);
 
     for (int i = 0; i < steps; i++) {
-        const int s = i % HATTN_STAGES;
+        const int s = i % HATTN_BWD_STAGES;
         const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
         const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
         const unsigned char* q_tile = stage;
         const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
         const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
         const float* delta_q = lse_q + BM;
-        hattn_bar_wait(st_full + s, (i / HATTN_STAGES) & 1);
+        hattn_bar_wait(st_full + s, (i / HATTN_BWD_STAGES) & 1);
 
         float st[BM / 8][4], dpt[BM / 8][4];
         hattn_wgmma_fence();
@@ -1158,10 +1168,10 @@ inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int
     const size_t smem = HattnSmem<HD>::FWD_BYTES;
     attention_set_smem((const void*)attention_forward_hopper_kernel<HD>, smem, &smem_set);
     const int C3 = (NH + 2 * NKV) * HD;
-    const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BM);
+    const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HattnSmem<HD>::FWD_BM);
     const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BN);
-    const int blocks = ceil_div(T, HATTN_FWD_BM) * NH * B;
-    attention_forward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(out, lse, q_map, kv_map, B, T, NH, NKV);
+    const int blocks = ceil_div(T, HattnSmem<HD>::FWD_BM) * NH * B;
+    attention_forward_hopper_kernel<HD><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(out, lse, q_map, kv_map, B, T, NH, NKV);
     cudaCheckLaunch();
 }
 
