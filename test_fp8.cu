@@ -265,9 +265,10 @@ static void ref_rope_backward(double* dx, int B, int T, int H, int HD, double th
 static void ref_attention_check(int NH, int NKV) {
     if (NKV <= 0 || NH % NKV != 0) fail("attention: n_heads=%d must be a multiple of n_kv_heads=%d", NH, NKV);
 }
-// The probabilities of query (b, t, h) over keys 0..t into p[0..t].
-static void ref_attention_probs(double* p, const double* q, const double* k, int b, int t, int h, int T, int NH,
-                                int NKV, int HD) {
+// The probabilities of query (b, t, h) over keys 0..t into p[0..t]; returns the row's log-sum-exp of scaled
+// scores, log sum_{j<=t} exp(q_t.k_j / sqrt(HD)).
+static double ref_attention_probs(double* p, const double* q, const double* k, int b, int t, int h, int T, int NH,
+                                  int NKV, int HD) {
     int kvh = h / (NH / NKV);
     double scale = 1.0 / sqrt((double)HD);
     const double* qh = q + (((size_t)b * T + t) * NH + h) * HD;
@@ -285,6 +286,7 @@ static void ref_attention_probs(double* p, const double* q, const double* k, int
         sum += p[j];
     }
     for (int j = 0; j <= t; j++) p[j] /= sum;
+    return maxs + log(sum);
 }
 static void ref_attention_forward(double* out, const double* q, const double* k, const double* v, int B, int T,
                                   int NH, int NKV, int HD) {
@@ -1622,26 +1624,10 @@ GPU_TEST(matmul_plan_cache) {
 // The log-sum-exp of each causal row of scaled scores: lse[b,h,t] = log sum_{j<=t} exp(q_t.k_j / sqrt(HD)).
 static void ref_attention_lse(double* lse /* [B,NH,T] */, const double* q, const double* k, int B, int T, int NH,
                               int NKV, int HD) {
-    std::vector<double> s(T);
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < NH; h++) {
-            int kvh = h / (NH / NKV);
-            for (int t = 0; t < T; t++) {
-                const double* qh = q + (((size_t)b * T + t) * NH + h) * HD;
-                double maxs = -INFINITY;
-                for (int j = 0; j <= t; j++) {
-                    const double* kh = k + (((size_t)b * T + j) * NKV + kvh) * HD;
-                    double dot = 0;
-                    for (int d = 0; d < HD; d++) dot += qh[d] * kh[d];
-                    s[j] = dot / sqrt((double)HD);
-                    maxs = std::max(maxs, s[j]);
-                }
-                double sum = 0;
-                for (int j = 0; j <= t; j++) sum += exp(s[j] - maxs);
-                lse[((size_t)b * NH + h) * T + t] = maxs + log(sum);
-            }
-        }
-    }
+    std::vector<double> p(T);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < T; t++) lse[((size_t)b * NH + h) * T + t] = ref_attention_probs(p.data(), q, k, b, t, h, T, NH, NKV, HD);
 }
 
 // Columns col0..col0+ncols-1 of a row-major [rows, cols] matrix (a Q, K or V block of qkv / dqkv).
