@@ -5919,17 +5919,23 @@ static void bench_fused_casts(double copy_gbs) {
         Fp8Recipe r;
         if (delayed) r.history_len = 16;
         const Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
-        // bytes: what the fused kernels read and write in current and in delayed scaling.
+        // bytes: what the fused kernels read and write in current and in delayed scaling. unfused empty: a cast
+        // with no producer (nothing to fuse; the row gives its floor).
         auto row = [&](const char* name, double current_bytes, double delayed_bytes, const std::function<void()>& unfused,
                        const std::function<void()>& fused) {
-            float t_unfused = bench_median_ms(unfused), t_fused = bench_median_ms(fused);
-            double floor_ms = (delayed ? delayed_bytes : current_bytes) / copy_gbs / 1e6;
-            printf("%-30s %-8s %11.3f %9.3f %8.2fx %9.3f %7.2fx\n", name, delayed ? "delayed" : "current", t_unfused, t_fused,
-                   t_unfused / t_fused, floor_ms, t_fused / floor_ms);
+            const float t_fused = bench_median_ms(fused);
+            const double floor_ms = (delayed ? delayed_bytes : current_bytes) / copy_gbs / 1e6;
+            printf("%-30s %-8s ", name, delayed ? "delayed" : "current");
+            if (unfused) {
+                const float t_unfused = bench_median_ms(unfused);
+                printf("%11.3f %9.3f %8.2fx", t_unfused, t_fused, t_unfused / t_fused);
+            } else {
+                printf("%11s %9.3f %9s", "-", t_fused, "-");
+            }
+            printf(" %9.3f %7.2fx\n", floor_ms, t_fused / floor_ms);
         };
         const double nd = (double)N * D, nf = (double)N * F, nqkv = (double)N * QKV;
-        row("plain cast+transpose -> X", 6 * nd, 4 * nd, [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); },
-            [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); });
+        row("plain cast+transpose -> X", 6 * nd, 4 * nd, nullptr, [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); });
         // The statistics kernel reads resid and branch and writes resid_out (and gathers the amax in current
         // scaling); the cast reads resid_out once and writes X8 and X8^T: 10 bytes an element either way.
         row("rmsnorm (+ add) -> X", 10 * nd, 10 * nd, [&] {
