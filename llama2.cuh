@@ -114,6 +114,13 @@ inline int param_layer(int l, LayerParam p) { return 1 + l * PARAMS_PER_LAYER + 
 inline int param_final_norm(const ModelConfig& c) { return 1 + c.n_layers * PARAMS_PER_LAYER; }
 inline int param_lm_head(const ModelConfig& c) { return 2 + c.n_layers * PARAMS_PER_LAYER; }
 inline int param_qk_norm(const ModelConfig& c, int l) { return 3 + c.n_layers * PARAMS_PER_LAYER + l; }
+// The way back, for the tables kept per parameter index (the shards, the init, the FP8 build's per-linear state):
+// the layer and kind of parameter `param`, or layer -1 for the tensors outside the decoder layers.
+struct ParamPlace { int layer; LayerParam kind; };
+inline ParamPlace param_place(const ModelConfig& c, int param) {
+    if (param < 1 || param >= param_final_norm(c)) return {-1, PARAMS_PER_LAYER};
+    return {(param - 1) / PARAMS_PER_LAYER, (LayerParam)((param - 1) % PARAMS_PER_LAYER)};
+}
 
 // "" if the model splits over tp_size ranks (tensor parallelism, section 7), else what is wrong.
 inline std::string model_tp_problem(const ModelConfig& c, int tp_size) {
@@ -175,19 +182,19 @@ struct ShardMap {
     int col0, cols;
 };
 inline bool model_param_sharded(const ModelConfig& c, int param) {
-    if (param < 1 || param >= param_final_norm(c)) return false;
-    int kind = (param - 1) % PARAMS_PER_LAYER;
+    const LayerParam kind = param_place(c, param).kind;
     return kind == WQKV || kind == WO || kind == W_GATE_UP || kind == W_DOWN;
 }
 inline ShardMap model_shard_map(const ModelConfig& c, int param, const TensorSpec& whole, int tp_size, int rank) {
     const int q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim, F = c.ffn_dim, n = tp_size, r = rank;
     ShardMap m = {{{0, whole.rows}}, 0, whole.cols};
     if (!model_param_sharded(c, param)) return m;
-    switch ((param - 1) % PARAMS_PER_LAYER) {
+    switch (param_place(c, param).kind) {
         case WQKV: m.row_blocks = {{r * q / n, q / n}, {q + r * kv / n, kv / n}, {q + kv + r * kv / n, kv / n}}; break;
         case W_GATE_UP: m.row_blocks = {{r * F / n, F / n}, {F + r * F / n, F / n}}; break;
         case WO: m.col0 = r * q / n; m.cols = q / n; break;
         case W_DOWN: m.col0 = r * F / n; m.cols = F / n; break;
+        default: break;   // the norms: whole
     }
     return m;
 }
@@ -280,8 +287,7 @@ inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed
                 }
                 continue;
             }
-            bool in_layer = i >= 1 && (int)i < param_final_norm(c);
-            int layer_kind = in_layer ? (int)(i - 1) % PARAMS_PER_LAYER : -1;
+            const LayerParam layer_kind = param_place(c, (int)i).kind;
             double stddev = init_std * (layer_kind == WO || layer_kind == W_DOWN ? residual_scale : 1.0);
             for (size_t j = 0; j < s.numel; j++) {
                 double z = rng.normal();
@@ -1157,12 +1163,25 @@ struct ModelFp8 {
 };
 #endif
 
+// One parameter tensor, named: its BF16 weights and FP32 gradient (pointers into Model::weights and Model::grads,
+// section 2's flat layout) and its index in the parameter table (Model::params: its shape; the FP8 build's per-linear
+// state, section 5).
+struct Param {
+    bf16* w = nullptr;
+    float* grad = nullptr;
+    int index = -1;
+};
+// One decoder layer's tensors (qk_norm: only with --qk-norm), as LayerActs names its activations.
+struct LayerParams { Param attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down, qk_norm; };
+
 struct Model {
     ModelConfig config;
     std::vector<TensorSpec> params;
     size_t num_params = 0;
     bf16* weights = nullptr;   // [num_params] BF16, written by the optimizer after each step
     float* grads = nullptr;    // [num_params] FP32, accumulated over micro-batches
+    Param tok_embedding, final_norm, lm_head;   // the tensors of the table by name (model_create)
+    std::vector<LayerParams> layers;
     bool accumulate_grads = true;   // false after model_zero_grads: the next backward writes what it would add
     int B = 0, T = 0;          // the allocated batch shape
     ModelActivations acts = {};
@@ -1185,13 +1204,17 @@ struct Model {
 #endif
 };
 
-inline bf16* model_weight(Model* m, int param) { return m->weights + m->params[param].offset; }
+// Tensor `param` of the table as a Param.
+inline Param model_param(const Model* m, int param) {
+    return {m->weights + m->params[param].offset, m->grads + m->params[param].offset, param};
+}
+// Layer l's four linears, in the order of the FP8 build's per-linear tables (model_linear_index).
+inline std::array<const Param*, 4> layer_linears(const LayerParams& L) { return {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down}; }
 // This rank's qkv width (all of it without tensor parallelism): its query heads, then its K and V heads.
 inline int model_local_qkv_dim(const Model* m) { return (m->n_heads + 2 * m->n_kv_heads) * m->config.head_dim; }
-inline float* model_grad(Model* m, int param) { return m->grads + m->params[param].offset; }
 
 // ----------------------------------------------------------------------------------------------
-// 5. The linear layer: out[N,out] = inp[N,in] W^T, W = parameter `param` of the table ([out,in]: rows, cols).
+// 5. The linear layer: out[N,out] = inp[N,in] W^T, W = parameter p ([out,in]: its TensorSpec's rows, cols).
 // Every decoder projection (wqkv, wo, w_gate_up, w_down) calls linear_forward / linear_backward, which run
 // the FP8 layer (fp8_kernels.cuh, section 8) in the FP8 build's FP8 layers and BF16 GEMMs everywhere else:
 //   forward   Y = X W^T           A = X [N,in], B = W [out,in]
@@ -1277,20 +1300,21 @@ inline bool model_layer_fp8(const Model* m, int l) {
 }
 
 #if defined(PRECISION_FP8)
-// The FP8 linear of parameter `param`, or nullptr when it is a BF16 one.
-inline int model_linear_index(int param) {
-    int p = param - 1, l = p / PARAMS_PER_LAYER, kind = p % PARAMS_PER_LAYER;
-    int k = kind == WQKV ? 0 : kind == WO ? 1 : kind == W_GATE_UP ? 2 : 3;
-    return l * LINEARS_PER_LAYER + k;
+// Where linear parameter `param` sits in ModelFp8's per-linear tables: 4 l + k, k in the order of layer_linears.
+inline int model_linear_index(const Model* m, int param) {
+    const ParamPlace at = param_place(m->config, param);
+    const int k = at.kind == WQKV ? 0 : at.kind == WO ? 1 : at.kind == W_GATE_UP ? 2 : 3;
+    return at.layer * LINEARS_PER_LAYER + k;
 }
+// The FP8 linear of parameter `param`, or nullptr when it is a BF16 one.
 inline Fp8Linear* model_fp8_linear(Model* m, int param) {
-    Fp8Linear* lin = &m->fp8.linears[model_linear_index(param)];
+    Fp8Linear* lin = &m->fp8.linears[model_linear_index(m, param)];
     return lin->w8 ? lin : nullptr;
 }
 // --smooth-quant's state of FP8 linear `param`, or nullptr (off, or a BF16 linear).
 inline const SmoothQuantState* model_smooth(const Model* m, int param) {
     if (m->fp8.smooth.empty()) return nullptr;
-    const SmoothQuantState* q = &m->fp8.smooth[model_linear_index(param)];
+    const SmoothQuantState* q = &m->fp8.smooth[model_linear_index(m, param)];
     return q->s ? q : nullptr;
 }
 // --tp-amax-sync: the group whose MAX of amax a cast takes, or nullptr. Only the casts of tensors that are
@@ -1299,8 +1323,8 @@ inline const SmoothQuantState* model_smooth(const Model* m, int param) {
 // the residual stream's gradient) are replicated, the same bits on every rank: their amax is the group's.
 inline const TpGroup* model_amax_group(const Model* m, int param, bool dy) {
     if (!m->tp || !m->fp8_options.tp_amax_sync) return nullptr;
-    int kind = (param - 1) % PARAMS_PER_LAYER;
-    bool row_parallel = kind == WO || kind == W_DOWN;
+    const LayerParam kind = param_place(m->config, param).kind;
+    const bool row_parallel = kind == WO || kind == W_DOWN;
     return dy != row_parallel ? m->tp : nullptr;
 }
 // Where the cast of FP8 linear `param`'s X (forward) or dY (backward) goes: X8 (scratch) and X8^T (kept for the
@@ -1309,7 +1333,7 @@ inline const TpGroup* model_amax_group(const Model* m, int param, bool dy) {
 inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
     Fp8Linear* lin = model_fp8_linear(m, param);
     const int t = dy ? FP8_DY : FP8_X;
-    Fp8CastOut o{dy ? m->fp8.dy8 : m->fp8.x8, dy ? m->fp8.dy8_t : m->fp8.saved_x8_t[model_linear_index(param)], dy ? E5M2 : E4M3,
+    Fp8CastOut o{dy ? m->fp8.dy8 : m->fp8.x8, dy ? m->fp8.dy8_t : m->fp8.saved_x8_t[model_linear_index(m, param)], dy ? E5M2 : E4M3,
                  &lin->meta[t], m->fp8_options.recipe};
     o.health = lin->health ? &lin->health[t] : nullptr;
     o.amax_group = model_amax_group(m, param, dy);
@@ -1323,102 +1347,99 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
 inline bool model_fp8_fused(Model* m, int param, bool dy) {
     if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
     if (!dy && model_smooth(m, param)) return false;   // X / s: linear_forward casts it (and gathers its channel amaxes)
-    const int kind = (param - 1) % PARAMS_PER_LAYER;
+    const LayerParam kind = param_place(m->config, param).kind;
     // the QK norm's and the QKV clip's backward come between RoPE's backward and wqkv's dY: no fused cast there
     if (dy && kind == WQKV && (m->config.qk_norm || m->config.qkv_clip > 0.0f)) return false;
     return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
 }
 #endif
 
-inline void linear_forward(Model* m, bf16* out, const bf16* inp, int param, int N) {
-    const TensorSpec& w = m->params[param];
+inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p, int N) {
+    const TensorSpec& w = m->params[p.index];
 #if defined(PRECISION_FP8)
-    if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        if (const SmoothQuantState* q = model_smooth(m, param)) {   // X' = X / s; the channels' amax for the next s
+    if (Fp8Linear* lin = model_fp8_linear(m, p.index)) {
+        if (const SmoothQuantState* q = model_smooth(m, p.index)) {   // X' = X / s; the channels' amax for the next s
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X / s (smooth-quant)");
             if (m->fp8.training) column_amax(q->x_amax, inp, N, w.cols, m->stream);
-            fp8_cast_produced(model_fp8_cast(m, param, false), ColumnScaledCast<CastPlain<bf16>>{{inp, w.cols}, q->inv_s}, N, w.cols, m->stream);
-        } else if (!model_fp8_fused(m, param, false)) {   // else X8 and X8^T came from the producer of inp
+            fp8_cast_produced(model_fp8_cast(m, p.index, false), ColumnScaledCast<CastPlain<bf16>>{{inp, w.cols}, q->inv_s}, N, w.cols, m->stream);
+        } else if (!model_fp8_fused(m, p.index, false)) {   // else X8 and X8^T came from the producer of inp
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X");
-            fp8_cast_produced(model_fp8_cast(m, param, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
+            fp8_cast_produced(model_fp8_cast(m, p.index, false), CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
         }
         fp8_linear_forward(&m->matmul, out, m->fp8.x8, lin, N, w.cols, w.rows, m->fp8_options.fast_accum, m->stream);
         return;
     }
 #endif
     ProfileRange range(PHASE_GEMM_FWD, m->stream, "BF16 GEMM forward");
-    matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {model_weight(m, param), DT_BF16}, N, w.rows, w.cols, false, false,
-           m->stream);
+    matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {p.w, DT_BF16}, N, w.rows, w.cols, false, false, m->stream);
 }
 // inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer, and so may
 // dout when its producer cast it).
-inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, int param, int N) {
-    const TensorSpec& w = m->params[param];
+inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, const Param& p, int N) {
+    const TensorSpec& w = m->params[p.index];
 #if defined(PRECISION_FP8)
-    if (Fp8Linear* lin = model_fp8_linear(m, param)) {
-        if (!model_fp8_fused(m, param, true)) {   // else dY8 and dY8^T came from the producer of dout
+    if (Fp8Linear* lin = model_fp8_linear(m, p.index)) {
+        if (!model_fp8_fused(m, p.index, true)) {   // else dY8 and dY8^T came from the producer of dout
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
-            fp8_cast_produced(model_fp8_cast(m, param, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
+            fp8_cast_produced(model_fp8_cast(m, p.index, true), CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
         }
-        const SmoothQuantState* q = model_smooth(m, param);
-        float* dw = model_grad(m, param);
-        // --smooth-quant: the GEMMs give dX' and add dW' (dw holds dW' s so far: divided by s first; exact)
-        if (q && m->accumulate_grads) scale_columns(dw, q->inv_s, w.rows, w.cols, m->stream);
-        fp8_linear_backward(&m->matmul, dinp, dw, m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(param)],
+        const SmoothQuantState* q = model_smooth(m, p.index);
+        // --smooth-quant: the GEMMs give dX' and add dW' (p.grad holds dW' s so far: divided by s first; exact)
+        if (q && m->accumulate_grads) scale_columns(p.grad, q->inv_s, w.rows, w.cols, m->stream);
+        fp8_linear_backward(&m->matmul, dinp, p.grad, m->fp8.dy8, m->fp8.dy8_t, m->fp8.saved_x8_t[model_linear_index(m, p.index)],
                             lin, N, w.cols, w.rows, m->stream, m->accumulate_grads);
         if (q) {   // dX = dX' / s, dW = dW' s
             ProfileRange range(PHASE_OTHER, m->stream, "smooth-quant gradient scales");
             scale_columns(dinp, q->inv_s, N, w.cols, m->stream);
-            scale_columns(dw, q->s, w.rows, w.cols, m->stream);
+            scale_columns(p.grad, q->s, w.rows, w.cols, m->stream);
         }
         return;
     }
 #endif
     ProfileRange range(PHASE_GEMM_BWD, m->stream, "BF16 GEMMs backward");
-    matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {model_weight(m, param), DT_BF16, true}, N, w.cols, w.rows, false,
+    matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {p.w, DT_BF16, true}, N, w.cols, w.rows, false, false, m->stream);
+    matmul(&m->matmul, p.grad, DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, m->accumulate_grads,
            false, m->stream);
-    matmul(&m->matmul, model_grad(m, param), DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N,
-           m->accumulate_grads, false, m->stream);
 }
 
-// The producers of the linears' inputs and output gradients, which know their consumer `param`: BF16 into the
+// The producers of the linears' inputs and output gradients, which know their consumer linear: BF16 into the
 // given tensor, or for an FP8 consumer that casts where it is produced (model_fp8_fused), the FP8 cast
 // straight into the consumer's X8 / dY8 buffers (the BF16 tensor is then not written).
-inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch, int norm_param,
-                                  int consumer, int N) {
+inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch,
+                                  const Param& norm, const Param& consumer, int N) {
     const ModelConfig& c = m->config;
 #if defined(PRECISION_FP8)
-    if (model_fp8_fused(m, consumer, false)) {
-        rmsnorm_forward_fp8(model_fp8_cast(m, consumer, false), resid_out, rstd, resid, branch, model_weight(m, norm_param), N, c.dim,
-                            c.norm_eps, m->stream);
+    if (model_fp8_fused(m, consumer.index, false)) {
+        rmsnorm_forward_fp8(model_fp8_cast(m, consumer.index, false), resid_out, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps,
+                            m->stream);
         return;
     }
 #endif
-    rmsnorm_forward(resid_out, y, rstd, resid, branch, model_weight(m, norm_param), N, c.dim, c.norm_eps, m->stream);
+    rmsnorm_forward(resid_out, y, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps, m->stream);
 }
-inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, int consumer, int N) {
+inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, const Param& consumer, int N) {
 #if defined(PRECISION_FP8)
-    if (model_fp8_fused(m, consumer, false)) {
-        swiglu_forward_fp8(model_fp8_cast(m, consumer, false), gate_up, N, m->ffn_dim, m->stream);
+    if (model_fp8_fused(m, consumer.index, false)) {
+        swiglu_forward_fp8(model_fp8_cast(m, consumer.index, false), gate_up, N, m->ffn_dim, m->stream);
         return;
     }
 #endif
     swiglu_forward(out, gate_up, N, m->ffn_dim, m->stream);
 }
-inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, int consumer, int N) {
+inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, const Param& consumer, int N) {
 #if defined(PRECISION_FP8)
-    if (model_fp8_fused(m, consumer, true)) {
-        swiglu_backward_fp8(model_fp8_cast(m, consumer, true), dout, gate_up, N, m->ffn_dim, m->stream);
+    if (model_fp8_fused(m, consumer.index, true)) {
+        swiglu_backward_fp8(model_fp8_cast(m, consumer.index, true), dout, gate_up, N, m->ffn_dim, m->stream);
         return;
     }
 #endif
     swiglu_backward(dgate_up, dout, gate_up, N, m->ffn_dim, m->stream);
 }
-inline void model_rope_backward(Model* m, bf16* dqkv, int consumer, int B, int T) {
+inline void model_rope_backward(Model* m, bf16* dqkv, const Param& consumer, int B, int T) {
     const int HD = m->config.head_dim;
 #if defined(PRECISION_FP8)
-    if (model_fp8_fused(m, consumer, true)) {
-        rope_backward_fp8(model_fp8_cast(m, consumer, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+    if (model_fp8_fused(m, consumer.index, true)) {
+        rope_backward_fp8(model_fp8_cast(m, consumer.index, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
         return;
     }
 #endif
@@ -1435,13 +1456,13 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
     if (after_step && !m->fp8.amax_from_optimizer)
         fail("model_weights_changed after a step: the optimizer does not gather the weights' amax; hand it "
              "model_weight_amax_slots (adamw_gather_weight_amax) or rebuild with after_step = false");
-    for (int l = 0; l < m->config.n_layers; l++)
-        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
-                const TensorSpec& w = m->params[param_layer(l, p)];
-                const SmoothQuantState* q = model_smooth(m, param_layer(l, p));
-                if (q && after_step) smooth_quant_update(*q, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->fp8_options.smooth_quant, m->stream);
-                fp8_weight_update(lin, model_weight(m, param_layer(l, p)), w.rows, w.cols, m->stream, after_step && !q, q ? q->s : nullptr);
+    for (const LayerParams& L : m->layers)
+        for (const Param* p : layer_linears(L))
+            if (Fp8Linear* lin = model_fp8_linear(m, p->index)) {
+                const TensorSpec& w = m->params[p->index];
+                const SmoothQuantState* q = model_smooth(m, p->index);
+                if (q && after_step) smooth_quant_update(*q, p->w, w.rows, w.cols, m->fp8_options.smooth_quant, m->stream);
+                fp8_weight_update(lin, p->w, w.rows, w.cols, m->stream, after_step && !q, q ? q->s : nullptr);
             }
 #else
     (void)m, (void)after_step;
@@ -1454,10 +1475,10 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
 inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
     std::vector<unsigned int*> slots(m->params.size(), nullptr);
 #if defined(PRECISION_FP8)
-    for (int l = 0; l < m->config.n_layers; l++)
-        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-            if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p)))   // --smooth-quant: W' s has an amax pass of its own
-                if (!model_smooth(m, param_layer(l, p))) slots[param_layer(l, p)] = &lin->meta[FP8_W].amax_pending;
+    for (const LayerParams& L : m->layers)
+        for (const Param* p : layer_linears(L))
+            if (Fp8Linear* lin = model_fp8_linear(m, p->index))   // --smooth-quant: W' s has an amax pass of its own
+                if (!model_smooth(m, p->index)) slots[p->index] = &lin->meta[FP8_W].amax_pending;
     m->fp8.amax_from_optimizer = true;
 #endif
     return slots;
@@ -1554,10 +1575,10 @@ inline void model_fp8_create(Model* m) {
     std::vector<size_t> w_off(L * LINEARS_PER_LAYER), x_off(L * LINEARS_PER_LAYER);
     auto round256 = [](size_t b) { return (b + 255) / 256 * 256; };
     for (int l = 0; l < L; l++)
-        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+        for (const Param* p : layer_linears(m->layers[l])) {
             if (!model_layer_fp8(m, l)) continue;
-            const TensorSpec& w = m->params[param_layer(l, p)];
-            int i = model_linear_index(param_layer(l, p));
+            const TensorSpec& w = m->params[p->index];
+            int i = model_linear_index(m, p->index);
             w_off[i] = f.weight_bytes;
             f.weight_bytes += 2 * round256((size_t)w.rows * w.cols);
             x_off[i] = f.saved_bytes;
@@ -1578,10 +1599,10 @@ inline void model_fp8_create(Model* m) {
     cudaCheck(cudaMemcpy(f.metas, init.data(), n_meta * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
     std::vector<int> x_ids, dy_ids;
     for (int l = 0; l < L; l++)
-        for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
+        for (const Param* p : layer_linears(m->layers[l])) {
             if (!model_layer_fp8(m, l)) continue;
-            const TensorSpec& w = m->params[param_layer(l, p)];
-            int i = model_linear_index(param_layer(l, p));
+            const TensorSpec& w = m->params[p->index];
+            int i = model_linear_index(m, p->index);
             x_ids.push_back(3 * i + FP8_X);
             dy_ids.push_back(3 * i + FP8_DY);
             f.linears[i].w8 = (fp8*)(base + w_off[i]);
@@ -1592,17 +1613,17 @@ inline void model_fp8_create(Model* m) {
     f.n_fp8_linears = (int)x_ids.size();
     if (m->fp8_options.smooth_quant > 0.0f) {   // s = 1 and no amax gathered yet: 4 words per input channel
         size_t words = 0;
-        for (int l = 0; l < L; l++)
-            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-                if (f.linears[model_linear_index(param_layer(l, p))].w8) words += 4 * (size_t)m->params[param_layer(l, p)].cols;
+        for (const LayerParams& layer : m->layers)
+            for (const Param* p : layer_linears(layer))
+                if (f.linears[model_linear_index(m, p->index)].w8) words += 4 * (size_t)m->params[p->index].cols;
         std::vector<float> init(words, 0.0f);
         cudaCheck(cudaMalloc(&f.smooth_memory, words * sizeof(float)));
         f.smooth.assign(L * LINEARS_PER_LAYER, SmoothQuantState{nullptr, nullptr, nullptr, nullptr});
         size_t at = 0;
         float* base = (float*)f.smooth_memory;
-        for (int l = 0; l < L; l++)
-            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
-                const int i = model_linear_index(param_layer(l, p)), in = m->params[param_layer(l, p)].cols;
+        for (const LayerParams& layer : m->layers)
+            for (const Param* p : layer_linears(layer)) {
+                const int i = model_linear_index(m, p->index), in = m->params[p->index].cols;
                 if (!f.linears[i].w8) continue;
                 f.smooth[i] = SmoothQuantState{base + at, base + at + in, (unsigned int*)(base + at + 2 * in), (unsigned int*)(base + at + 3 * in)};
                 std::fill(init.begin() + at, init.begin() + at + 2 * in, 1.0f);
@@ -1627,10 +1648,10 @@ inline void model_fp8_record_amax(Model* m) {
     ProfileRange range(PHASE_FP8_CAST, m->stream, "record amax (delayed scaling)");
     ModelFp8& f = m->fp8;
     if (m->tp && m->fp8_options.tp_amax_sync)   // the amaxes of this rank's slices (model_amax_group), one word each
-        for (int l = 0; l < m->config.n_layers; l++)
-            for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN})
-                if (Fp8Linear* lin = model_fp8_linear(m, param_layer(l, p))) {
-                    bool dy = model_amax_group(m, param_layer(l, p), true) != nullptr;
+        for (const LayerParams& L : m->layers)
+            for (const Param* p : layer_linears(L))
+                if (Fp8Linear* lin = model_fp8_linear(m, p->index)) {
+                    bool dy = model_amax_group(m, p->index, true) != nullptr;
                     tp_all_reduce(m->tp, &lin->meta[dy ? FP8_DY : FP8_X].amax_pending, 1, ncclUint32, ncclMax, m->stream);
                 }
     fp8_update_scales(f.metas, f.delayed_ids, 2 * f.n_fp8_linears, f.n_fp8_linears, r, m->stream);   // X (E4M3), then dY
@@ -1708,6 +1729,20 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     cudaCheck(cudaMalloc(&m->weights, m->num_params * sizeof(bf16)));
     cudaCheck(cudaMalloc(&m->grads, m->num_params * sizeof(float)));
     cudaCheck(cudaMemset(m->grads, 0, m->num_params * sizeof(float)));
+    m->tok_embedding = model_param(m, PARAM_TOK_EMBEDDING);
+    m->final_norm = model_param(m, param_final_norm(c));
+    m->lm_head = model_param(m, param_lm_head(c));
+    m->layers.resize(c.n_layers);
+    for (int l = 0; l < c.n_layers; l++) {
+        LayerParams& L = m->layers[l];
+        L.attn_norm = model_param(m, param_layer(l, ATTN_NORM));
+        L.wqkv = model_param(m, param_layer(l, WQKV));
+        L.wo = model_param(m, param_layer(l, WO));
+        L.ffn_norm = model_param(m, param_layer(l, FFN_NORM));
+        L.w_gate_up = model_param(m, param_layer(l, W_GATE_UP));
+        L.w_down = model_param(m, param_layer(l, W_DOWN));
+        if (c.qk_norm) L.qk_norm = model_param(m, param_qk_norm(c, l));
+    }
     // activations: each tensor at a 256-byte boundary of one allocation
     std::vector<ActivationSpec> specs = model_activation_specs(m);
     std::vector<size_t> offsets;
@@ -1783,8 +1818,7 @@ inline void model_upload_weights(Model* m, const float* host_fp32) {
 // weight-gradient GEMM of each linear and of lm_head with beta = 0, the norms' dw reduce with "="), so only
 // the embedding's gradient, which the backward scatters into, is zeroed here: V x D floats, not all of them.
 inline void model_zero_grads(Model* m) {
-    const TensorSpec& emb = m->params[PARAM_TOK_EMBEDDING];
-    cudaCheck(cudaMemsetAsync(m->grads + emb.offset, 0, emb.numel * sizeof(float), m->stream));
+    cudaCheck(cudaMemsetAsync(m->tok_embedding.grad, 0, m->params[m->tok_embedding.index].numel * sizeof(float), m->stream));
     m->accumulate_grads = false;
 }
 
@@ -1833,40 +1867,39 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     cudaStream_t s = m->stream;
     NvtxRange nvtx("forward");
     LayerActs first = model_layer_acts(m, 0);
-    embedding_forward(first.resid_attn, model_weight(m, PARAM_TOK_EMBEDDING), d_inputs, N, c.vocab_size, D, s);
-    model_rmsnorm_forward(m, nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr, param_layer(0, ATTN_NORM),
-                          param_layer(0, WQKV), N);
+    embedding_forward(first.resid_attn, m->tok_embedding.w, d_inputs, N, c.vocab_size, D, s);
+    model_rmsnorm_forward(m, nullptr, first.attn_norm, first.attn_rstd, first.resid_attn, nullptr, m->layers[0].attn_norm,
+                          m->layers[0].wqkv, N);
     for (int l = 0; l < L; l++) {
         NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
+        const LayerParams& w = m->layers[l];
         // attention block (resid_attn and attn_norm, or its FP8 cast, were written by the previous layer's last step)
-        linear_forward(m, la.qkv, la.attn_norm, param_layer(l, WQKV), N);
+        linear_forward(m, la.qkv, la.attn_norm, w.wqkv, N);
         if (c.qkv_clip > 0.0f) qkv_clip_forward(la.qkv, la.qkv_clip_mask, (size_t)N * model_local_qkv_dim(m), c.qkv_clip, s);
         if (c.qk_norm)
-            qk_norm_forward(la.qkv, la.qk_norm_x, la.qk_norm_rstd, model_weight(m, param_qk_norm(c, l)), N, m->n_heads, m->n_kv_heads,
-                            c.head_dim, c.norm_eps, s);
+            qk_norm_forward(la.qkv, la.qk_norm_x, la.qk_norm_rstd, w.qk_norm.w, N, m->n_heads, m->n_kv_heads, c.head_dim,
+                            c.norm_eps, s);
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         {
             ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
             attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         }
-        linear_forward(m, a.branch, la.att, param_layer(l, WO), N);
+        linear_forward(m, a.branch, la.att, w.wo, N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' heads
-        model_rmsnorm_forward(m, la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch, param_layer(l, FFN_NORM),
-                              param_layer(l, W_GATE_UP), N);
+        model_rmsnorm_forward(m, la.resid_ffn, la.ffn_norm, la.ffn_rstd, la.resid_attn, a.branch, w.ffn_norm, w.w_gate_up, N);
         // feed-forward block
-        linear_forward(m, la.gate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
-        model_swiglu_forward(m, la.swiglu, la.gate_up, param_layer(l, W_DOWN), N);
-        linear_forward(m, a.branch, la.swiglu, param_layer(l, W_DOWN), N);
+        linear_forward(m, la.gate_up, la.ffn_norm, w.w_gate_up, N);
+        model_swiglu_forward(m, la.swiglu, la.gate_up, w.w_down, N);
+        linear_forward(m, a.branch, la.swiglu, w.w_down, N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' FFN slices
         // the residual add, fused with the next norm: the next layer's attn_norm, or the final norm
         if (l + 1 < L) {
             LayerActs next = model_layer_acts(m, l + 1);
             model_rmsnorm_forward(m, next.resid_attn, next.attn_norm, next.attn_rstd, la.resid_ffn, a.branch,
-                                  param_layer(l + 1, ATTN_NORM), param_layer(l + 1, WQKV), N);
+                                  m->layers[l + 1].attn_norm, m->layers[l + 1].wqkv, N);
         } else {
-            rmsnorm_forward(a.resid_final, a.final_norm, a.final_rstd, la.resid_ffn, a.branch,
-                            model_weight(m, param_final_norm(c)), N, D, c.norm_eps, s);
+            rmsnorm_forward(a.resid_final, a.final_norm, a.final_rstd, la.resid_ffn, a.branch, m->final_norm.w, N, D, c.norm_eps, s);
         }
     }
 }
@@ -1900,44 +1933,45 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
     m->fp8.training = true;
 #endif
     model_forward(m, d_inputs, B, T);
-    lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, model_grad(m, param_lm_head(c)), a.logits, a.dlogits,
-                          a.final_norm, model_weight(m, param_lm_head(c)), d_targets, N, D, c.vocab_size, m->ce_chunk,
+    lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, m->lm_head.grad, a.logits, a.dlogits,
+                          a.final_norm, m->lm_head.w, d_targets, N, D, c.vocab_size, m->ce_chunk,
                           grad_scale, s, m->accumulate_grads);
     NvtxRange nvtx("backward");
     {   // dresid: the gradient of the residual stream, from the top down
         ProfileRange range(PHASE_OTHER, s, "zero dresid");
         cudaCheck(cudaMemsetAsync(a.dresid, 0, (size_t)N * D * sizeof(bf16), s));
     }
-    rmsnorm_backward(a.dresid, model_grad(m, param_final_norm(c)), a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd,
-                     model_weight(m, param_final_norm(c)), N, D, s, m->accumulate_grads);
+    rmsnorm_backward(a.dresid, m->final_norm.grad, a.norm_scratch, a.dnorm, a.resid_final, a.final_rstd, m->final_norm.w, N, D, s,
+                     m->accumulate_grads);
     for (int l = c.n_layers - 1; l >= 0; l--) {
         NvtxRange layer_range(strprintf("layer %d", l));
         LayerActs la = model_layer_acts(m, l);
+        const LayerParams& w = m->layers[l];
         // feed-forward block: its output (w_down's) was added to the stream, so its gradient is dresid
-        linear_backward(m, a.dswiglu, a.dresid, la.swiglu, param_layer(l, W_DOWN), N);
-        model_swiglu_backward(m, a.dgate_up, a.dswiglu, la.gate_up, param_layer(l, W_GATE_UP), N);
-        linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, param_layer(l, W_GATE_UP), N);
+        linear_backward(m, a.dswiglu, a.dresid, la.swiglu, w.w_down, N);
+        model_swiglu_backward(m, a.dgate_up, a.dswiglu, la.gate_up, w.w_gate_up, N);
+        linear_backward(m, a.dnorm, a.dgate_up, la.ffn_norm, w.w_gate_up, N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);   // column-parallel: every rank's slice fed this input
-        rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, FFN_NORM)), a.norm_scratch, a.dnorm, la.resid_ffn,
-                         la.ffn_rstd, model_weight(m, param_layer(l, FFN_NORM)), N, D, s, m->accumulate_grads);
+        rmsnorm_backward(a.dresid, w.ffn_norm.grad, a.norm_scratch, a.dnorm, la.resid_ffn, la.ffn_rstd, w.ffn_norm.w, N, D, s,
+                         m->accumulate_grads);
         // attention block
-        linear_backward(m, a.datt, a.dresid, la.att, param_layer(l, WO), N);
+        linear_backward(m, a.datt, a.dresid, la.att, w.wo, N);
         {
             ProfileRange range(PHASE_ATTN_BWD, s, "attention backward");
             attention_backward(a.dqkv, a.att_scratch, a.datt, la.qkv, la.att, la.lse, B, T, m->n_heads, m->n_kv_heads,
                                c.head_dim, s);
         }
-        model_rope_backward(m, a.dqkv, param_layer(l, WQKV), B, T);
+        model_rope_backward(m, a.dqkv, w.wqkv, B, T);
         if (c.qk_norm)
-            qk_norm_backward(a.dqkv, model_grad(m, param_qk_norm(c, l)), a.qk_norm_scratch, la.qk_norm_x, la.qk_norm_rstd,
-                             model_weight(m, param_qk_norm(c, l)), N, m->n_heads, m->n_kv_heads, c.head_dim, s, m->accumulate_grads);
+            qk_norm_backward(a.dqkv, w.qk_norm.grad, a.qk_norm_scratch, la.qk_norm_x, la.qk_norm_rstd, w.qk_norm.w, N, m->n_heads,
+                             m->n_kv_heads, c.head_dim, s, m->accumulate_grads);
         if (c.qkv_clip > 0.0f) qkv_clip_backward(a.dqkv, la.qkv_clip_mask, (size_t)N * model_local_qkv_dim(m), s);
-        linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, param_layer(l, WQKV), N);
+        linear_backward(m, a.dnorm, a.dqkv, la.attn_norm, w.wqkv, N);
         model_tp_all_reduce(m, a.dnorm, (size_t)N * D);
-        rmsnorm_backward(a.dresid, model_grad(m, param_layer(l, ATTN_NORM)), a.norm_scratch, a.dnorm, la.resid_attn,
-                         la.attn_rstd, model_weight(m, param_layer(l, ATTN_NORM)), N, D, s, m->accumulate_grads);
+        rmsnorm_backward(a.dresid, w.attn_norm.grad, a.norm_scratch, a.dnorm, la.resid_attn, la.attn_rstd, w.attn_norm.w, N, D, s,
+                         m->accumulate_grads);
     }
-    embedding_backward(model_grad(m, PARAM_TOK_EMBEDDING), a.dresid, d_inputs, N, c.vocab_size, D, s);
+    embedding_backward(m->tok_embedding.grad, a.dresid, d_inputs, N, c.vocab_size, D, s);
     m->accumulate_grads = true;   // every gradient has been written: the next micro-batch adds
 #if defined(PRECISION_FP8)
     m->fp8.training = false;
@@ -1976,7 +2010,7 @@ inline float model_loss(Model* m, const int* d_inputs, const int* d_targets, int
     const ModelConfig& c = m->config;
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, m->acts.losses, nullptr, nullptr, m->acts.logits, nullptr, m->acts.final_norm,
-                          model_weight(m, param_lm_head(c)), d_targets, B * T, c.dim, c.vocab_size, m->ce_chunk, 1.0f,
+                          m->lm_head.w, d_targets, B * T, c.dim, c.vocab_size, m->ce_chunk, 1.0f,
                           m->stream);
     model_loss_mean(m, B * T);
     return model_read_loss(m);
@@ -1986,7 +2020,7 @@ inline float model_loss(Model* m, const int* d_inputs, const int* d_targets, int
 inline void model_logits(Model* m, const int* d_inputs, int B, int T, float* d_logits) {
     const ModelConfig& c = m->config;
     model_forward(m, d_inputs, B, T);
-    matmul(&m->matmul, d_logits, DT_FP32, {m->acts.final_norm, DT_BF16}, {model_weight(m, param_lm_head(c)), DT_BF16},
+    matmul(&m->matmul, d_logits, DT_FP32, {m->acts.final_norm, DT_BF16}, {m->lm_head.w, DT_BF16},
            B * T, c.vocab_size, c.dim, false, false, m->stream);
     cudaCheck(cudaStreamSynchronize(m->stream));
 }

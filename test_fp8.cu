@@ -3647,7 +3647,7 @@ GPU_TEST(fp8_weights_rebuilt_after_step_exact) {
                 for (LayerParam p : {WQKV, WO, W_GATE_UP, W_DOWN}) {
                     const Fp8Linear* lin = model_fp8_linear(&m, param_layer(l, p));
                     if (!lin) continue;
-                    const int i = model_linear_index(param_layer(l, p));
+                    const int i = model_linear_index(&m, param_layer(l, p));
                     const TensorSpec& t = m.params[param_layer(l, p)];
                     std::vector<bf16> wt(weights.begin() + t.offset, weights.begin() + t.offset + t.numel);
                     Fp8Meta want = before[3 * i + FP8_W];
@@ -3663,7 +3663,7 @@ GPU_TEST(fp8_weights_rebuilt_after_step_exact) {
                     checked++;
                 }
             printf("    %s, step %d: W amax of layer 1 wqkv %.6g\n", all_layers ? "all layers FP8" : "the recipe", step + 1,
-                   after[3 * model_linear_index(param_layer(1, WQKV)) + FP8_W].amax);
+                   after[3 * model_linear_index(&m, param_layer(1, WQKV)) + FP8_W].amax);
         }
         printf("    %d linear-steps: %zu W8/W8^T codes and %zu W scales/amaxes differ from the host\n", checked, code_off, meta_off);
         expect(checked == 3 * 4 * (all_layers ? 3 : 1), "%d linear-steps checked", checked);
