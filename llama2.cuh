@@ -23,6 +23,14 @@
 #include <functional>
 #include <thread>
 
+// The build's precision (make PRECISION=FP8, or BF16: the baseline, every layer BF16). The one place that reads the
+// macro: code for both builds branches on BUILD_FP8 (if constexpr), and every FP8 type exists in both.
+#if defined(PRECISION_FP8)
+constexpr bool BUILD_FP8 = true;
+#else
+constexpr bool BUILD_FP8 = false;
+#endif
+
 // ----------------------------------------------------------------------------------------------
 // 1. Config
 
@@ -1142,8 +1150,7 @@ struct SmoothQuantState {
     unsigned int *x_amax, *w_amax;
 };
 
-#if defined(PRECISION_FP8)
-// The FP8 build's state: per decoder linear (wqkv, wo, w_gate_up, w_down of each layer, index 4*l + k)
+// The FP8 build's state (empty in the BF16 build): per decoder linear (wqkv, wo, w_gate_up, w_down of each layer, index 4*l + k)
 // its FP8 weight copies, the saved X8^T, and the scales of X, W and dY (one device array for all).
 constexpr int LINEARS_PER_LAYER = 4;
 struct ModelFp8 {
@@ -1161,7 +1168,6 @@ struct ModelFp8 {
     bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
     bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
 };
-#endif
 
 // One parameter tensor, named: its BF16 weights and FP32 gradient (pointers into Model::weights and Model::grads,
 // section 2's flat layout) and its index in the parameter table (Model::params: its shape; the FP8 build's per-linear
@@ -1199,9 +1205,7 @@ struct Model {
     const TpGroup* tp = nullptr;
     int tp_size = 1, tp_rank = 0;
     int n_heads = 0, n_kv_heads = 0, ffn_dim = 0;
-#if defined(PRECISION_FP8)
     ModelFp8 fp8;
-#endif
 };
 
 // Tensor `param` of the table as a Param.
@@ -1291,23 +1295,18 @@ inline void smooth_quant_update(const SmoothQuantState& q, const bf16* w, int ou
 // Whether decoder layer l runs its linears in FP8: never in the BF16 build; in the FP8 build all layers
 // but the first and last, or all of them with Fp8Options::all_layers.
 inline bool model_layer_fp8(const Model* m, int l) {
-#if defined(PRECISION_FP8)
-    return m->fp8_options.enabled && (m->fp8_options.all_layers || (l != 0 && l != m->config.n_layers - 1));
-#else
-    (void)m, (void)l;
-    return false;
-#endif
+    return BUILD_FP8 && m->fp8_options.enabled && (m->fp8_options.all_layers || (l != 0 && l != m->config.n_layers - 1));
 }
 
-#if defined(PRECISION_FP8)
 // Where linear parameter `param` sits in ModelFp8's per-linear tables: 4 l + k, k in the order of layer_linears.
 inline int model_linear_index(const Model* m, int param) {
     const ParamPlace at = param_place(m->config, param);
     const int k = at.kind == WQKV ? 0 : at.kind == WO ? 1 : at.kind == W_GATE_UP ? 2 : 3;
     return at.layer * LINEARS_PER_LAYER + k;
 }
-// The FP8 linear of parameter `param`, or nullptr when it is a BF16 one.
+// The FP8 linear of parameter `param`, or nullptr when it is a BF16 one (every one in the BF16 build).
 inline Fp8Linear* model_fp8_linear(Model* m, int param) {
+    if constexpr (!BUILD_FP8) return nullptr;
     Fp8Linear* lin = &m->fp8.linears[model_linear_index(m, param)];
     return lin->w8 ? lin : nullptr;
 }
@@ -1352,11 +1351,9 @@ inline bool model_fp8_fused(Model* m, int param, bool dy) {
     if (dy && kind == WQKV && (m->config.qk_norm || m->config.qkv_clip > 0.0f)) return false;
     return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
 }
-#endif
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p, int N) {
     const TensorSpec& w = m->params[p.index];
-#if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, p.index)) {
         if (const SmoothQuantState* q = model_smooth(m, p.index)) {   // X' = X / s; the channels' amax for the next s
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X / s (smooth-quant)");
@@ -1369,7 +1366,6 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p,
         fp8_linear_forward(&m->matmul, out, m->fp8.x8, lin, N, w.cols, w.rows, m->fp8_options.fast_accum, m->stream);
         return;
     }
-#endif
     ProfileRange range(PHASE_GEMM_FWD, m->stream, "BF16 GEMM forward");
     matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {p.w, DT_BF16}, N, w.rows, w.cols, false, false, m->stream);
 }
@@ -1377,7 +1373,6 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p,
 // dout when its producer cast it).
 inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, const Param& p, int N) {
     const TensorSpec& w = m->params[p.index];
-#if defined(PRECISION_FP8)
     if (Fp8Linear* lin = model_fp8_linear(m, p.index)) {
         if (!model_fp8_fused(m, p.index, true)) {   // else dY8 and dY8^T came from the producer of dout
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
@@ -1395,7 +1390,6 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
         }
         return;
     }
-#endif
     ProfileRange range(PHASE_GEMM_BWD, m->stream, "BF16 GEMMs backward");
     matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {p.w, DT_BF16, true}, N, w.cols, w.rows, false, false, m->stream);
     matmul(&m->matmul, p.grad, DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, m->accumulate_grads,
@@ -1408,41 +1402,33 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
 inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rstd, const bf16* resid, const bf16* branch,
                                   const Param& norm, const Param& consumer, int N) {
     const ModelConfig& c = m->config;
-#if defined(PRECISION_FP8)
     if (model_fp8_fused(m, consumer.index, false)) {
         rmsnorm_forward_fp8(model_fp8_cast(m, consumer.index, false), resid_out, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps,
                             m->stream);
         return;
     }
-#endif
     rmsnorm_forward(resid_out, y, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps, m->stream);
 }
 inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, const Param& consumer, int N) {
-#if defined(PRECISION_FP8)
     if (model_fp8_fused(m, consumer.index, false)) {
         swiglu_forward_fp8(model_fp8_cast(m, consumer.index, false), gate_up, N, m->ffn_dim, m->stream);
         return;
     }
-#endif
     swiglu_forward(out, gate_up, N, m->ffn_dim, m->stream);
 }
 inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, const Param& consumer, int N) {
-#if defined(PRECISION_FP8)
     if (model_fp8_fused(m, consumer.index, true)) {
         swiglu_backward_fp8(model_fp8_cast(m, consumer.index, true), dout, gate_up, N, m->ffn_dim, m->stream);
         return;
     }
-#endif
     swiglu_backward(dgate_up, dout, gate_up, N, m->ffn_dim, m->stream);
 }
 inline void model_rope_backward(Model* m, bf16* dqkv, const Param& consumer, int B, int T) {
     const int HD = m->config.head_dim;
-#if defined(PRECISION_FP8)
     if (model_fp8_fused(m, consumer.index, true)) {
         rope_backward_fp8(model_fp8_cast(m, consumer.index, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
         return;
     }
-#endif
     rope_backward(dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
 }
 
@@ -1452,7 +1438,7 @@ inline void model_rope_backward(Model* m, bf16* dqkv, const Param& consumer, int
 // model_weight_amax_slots), so no amax pass runs (2 bytes a parameter less); the codes and scales are the same
 // bits as with the amax pass.
 inline void model_weights_changed(Model* m, bool after_step = false) {
-#if defined(PRECISION_FP8)
+    if constexpr (!BUILD_FP8) return;   // no FP8 copies
     if (after_step && !m->fp8.amax_from_optimizer)
         fail("model_weights_changed after a step: the optimizer does not gather the weights' amax; hand it "
              "model_weight_amax_slots (adamw_gather_weight_amax) or rebuild with after_step = false");
@@ -1464,9 +1450,6 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
                 if (q && after_step) smooth_quant_update(*q, p->w, w.rows, w.cols, m->fp8_options.smooth_quant, m->stream);
                 fp8_weight_update(lin, p->w, w.rows, w.cols, m->stream, after_step && !q, q ? q->s : nullptr);
             }
-#else
-    (void)m, (void)after_step;
-#endif
 }
 
 // Per parameter tensor (Model::params order): where the optimizer's update pass should gather the amax of the
@@ -1474,13 +1457,11 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
 // BF16 build). Hand it to adamw_gather_weight_amax; then model_weights_changed(m, true) after each step.
 inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
     std::vector<unsigned int*> slots(m->params.size(), nullptr);
-#if defined(PRECISION_FP8)
     for (const LayerParams& L : m->layers)
         for (const Param* p : layer_linears(L))
             if (Fp8Linear* lin = model_fp8_linear(m, p->index))   // --smooth-quant: W' s has an amax pass of its own
                 if (!model_smooth(m, p->index)) slots[p->index] = &lin->meta[FP8_W].amax_pending;
     m->fp8.amax_from_optimizer = true;
-#endif
     return slots;
 }
 
@@ -1561,7 +1542,6 @@ inline int model_ce_chunk(int N, int V) {
     return (int)std::min<long>(N, std::max<long>(16, fit));
 }
 
-#if defined(PRECISION_FP8)
 // FP8 state: W8 and W8^T of each FP8 linear, X8^T saved per FP8 linear, the scratch casts; Fp8Meta and
 // Fp8Health arrays for all linears.
 inline void model_fp8_create(Model* m) {
@@ -1699,7 +1679,6 @@ inline Fp8StatsSummary model_fp8_stats_write(Model* m, int step, FILE* csv) {
     if (csv) fflush(csv);
     return sum;
 }
-#endif
 
 // tp: this rank's tensor-parallel group (nullptr: the whole model on this GPU). Only rank 0 prints.
 inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8Options& fp8 = Fp8Options(),
@@ -1761,38 +1740,34 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     cudaCheck(cudaMemcpy(m->rope_cos, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(m->rope_sin, sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
 
-#if defined(PRECISION_FP8)
-    model_fp8_create(m);   // W8 is made when weights arrive (model_upload_weights, model_weights_changed)
-#endif
+    if constexpr (BUILD_FP8) model_fp8_create(m);   // W8 is made when weights arrive (model_upload_weights, model_weights_changed)
     if (m->tp_rank != 0) return;
     const double MiB = 1048576.0;
     printf("model: %zu parameters (dim %d, %d layers, %d heads, %d KV heads, ffn %d, vocab %d), B=%d T=%d\n",
            model_num_params(c), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, B, T);
     printf("model memory%s: weights %.1f MiB (BF16), gradients %.1f MiB (FP32), activations %.1f MiB\n",
            m->tp_size > 1 ? " per rank" : "", m->num_params * sizeof(bf16) / MiB, m->num_params * sizeof(float) / MiB, bytes / MiB);
-#if defined(PRECISION_FP8)
-    // What the same model keeps in the BF16 build: every layer's attn_norm, ffn_norm and swiglu, no X8^T.
-    const int fp8_layers = c.n_layers - model_num_bf16_layers(m);
-    const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + m->ffn_dim) * sizeof(bf16);
-    printf("model FP8: %d of %d decoder layers in FP8 (%s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, scratch %.1f MiB\n",
-           fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16", m->fp8.weight_bytes / MiB,
-           m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
-    printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
-           (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
-#endif
+    if constexpr (BUILD_FP8) {
+        // What the same model keeps in the BF16 build: every layer's attn_norm, ffn_norm and swiglu, no X8^T.
+        const int fp8_layers = c.n_layers - model_num_bf16_layers(m);
+        const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + m->ffn_dim) * sizeof(bf16);
+        printf("model FP8: %d of %d decoder layers in FP8 (%s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, scratch %.1f MiB\n",
+               fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16", m->fp8.weight_bytes / MiB,
+               m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
+        printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
+               (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
+    }
     printf("model FLOPs per token: %.3f GFLOP (6 x %zu matmul parameters + 12 x L x D x T attention)\n",
            model_flops_per_token(c, T) / 1e9, model_num_params(c) - (size_t)c.vocab_size * c.dim);
 }
 
 inline void model_destroy(Model* m) {
     for (auto& kv : m->graphs) cudaCheck(cudaGraphExecDestroy(kv.second));
-#if defined(PRECISION_FP8)
-    cudaCheck(cudaFree(m->fp8.memory));
+    cudaCheck(cudaFree(m->fp8.memory));   // (all nullptr in the BF16 build: cudaFree does nothing)
     cudaCheck(cudaFree(m->fp8.metas));
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
     cudaCheck(cudaFree(m->fp8.smooth_memory));
-#endif
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));
     cudaCheck(cudaFree(m->grads));
@@ -1929,9 +1904,7 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
     ModelActivations& a = m->acts;
     const int B = m->B, T = m->T, N = B * T, D = c.dim;
     cudaStream_t s = m->stream;
-#if defined(PRECISION_FP8)
     m->fp8.training = true;
-#endif
     model_forward(m, d_inputs, B, T);
     lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, m->lm_head.grad, a.logits, a.dlogits,
                           a.final_norm, m->lm_head.w, d_targets, N, D, c.vocab_size, m->ce_chunk,
@@ -1973,9 +1946,7 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
     }
     embedding_backward(m->tok_embedding.grad, a.dresid, d_inputs, N, c.vocab_size, D, s);
     m->accumulate_grads = true;   // every gradient has been written: the next micro-batch adds
-#if defined(PRECISION_FP8)
     m->fp8.training = false;
-#endif
     model_loss_mean(m, N);
 }
 // model_micro_batch, then its mean loss on the host (waits for the stream).

@@ -362,12 +362,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     for (const char* t : v_types) v_ok |= o->v_dtype == t;
     if (!m_ok) return strprintf("--m-dtype %s: the first moment can be e4m3, bf16 or fp32", o->m_dtype.c_str());
     if (!v_ok) return strprintf("--v-dtype %s: the second moment can be bf16, e4m3, e5m2 or fp32", o->v_dtype.c_str());
-#if !defined(PRECISION_FP8)
-    if (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 || o->fp8_stats != 0 ||
-        o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f)
+    if (!BUILD_FP8 && (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 ||
+                       o->fp8_stats != 0 || o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f))
         return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --tp-amax-sync, --amax-warmup "
                "and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
-#endif
     if (init_kind_from_name(o->init) < 0)
         return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
     if (o->init == "torch-default" && std::find(given.begin(), given.end(), "--init-std") != given.end())
@@ -464,11 +462,7 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 // breaks the equality with an uninterrupted run.
 constexpr uint32_t CKPT_MAGIC = 0x38504654;   // "TFP8" as little-endian bytes
 constexpr uint32_t CKPT_VERSION = 2;
-#if defined(PRECISION_FP8)
-constexpr uint32_t BUILD_PRECISION = 8;
-#else
-constexpr uint32_t BUILD_PRECISION = 16;
-#endif
+constexpr uint32_t BUILD_PRECISION = BUILD_FP8 ? 8 : 16;
 
 struct CheckpointHeader {
     uint32_t magic, version, precision, header_bytes;
@@ -873,15 +867,8 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
     return "";
 }
 
-// The model's FP8 scale records (FP8 build: ModelFp8::metas; none in the BF16 build).
-inline Fp8Meta* model_fp8_metas(Model* m) {
-#if defined(PRECISION_FP8)
-    return m->fp8.metas;
-#else
-    (void)m;
-    return nullptr;
-#endif
-}
+// The model's FP8 scale records (FP8 build: ModelFp8::metas; none, nullptr, in the BF16 build).
+inline Fp8Meta* model_fp8_metas(Model* m) { return m->fp8.metas; }
 
 // Bytes of one optimizer state as adamw_save writes it.
 inline size_t adamw_saved_bytes(const AdamW* opt) {
@@ -1462,9 +1449,7 @@ struct StepStats {
     bool bad = false;                     // non-finite loss or gradient norm: the update was skipped
     bool fp8_stats_step = false;
     double ms = 0, tokens_per_s = 0, tflops = 0, mfu = NAN;
-#if defined(PRECISION_FP8)
     Fp8StatsSummary fp8_summary = {0, 0, "", ""};
-#endif
 };
 
 // Setup, part 1: everything that can be wrong with the data or the checkpoint, before any GPU work.
@@ -1624,11 +1609,9 @@ inline void train_open_logs(TrainRun* run) {
     const long keep_rows_through = o.resume.empty() ? -1 : run->first_step - 1;
     if (!o.out.empty())
         run->log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent", keep_rows_through);
-#if defined(PRECISION_FP8)
-    if (o.fp8_stats > 0 && !o.out.empty())
+    if (BUILD_FP8 && o.fp8_stats > 0 && !o.out.empty())
         run->fp8_csv = open_run_csv(o.out, "fp8_stats.csv", "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac",
                                     keep_rows_through);
-#endif
     run->flops_per_token = model_flops_per_token(run->config, run->T);   // the whole model's: TFLOP/s of all GPUs together
     run->tokens_per_step = (double)o.total_batch;
     run->grad_scale = 1.0f / ((float)run->B * run->T * run->accum);
@@ -1681,11 +1664,11 @@ inline void train_update(TrainRun* run, StepStats* s) {
     const TrainOptions& o = *run->o;
     const int accum = run->accum;
     std::vector<TrainRank>& ranks = run->ranks;
-#if defined(PRECISION_FP8)
-    on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
-    // --amax-warmup N: the casts after step N's record (its evaluation, then step N + 1 on) use the history's scales
-    for (TrainRank& r : ranks) r.model.fp8_options.recipe.warmup = s->step < o.amax_warmup;
-#endif
+    if constexpr (BUILD_FP8) {
+        on_ranks(ranks, [&](TrainRank& r) { model_fp8_record_amax(&r.model); });   // delayed scaling: the step's amaxes
+        // --amax-warmup N: the casts after step N's record (its evaluation, then step N + 1 on) use the history's scales
+        for (TrainRank& r : ranks) r.model.fp8_options.recipe.warmup = s->step < o.amax_warmup;
+    }
     on_ranks(ranks, [&](TrainRank& r) {
         {
             ProfileRange range(PHASE_LOSS, r.model.stream, "losses to the host");
@@ -1729,18 +1712,14 @@ inline StepStats train_step(TrainRun* run, int step) {
     auto t0 = std::chrono::steady_clock::now();
     const bool profile_step = step == o.profile;   // rank 0's GPU, the stream of its model
     if (profile_step) profile_begin(&run->profile, run->ranks[0].model.stream, (size_t)run->accum * (40 * run->config.n_layers + 40) + 20);
-    s.fp8_stats_step = o.fp8_stats > 0 && step % o.fp8_stats == 0;
-#if defined(PRECISION_FP8)
+    s.fp8_stats_step = BUILD_FP8 && o.fp8_stats > 0 && step % o.fp8_stats == 0;
     if (s.fp8_stats_step) model_fp8_stats_begin(&run->ranks[0].model);   // under --tp: rank 0's shards
-#endif
     train_micro_batches(run, step, profile_step || s.fp8_stats_step);
     train_update(run, &s);
-#if defined(PRECISION_FP8)
     if (s.fp8_stats_step) {   // counted over this step's casts, W after its update
         s.fp8_summary = model_fp8_stats_write(&run->ranks[0].model, step, run->fp8_csv);
         model_fp8_stats_end(&run->ranks[0].model);
     }
-#endif
     if (profile_step) profile_end(&run->profile);
     on_ranks(run->ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
     s.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -1769,11 +1748,9 @@ inline void train_print_step(TrainRun* run, const StepStats& s) {
     printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s%s\n", s.step, o.steps,
            s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, std::isnan(s.mfu) ? "" : strprintf(" | MFU %.1f%%", s.mfu).c_str(),
            s.bad ? strprintf(" | non-finite: update skipped (%lld in a row)", (long long)run->bad_in_row).c_str() : "");
-#if defined(PRECISION_FP8)
     if (s.fp8_stats_step)
         printf("step %5d | fp8: worst saturated %.2e (%s), worst flushed to zero %.2e (%s)\n", s.step, s.fp8_summary.worst_saturated,
                s.fp8_summary.saturated_at.c_str(), s.fp8_summary.worst_flushed, s.fp8_summary.flushed_at.c_str());
-#endif
 }
 
 // The validation loss after `step` (0: before training), the same on every rank.
