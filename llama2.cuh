@@ -1044,32 +1044,40 @@ inline void cross_entropy_forward_backward(float* losses, bf16* dlogits, const f
 }
 
 // lm_head and cross-entropy over N tokens, `chunk` tokens at a time so that no [N, V] buffer exists:
-//   logits_chunk [chunk,V] FP32 = x_chunk lm_head^T
-//   losses, and dlogits_chunk [chunk,V] BF16 (written in the same pass that computes the loss)
-//   dx_chunk = dlogits_chunk lm_head;  dlm_head += dlogits_chunk^T x_chunk
-// dx null: the loss only (dlm_head and dlogits_chunk unused). chunk and N: multiples of 16.
-// accumulate false: the first chunk writes dlm_head instead of adding to it.
-inline void lm_head_cross_entropy(MatmulContext* mm, float* losses, bf16* dx, float* dlm_head, float* logits_chunk,
-                                  bf16* dlogits_chunk, const bf16* x, const bf16* lm_head, const int* targets, int N,
-                                  int D, int V, int chunk, float grad_scale, cudaStream_t s, bool accumulate = true) {
+//   logits [chunk,V] FP32 = x_chunk lm_head^T
+//   losses, and dlogits [chunk,V] BF16 (written in the same pass that computes the loss)
+//   dx_chunk = dlogits lm_head;  dlm_head += dlogits^T x_chunk
+// The loss-only pass (evaluation) leaves the three gradient tensors null.
+struct LmHeadLoss {
+    const bf16* x = nullptr;         // [N,D]      the final norm's output
+    const bf16* lm_head = nullptr;   // [V,D]
+    const int* targets = nullptr;    // [N]
+    float* losses = nullptr;         // [N]        out: each token's loss
+    float* logits = nullptr;         // [chunk,V]  scratch, FP32
+    int chunk = 0;                   // tokens per chunk: a multiple of 16, as N
+    bf16* dlogits = nullptr;         // [chunk,V]  scratch (gradients only)
+    bf16* dx = nullptr;              // [N,D]      out (gradients only)
+    float* dlm_head = nullptr;       // [V,D]      added to; accumulate false: the first chunk writes it (gradients only)
+};
+inline void lm_head_cross_entropy(MatmulContext* mm, const LmHeadLoss& t, int N, int D, int V, float grad_scale, cudaStream_t s,
+                                  bool accumulate = true) {
+    const int chunk = t.chunk;
     if (chunk < 16 || chunk % 16 != 0 || N % 16 != 0)
         fail("lm_head_cross_entropy: chunk %d and N %d must be positive multiples of 16 (the GEMM rule)", chunk, N);
     for (int c0 = 0; c0 < N; c0 += chunk) {
         const int rows = std::min(chunk, N - c0);
-        const bf16* xc = x + (size_t)c0 * D;
+        const bf16* xc = t.x + (size_t)c0 * D;
         {
             ProfileRange range(PHASE_LM_HEAD, s, "lm_head forward");
-            matmul(mm, logits_chunk, DT_FP32, {xc, DT_BF16}, {lm_head, DT_BF16}, rows, V, D, false, false, s);
+            matmul(mm, t.logits, DT_FP32, {xc, DT_BF16}, {t.lm_head, DT_BF16}, rows, V, D, false, false, s);
         }
-        cross_entropy_forward_backward(losses + c0, dx ? dlogits_chunk : nullptr, logits_chunk, targets + c0, rows, V,
-                                       grad_scale, s);
-        if (!dx) continue;
+        cross_entropy_forward_backward(t.losses + c0, t.dx ? t.dlogits : nullptr, t.logits, t.targets + c0, rows, V, grad_scale, s);
+        if (!t.dx) continue;
         ProfileRange range(PHASE_LM_HEAD, s, "lm_head backward");
         // dx [rows,D] = dlogits [rows,V] lm_head [V,D]: lm_head is the [K,N] operand, stored transposed
-        matmul(mm, dx + (size_t)c0 * D, DT_BF16, {dlogits_chunk, DT_BF16}, {lm_head, DT_BF16, true}, rows, D, V, false,
-               false, s);
+        matmul(mm, t.dx + (size_t)c0 * D, DT_BF16, {t.dlogits, DT_BF16}, {t.lm_head, DT_BF16, true}, rows, D, V, false, false, s);
         // dlm_head [V,D] += dlogits^T x: both operands are stored [K=rows, .]
-        matmul(mm, dlm_head, DT_FP32, {dlogits_chunk, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, accumulate || c0 > 0, false, s);
+        matmul(mm, t.dlm_head, DT_FP32, {t.dlogits, DT_BF16, true}, {xc, DT_BF16, true}, V, D, rows, accumulate || c0 > 0, false, s);
     }
 }
 
@@ -1879,6 +1887,18 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
     }
 }
 
+// lm_head_cross_entropy's tensors for the loss only: the final norm's output, lm_head, d_targets, acts.losses.
+inline LmHeadLoss model_lm_head_loss(Model* m, const int* d_targets) {
+    LmHeadLoss t;
+    t.x = m->acts.final_norm;
+    t.lm_head = m->lm_head.w;
+    t.targets = d_targets;
+    t.losses = m->acts.losses;
+    t.logits = m->acts.logits;
+    t.chunk = m->ce_chunk;
+    return t;
+}
+
 // The mean of acts.losses[0..N) into acts.loss_mean (on the GPU; nothing waits).
 inline void model_loss_mean(Model* m, int N) {
     ProfileRange range(PHASE_LOSS, m->stream, "loss mean");
@@ -1906,9 +1926,11 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
     cudaStream_t s = m->stream;
     m->fp8.training = true;
     model_forward(m, d_inputs, B, T);
-    lm_head_cross_entropy(&m->matmul, a.losses, a.dnorm, m->lm_head.grad, a.logits, a.dlogits,
-                          a.final_norm, m->lm_head.w, d_targets, N, D, c.vocab_size, m->ce_chunk,
-                          grad_scale, s, m->accumulate_grads);
+    LmHeadLoss ce = model_lm_head_loss(m, d_targets);
+    ce.dlogits = a.dlogits;   // and the gradients: of the final norm's output, of lm_head
+    ce.dx = a.dnorm;
+    ce.dlm_head = m->lm_head.grad;
+    lm_head_cross_entropy(&m->matmul, ce, N, D, c.vocab_size, grad_scale, s, m->accumulate_grads);
     NvtxRange nvtx("backward");
     {   // dresid: the gradient of the residual stream, from the top down
         ProfileRange range(PHASE_OTHER, s, "zero dresid");
@@ -1980,9 +2002,7 @@ inline void model_graph_launch(Model* m, int key, const std::function<void()>& e
 inline float model_loss(Model* m, const int* d_inputs, const int* d_targets, int B, int T) {
     const ModelConfig& c = m->config;
     model_forward(m, d_inputs, B, T);
-    lm_head_cross_entropy(&m->matmul, m->acts.losses, nullptr, nullptr, m->acts.logits, nullptr, m->acts.final_norm,
-                          m->lm_head.w, d_targets, B * T, c.dim, c.vocab_size, m->ce_chunk, 1.0f,
-                          m->stream);
+    lm_head_cross_entropy(&m->matmul, model_lm_head_loss(m, d_targets), B * T, c.dim, c.vocab_size, 1.0f, m->stream);
     model_loss_mean(m, B * T);
     return model_read_loss(m);
 }

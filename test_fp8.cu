@@ -2973,8 +2973,18 @@ GPU_TEST(lm_head_cross_entropy_chunked) {
     for (auto* p : {&d_losses, &d_logits}) p->poison();
     MatmulContext mm;
     matmul_context_create(&mm);
-    lm_head_cross_entropy(&mm, d_losses.ptr, d_dx.ptr, d_dw.ptr, d_logits.ptr, d_dlogits.ptr, d_x.ptr, d_w.ptr,
-                          d_targets.ptr, N, D, V, chunk, grad_scale, 0);
+    LmHeadLoss ce;
+    ce.x = d_x.ptr;
+    ce.lm_head = d_w.ptr;
+    ce.targets = d_targets.ptr;
+    ce.losses = d_losses.ptr;
+    ce.logits = d_logits.ptr;
+    ce.chunk = chunk;
+    LmHeadLoss loss_only = ce;
+    ce.dlogits = d_dlogits.ptr;
+    ce.dx = d_dx.ptr;
+    ce.dlm_head = d_dw.ptr;
+    lm_head_cross_entropy(&mm, ce, N, D, V, grad_scale, 0);
     std::vector<float> losses = d_losses.download();
     std::vector<double> xd = to_double(x), wd = to_double(w), logits((size_t)N * V), losses_ref(N), dlogits((size_t)N * V);
     std::vector<double> dx_ref((size_t)N * D), dw_ref = to_double(dw0);
@@ -2987,8 +2997,7 @@ GPU_TEST(lm_head_cross_entropy_chunked) {
     expect_close("dlm_head (accumulated)", d_dw.download().data(), dw_ref.data(), dw_ref.size(), MODEL_BF16_TWICE_TOL);
     // the loss-only pass: the same losses
     d_losses.poison();
-    lm_head_cross_entropy(&mm, d_losses.ptr, nullptr, nullptr, d_logits.ptr, nullptr, d_x.ptr, d_w.ptr, d_targets.ptr, N,
-                          D, V, chunk, grad_scale, 0);
+    lm_head_cross_entropy(&mm, loss_only, N, D, V, grad_scale, 0);
     expect(model_test_same_bits(d_losses.download(), losses), "the loss-only pass gives other losses");
     matmul_context_destroy(&mm);
 }
