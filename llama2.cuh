@@ -917,11 +917,16 @@ struct SwigluCast {
     const bf16* gate_up;
     int cols;   // F
     __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        constexpr int P = CAST_VEC / BF16_PER_16B;
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
-        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
-            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h);
-            for (int k = 0; k < BF16_PER_16B; k++) v[0][h + k] = to_float(swiglu_value(to_float(gv.v[k]), to_float(uv.v[k])));
+        Packed128<bf16> gv[P], uv[P];   // all four 16-byte loads in flight before the exponentials start
+        for (int p = 0; p < P; p++) {
+            gv[p] = load128(g + p * BF16_PER_16B);
+            uv[p] = load128(g + cols + p * BF16_PER_16B);
         }
+        for (int p = 0; p < P; p++)
+            for (int k = 0; k < BF16_PER_16B; k++)
+                v[0][p * BF16_PER_16B + k] = to_float(swiglu_value(to_float(gv[p].v[k]), to_float(uv[p].v[k])));
     }
     __device__ void load1(float* v, int row, int col) const {
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
@@ -936,17 +941,22 @@ struct SwigluBackwardCast {
     const bf16* gate_up;
     int cols;   // F
     __device__ void load16(float v[][CAST_VEC], int row, int col) const {
+        constexpr int P = CAST_VEC / BF16_PER_16B;
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
         const bf16* dy = dout + (size_t)row * cols + col;
-        for (int h = 0; h < CAST_VEC; h += BF16_PER_16B) {
-            Packed128<bf16> gv = load128(g + h), uv = load128(g + cols + h), dv = load128(dy + h);
+        Packed128<bf16> gv[P], uv[P], dv[P];   // all six 16-byte loads in flight before the exponentials start
+        for (int p = 0; p < P; p++) {
+            gv[p] = load128(g + p * BF16_PER_16B);
+            uv[p] = load128(g + cols + p * BF16_PER_16B);
+            dv[p] = load128(dy + p * BF16_PER_16B);
+        }
+        for (int p = 0; p < P; p++)
             for (int k = 0; k < BF16_PER_16B; k++) {
                 bf16 dg, du;
-                swiglu_grads(to_float(gv.v[k]), to_float(uv.v[k]), to_float(dv.v[k]), &dg, &du);
-                v[0][h + k] = to_float(dg);
-                v[1][h + k] = to_float(du);
+                swiglu_grads(to_float(gv[p].v[k]), to_float(uv[p].v[k]), to_float(dv[p].v[k]), &dg, &du);
+                v[0][p * BF16_PER_16B + k] = to_float(dg);
+                v[1][p * BF16_PER_16B + k] = to_float(du);
             }
-        }
     }
     __device__ void load1(float* v, int row, int col) const {
         const bf16* g = gate_up + (size_t)row * 2 * cols + col;
