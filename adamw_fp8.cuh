@@ -44,13 +44,10 @@ struct AdamWConfig {
     float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
     float weight_decay = 0.1f;   // decoupled (w -= lr * wd * w), 2-D tensors only
     float grad_clip = 1.0f;      // clip the global gradient norm to this; 0 = off
-#if defined(PRECISION_FP8)
-    DType m_dtype = DT_E4M3;     // the recipe: E4M3 first moment with its own per-tensor scale,
-    DType v_dtype = DT_BF16;     // BF16 second moment
-#else
-    DType m_dtype = DT_FP32;     // the baseline: FP32 moments
-    DType v_dtype = DT_FP32;
-#endif
+    // The recipe: an E4M3 first moment with its own per-tensor scale and a BF16 second moment; the BF16 baseline
+    // keeps both in FP32.
+    DType m_dtype = BUILD_FP8 ? DT_E4M3 : DT_FP32;
+    DType v_dtype = BUILD_FP8 ? DT_BF16 : DT_FP32;
     bool update_clip = false;    // divide each tensor's Adam update by max(1, RMS(update)) (Adafactor,
                                  // Shazeer & Stern 2018; the update clipping of the first FP8-LM recipe)
     bool use_atan2 = false;      // Adam-atan2: update = atan2(m_hat, sqrt(v_hat)), no eps (Everett et al. 2024,

@@ -23,14 +23,6 @@
 #include <functional>
 #include <thread>
 
-// The build's precision (make PRECISION=FP8, or BF16: the baseline, every layer BF16). The one place that reads the
-// macro: code for both builds branches on BUILD_FP8 (if constexpr), and every FP8 type exists in both.
-#if defined(PRECISION_FP8)
-constexpr bool BUILD_FP8 = true;
-#else
-constexpr bool BUILD_FP8 = false;
-#endif
-
 // ----------------------------------------------------------------------------------------------
 // 1. Config
 
