@@ -2145,13 +2145,13 @@ HOST_TEST(adamw_lr_schedule) {
 
 HOST_TEST(adamw_bytes_per_parameter) {
     AdamWConfig c;   // this build's recipe
-#if defined(PRECISION_FP8)
-    expect(c.m_dtype == DT_E4M3 && c.v_dtype == DT_BF16, "FP8 build default moments: want m E4M3, v BF16");
-    expect(adamw_moment_bytes_per_param(c) == 3, "FP8 build: %zu bytes of moments per parameter, want 1 + 2 = 3", adamw_moment_bytes_per_param(c));
-#else
-    expect(c.m_dtype == DT_FP32 && c.v_dtype == DT_FP32, "BF16 build default moments: want FP32, FP32");
-    expect(adamw_moment_bytes_per_param(c) == 8, "BF16 build: %zu bytes of moments per parameter, want 4 + 4 = 8", adamw_moment_bytes_per_param(c));
-#endif
+    if constexpr (BUILD_FP8) {
+        expect(c.m_dtype == DT_E4M3 && c.v_dtype == DT_BF16, "FP8 build default moments: want m E4M3, v BF16");
+        expect(adamw_moment_bytes_per_param(c) == 3, "FP8 build: %zu bytes of moments per parameter, want 1 + 2 = 3", adamw_moment_bytes_per_param(c));
+    } else {
+        expect(c.m_dtype == DT_FP32 && c.v_dtype == DT_FP32, "BF16 build default moments: want FP32, FP32");
+        expect(adamw_moment_bytes_per_param(c) == 8, "BF16 build: %zu bytes of moments per parameter, want 4 + 4 = 8", adamw_moment_bytes_per_param(c));
+    }
     expect(adamw_moment_bytes_per_param(adamw_test_config(DT_E4M3, DT_E4M3)) == 2, "m E4M3 + v E4M3 must be 2 bytes");
     expect(adamw_moment_bytes_per_param(adamw_test_config(DT_BF16, DT_BF16)) == 4, "m BF16 + v BF16 must be 4 bytes");
     expect(adamw_moment_bytes_per_param(adamw_test_config(DT_FP32, DT_E5M2)) == 5, "m FP32 + v E5M2 must be 5 bytes");
@@ -3111,9 +3111,7 @@ GPU_TEST(model_deterministic_accumulating_cached) {
 GPU_TEST(model_qkv_clip_and_qk_norm) {
     const int B = 2, T = 32, N = B * T;
     Fp8Options fp8;
-#if defined(PRECISION_FP8)
-    fp8.all_layers = true;
-#endif
+    fp8.all_layers = BUILD_FP8;
     const std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
     DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
     auto run = [&](bool qk_norm, float clip, float* loss, ModelConfig* config) {
@@ -3407,6 +3405,7 @@ GPU_TEST(fp8_fused_casts_bitexact) {
     }
 }
 
+// Tests of the whole model's FP8 layers: only the FP8 build has them (the BF16 build's model has no FP8 linear to test).
 #if defined(PRECISION_FP8)
 // The whole model with FP8 linears against the float64 reference (which has no FP8): the loss, and each
 // gradient tensor's SQNR. One FP8 linear gives ~26 dB forward and ~22 dB backward (above); through the
@@ -4036,11 +4035,11 @@ HOST_TEST(train_parse_defaults) {
     err = parse_list({"--lr", "3e-4"}, &o);
     expect(err.empty() && adamw_config_from_options(o).decay_lr == 0.0f && o.init == "normal" && o.init_std == 0.02 && !o.qk_norm,
            "without the flags: decay LR %g (want 0: the step's), init %s %g", adamw_config_from_options(o).decay_lr, o.init.c_str(), o.init_std);
-#if defined(PRECISION_FP8)
-    err = parse_list({"--amax-warmup", "5", "--amax-history", "16", "--smooth-quant", "0.5"}, &o);
-    expect(err.empty() && o.amax_warmup == 5 && o.smooth_quant == 0.5f, "--amax-warmup 5 --amax-history 16 --smooth-quant 0.5 rejected: %s",
-           err.c_str());
-#endif
+    if constexpr (BUILD_FP8) {
+        err = parse_list({"--amax-warmup", "5", "--amax-history", "16", "--smooth-quant", "0.5"}, &o);
+        expect(err.empty() && o.amax_warmup == 5 && o.smooth_quant == 0.5f, "--amax-warmup 5 --amax-history 16 --smooth-quant 0.5 rejected: %s",
+               err.c_str());
+    }
     err = parse_list({"--resume", "/tmp/run"}, &o);
     expect(err.empty() && o.out == "/tmp/run", "--resume without --out should write to the resumed folder (out '%s')", o.out.c_str());
     err = parse_list({"prepare", "a.txt", "data/a"}, &o);
@@ -4058,7 +4057,7 @@ HOST_TEST(train_parse_defaults) {
 HOST_TEST(train_parse_rejects_bad_values) {
     // each: the arguments, and the pieces the message must contain (the flag and the value)
     struct Case { std::vector<std::string> args; std::vector<std::string> pieces; };
-    const Case cases[] = {
+    std::vector<Case> cases = {
         {{"--batch", "0"}, {"--batch", "0"}},
         {{"--batch", "x"}, {"--batch", "x", "integer"}},
         {{"--batch", "1.5"}, {"--batch", "1.5"}},
@@ -4112,15 +4111,14 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--qkv-clip", "inf"}, {"--qkv-clip", "inf"}},
         {{"--qk-norm", "--tp", "2"}, {"--qk-norm", "--tp 2"}},
         {{"--smooth-quant", "1.5"}, {"--smooth-quant", "1.5"}},
-#if !defined(PRECISION_FP8)
-        {{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
-        {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
-        {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
-        {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}},
-#else
-        {{"--amax-warmup", "5"}, {"--amax-warmup 5", "--amax-history"}},
-#endif
     };
+    if constexpr (BUILD_FP8)
+        cases.push_back({{"--amax-warmup", "5"}, {"--amax-warmup 5", "--amax-history"}});
+    else   // the FP8 recipe's flags, refused by the BF16 build
+        cases.insert(cases.end(), {{{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
+                                   {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
+                                   {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
+                                   {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}}});
     for (const Case& c : cases) {
         TrainOptions o;
         std::string err = parse_list(c.args, &o), line;
@@ -5217,11 +5215,9 @@ GPU_TEST(train_resume_is_bit_identical) {
     write_synthetic_corpus(data);
     std::vector<std::string> common = {"--steps", "6", "--warmup", "2", "--lr", "3e-3", "--eval-every", "3",
                                        "--sample-every", "3", "--sample-tokens", "8", "--checkpoint-every", "3"};
-#if defined(PRECISION_FP8)
     // every layer FP8 (tiny's two layers would otherwise both stay BF16), with delayed scaling, so that the
     // weights' FP8 copies and the amax histories have to carry over the resume; FP8 health rows every step
-    common.insert(common.end(), {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2", "--fp8-stats", "1"});
-#endif
+    if constexpr (BUILD_FP8) common.insert(common.end(), {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2", "--fp8-stats", "1"});
     std::vector<std::string> a = common, b = common, c = common;
     a.insert(a.end(), {"--out", straight_dir.path});
     b.insert(b.end(), {"--out", split_dir.path, "--stop-after", "5"});
@@ -5253,25 +5249,23 @@ GPU_TEST(train_resume_is_bit_identical) {
     std::vector<std::string> log_split = log_rows_without_timing(split_dir.file("log.csv"));
     printf("    log.csv: %zu rows straight, %zu resumed (header, step 0's evaluation, 6 steps)\n", log_straight.size(), log_split.size());
     expect(log_straight.size() == 8 && log_split == log_straight, "the resumed run's log.csv rows differ from the straight run's");
-#if defined(PRECISION_FP8)
-    // Delayed scaling records once per optimizer step: 6 steps of 2 micro-batches (evaluation and sampling between
-    // them record nothing) leave every X and dY record of the 2 layers at 6 amaxes. The records end the file.
-    const size_t n_meta = 2 * 4 * 3;
-    if (ckpt_straight.size() > n_meta * sizeof(Fp8Meta)) {
-        std::vector<Fp8Meta> metas(n_meta);
-        memcpy(metas.data(), ckpt_straight.data() + ckpt_straight.size() - n_meta * sizeof(Fp8Meta), n_meta * sizeof(Fp8Meta));
-        for (size_t i = 0; i < n_meta; i++)
-            if (i % 3 != FP8_W)
-                expect(metas[i].uses == 6 && meta_slots_clear(metas[i]), "linear %zu %s: %u amaxes recorded in 6 steps (want 6), slots %08x %u",
-                       i / 3, i % 3 == FP8_X ? "X" : "dY", metas[i].uses, metas[i].amax_pending, metas[i].blocks_done);
+    if constexpr (BUILD_FP8) {
+        // Delayed scaling records once per optimizer step: 6 steps of 2 micro-batches (evaluation and sampling
+        // between them record nothing) leave every X and dY record of the 2 layers at 6 amaxes. The records end the file.
+        const size_t n_meta = 2 * 4 * 3;
+        if (ckpt_straight.size() > n_meta * sizeof(Fp8Meta)) {
+            std::vector<Fp8Meta> metas(n_meta);
+            memcpy(metas.data(), ckpt_straight.data() + ckpt_straight.size() - n_meta * sizeof(Fp8Meta), n_meta * sizeof(Fp8Meta));
+            for (size_t i = 0; i < n_meta; i++)
+                if (i % 3 != FP8_W)
+                    expect(metas[i].uses == 6 && meta_slots_clear(metas[i]), "linear %zu %s: %u amaxes recorded in 6 steps (want 6), slots %08x %u",
+                           i / 3, i % 3 == FP8_X ? "X" : "dY", metas[i].uses, metas[i].amax_pending, metas[i].blocks_done);
+        }
+        std::vector<char> stats_straight = read_whole_file(straight_dir.file("fp8_stats.csv"));
+        std::vector<char> stats_split = read_whole_file(split_dir.file("fp8_stats.csv"));
+        printf("    fp8_stats.csv: %zu and %zu bytes\n", stats_straight.size(), stats_split.size());
+        expect(!stats_straight.empty() && stats_split == stats_straight, "the resumed run's fp8_stats.csv differs from the straight run's");
     }
-#endif
-#if defined(PRECISION_FP8)
-    std::vector<char> stats_straight = read_whole_file(straight_dir.file("fp8_stats.csv"));
-    std::vector<char> stats_split = read_whole_file(split_dir.file("fp8_stats.csv"));
-    printf("    fp8_stats.csv: %zu and %zu bytes\n", stats_straight.size(), stats_split.size());
-    expect(!stats_straight.empty() && stats_split == stats_straight, "the resumed run's fp8_stats.csv differs from the straight run's");
-#endif
     expect(straight.val_losses.size() == 3 && first.val_losses.size() == 3 && second.val_losses.size() == 1 &&
            memcmp(&straight.val_losses[2].second, &second.val_losses[0].second, 4) == 0,
            "validation losses at steps 0, 3, 6: the resumed run's at step 6 should equal the straight run's");
@@ -5285,9 +5279,7 @@ GPU_TEST(train_cuda_graph_matches_eager) {
     TempDir data;
     write_synthetic_corpus(data);
     std::vector<std::vector<std::string>> configs = {{}};
-#if defined(PRECISION_FP8)
-    configs = {{"--fp8-all-layers"}, {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2"}};
-#endif
+    if constexpr (BUILD_FP8) configs = {{"--fp8-all-layers"}, {"--fp8-all-layers", "--amax-history", "4", "--quant-interval", "2"}};
     for (const std::vector<std::string>& config : configs) {
         TempDir graph_dir, eager_dir;
         auto run = [&](const TempDir& out, const char* graph) {
@@ -5322,9 +5314,7 @@ GPU_TEST(train_profile_adds_up) {
     TempDir data;
     write_synthetic_corpus(data);
     std::vector<std::string> args = {"--steps", "3", "--warmup", "1", "--lr", "3e-3"};
-#if defined(PRECISION_FP8)
-    args.push_back("--fp8-all-layers");   // tiny's two layers would otherwise both be BF16: no casts to time
-#endif
+    if constexpr (BUILD_FP8) args.push_back("--fp8-all-layers");   // tiny's two layers would otherwise both be BF16: no casts to time
     TrainResult plain = train(tiny_run_options(data, args));
     args.insert(args.end(), {"--profile", "2"});
     TrainResult profiled = train(tiny_run_options(data, args));
@@ -5334,17 +5324,14 @@ GPU_TEST(train_profile_adds_up) {
     const ProfileReport& r = profiled.profile;
     for (ProfilePhase p : {PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE, PHASE_SWIGLU,
                            PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_DATA, PHASE_OPTIMIZER, PHASE_WEIGHT_QUANT}) {
-#if defined(PRECISION_FP8)
-        if (p == PHASE_SWIGLU) continue;   // every layer FP8: SwiGLU forward and backward run inside the casts (PHASE_FP8_CAST)
-#endif
+        if (BUILD_FP8 && p == PHASE_SWIGLU) continue;   // every layer FP8: SwiGLU forward and backward run inside the casts (PHASE_FP8_CAST)
         expect(r.ranges[p] > 0 && r.ms[p] >= 0.0, "phase '%s': %d ranges, %.4f ms", profile_phase_name(p), r.ranges[p], r.ms[p]);
     }
     expect(r.ranges[PHASE_DATA] == 2, "two micro-batches should make 2 input-copy ranges, not %d", r.ranges[PHASE_DATA]);
-#if defined(PRECISION_FP8)
-    expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
-#else
-    expect(r.ranges[PHASE_FP8_CAST] == 0, "the BF16 build has no FP8 casts, yet %d cast ranges", r.ranges[PHASE_FP8_CAST]);
-#endif
+    if constexpr (BUILD_FP8)
+        expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
+    else
+        expect(r.ranges[PHASE_FP8_CAST] == 0, "the BF16 build has no FP8 casts, yet %d cast ranges", r.ranges[PHASE_FP8_CAST]);
     printf("    GPU span %.3f ms, ranges %.3f ms, idle %.3f ms\n", r.span_ms, r.busy_ms, r.idle_ms());
     expect(r.span_ms > 0.0 && r.busy_ms > 0.0 && r.busy_ms <= r.span_ms + 1e-3, "the ranges (%.4f ms) should fit in the span (%.4f ms)",
            r.busy_ms, r.span_ms);
@@ -5485,10 +5472,8 @@ HOST_TEST(tp_parse_checks) {
         {{"--model", "tiny", "--kv-heads", "2", "--ffn", "528", "--tp", "2"}, {"--tp 2", "ffn_dim 528"}},
         {{"--model", "tiny", "--kv-heads", "2", "--tp", "2", "--update-clip"}, {"--update-clip", "--tp 2"}},
         {{"--tp", "-1"}, {"--tp", "-1"}},
-#if !defined(PRECISION_FP8)
-        {{"--tp-amax-sync"}, {"--tp-amax-sync", "BF16"}},
-#endif
     };
+    if constexpr (!BUILD_FP8) cases.push_back({{"--tp-amax-sync"}, {"--tp-amax-sync", "BF16"}});
     for (const Case& k : cases) {
         err = parse_list(k.args, &o);
         std::string line;
@@ -5508,9 +5493,7 @@ GPU_TEST(tp1_nccl_matches_no_tp) {
     TempDir data, dir0, dir1, dir2;
     write_synthetic_corpus(data);
     std::vector<std::string> common = {"--steps", "4", "--warmup", "1", "--lr", "3e-3", "--checkpoint-every", "0"};
-#if defined(PRECISION_FP8)
-    common.push_back("--fp8-all-layers");
-#endif
+    if constexpr (BUILD_FP8) common.push_back("--fp8-all-layers");
     auto run = [&](const TempDir& out, std::vector<std::string> more) {
         std::vector<std::string> args = common;
         args.insert(args.end(), {"--out", out.path});
@@ -5519,9 +5502,7 @@ GPU_TEST(tp1_nccl_matches_no_tp) {
     };
     TrainResult plain = run(dir0, {"--tp", "0"}), tp1 = run(dir1, {"--tp", "1"});
     std::vector<std::pair<const char*, TrainResult>> others = {{"--tp 1", tp1}};
-#if defined(PRECISION_FP8)
-    others.push_back({"--tp 1 --tp-amax-sync", run(dir2, {"--tp", "1", "--tp-amax-sync"})});
-#endif
+    if constexpr (BUILD_FP8) others.push_back({"--tp 1 --tp-amax-sync", run(dir2, {"--tp", "1", "--tp-amax-sync"})});
     for (auto& other : others) {
         bool same = model_test_same_bits(plain.losses, other.second.losses) && model_test_same_bits(plain.grad_norms, other.second.grad_norms) &&
                     plain.losses.size() == 4;
@@ -5594,13 +5575,11 @@ static void host_tp_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDa
     cudaCheck(cudaStreamSynchronize(s));
 }
 
-#if defined(PRECISION_FP8)
 // Two amaxes of one tensor computed with other rounding (the TP sums add in another order) give the same
 // power-of-two scale unless they straddle a binade edge; then they are within a few BF16 steps (2^-8) of each other.
 static bool tp_same_scale_or_edge(const Fp8Meta& a, const Fp8Meta& b) {
     return a.scale == b.scale || fabsf(a.amax - b.amax) <= 0x1p-6f * std::max(a.amax, b.amax);
 }
-#endif
 
 // One forward + backward of the whole model and of its n shards (one GPU, host all-reduce) on the same weights
 // and tokens. BF16 build: the sharded model computes the same sums in another order (each rank's partial output
@@ -5627,11 +5606,7 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
     const size_t n_meta = (size_t)c.n_layers * 4 * 3;
     auto metas_of = [&](Model* m) {
         std::vector<Fp8Meta> metas(n_meta);
-#if defined(PRECISION_FP8)
-        cudaCheck(cudaMemcpy(metas.data(), m->fp8.metas, n_meta * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
-#else
-        (void)m;
-#endif
+        if constexpr (BUILD_FP8) cudaCheck(cudaMemcpy(metas.data(), m->fp8.metas, n_meta * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
         return metas;
     };
 
@@ -5641,9 +5616,7 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
     cudaCheck(cudaMemset(whole.act_memory, 0xFF, whole.act_bytes));
     model_zero_grads(&whole);
     float loss_whole = model_forward_backward(&whole, d_inputs.ptr, d_targets.ptr, 1.0f / N);
-#if defined(PRECISION_FP8)
-    model_fp8_record_amax(&whole);   // delayed scaling: the step's record (with --tp-amax-sync, its MAX over the group)
-#endif
+    if constexpr (BUILD_FP8) model_fp8_record_amax(&whole);   // delayed scaling: the step's record (with --tp-amax-sync, its MAX over the group)
     std::vector<float> grads_whole = model_test_grads(&whole);
     std::vector<Fp8Meta> metas_whole = metas_of(&whole);
     model_destroy(&whole);
@@ -5669,9 +5642,7 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
             cudaCheck(cudaMemset(m.act_memory, 0xFF, m.act_bytes));
             model_zero_grads(&m);
             losses[r] = model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
-#if defined(PRECISION_FP8)
-            model_fp8_record_amax(&m);
-#endif
+            if constexpr (BUILD_FP8) model_fp8_record_amax(&m);
             grads[r] = model_test_grads(&m);
             metas[r] = metas_of(&m);
             model_destroy(&m);
@@ -5693,71 +5664,67 @@ static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* 
     for (int r = 0; r < n; r++) model_copy_shard(c, n, r, grads_tp.data(), grads[r].data(), false);
     std::vector<double> ref(grads_whole.begin(), grads_whole.end());
     double loss_err = fabs(losses[0] - loss_whole) / loss_whole;
-#if defined(PRECISION_FP8)
-    const double loss_tol = 1e-2;
-#else
-    const double loss_tol = 1e-3;
-#endif
+    const double loss_tol = BUILD_FP8 ? 1e-2 : 1e-3;
     printf("    loss: whole %.6f, %d shards %.6f, relative difference %.2e (tol %.0e)\n", loss_whole, n, losses[0], loss_err, loss_tol);
     expect(loss_err <= loss_tol, "the sharded loss %.6f differs from the whole model's %.6f", losses[0], loss_whole);
     for (const TensorSpec& s : ws) {
-#if defined(PRECISION_FP8)
-        double db = sqnr_db(grads_tp.data() + s.offset, ref.data() + s.offset, s.numel);
-        printf("    grad %-22s SQNR against the whole FP8 model %5.1f dB (bound 10)%s\n", s.name.c_str(), db, db >= 10.0 ? "" : "  <-- FAIL");
-        expect(db >= 10.0, "gradient %s: SQNR %.1f dB", s.name.c_str(), db);
-#else
-        expect_close(("grad " + s.name).c_str(), grads_tp.data() + s.offset, ref.data() + s.offset, s.numel, 5e-2);
-#endif
-    }
-#if !defined(PRECISION_FP8)
-    expect_close("all gradients together", grads_tp.data(), ref.data(), ref.size(), 1e-2);
-#else
-    // the scales of X and dY of every linear (all layers FP8): sharded tensors (X of wo / w_down, dY of wqkv /
-    // w_gate_up) and replicated ones (the others: the same bits on every rank, so the same scale in both modes)
-    int differing = 0, checked = 0;
-    for (int i = 0; i < c.n_layers * 4; i++)
-        for (int t : {FP8_X, FP8_DY}) {
-            const bool row_parallel = i % 4 == 1 || i % 4 == 3, sharded = (t == FP8_X) == row_parallel;
-            const size_t k = 3 * i + t;
-            int widest = 0;   // the rank with the largest amax
-            bool equal = true;
-            for (int r = 1; r < n; r++) {
-                equal = equal && metas[r][k].scale == metas[0][k].scale;
-                if (metas[r][k].amax > metas[widest][k].amax) widest = r;
-            }
-            const char* name = t == FP8_X ? "X" : "dY";
-            checked++;
-            if (!sharded || fp8.tp_amax_sync) {
-                expect(equal, "linear %d %s: the ranks' scales differ (%s)", i, name, sharded ? "with --tp-amax-sync" : "a replicated tensor");
-            } else if (!equal) {
-                differing++;
-            }
-            if (!fp8.recipe.delayed())
-                expect(tp_same_scale_or_edge(metas[widest][k], metas_whole[k]),
-                       "linear %d %s: scale %g (amax %g) on the widest rank, %g (amax %g) in the whole model", i, name,
-                       metas[widest][k].scale, metas[widest][k].amax, metas_whole[k].scale, metas_whole[k].amax);
+        if constexpr (BUILD_FP8) {
+            double db = sqnr_db(grads_tp.data() + s.offset, ref.data() + s.offset, s.numel);
+            printf("    grad %-22s SQNR against the whole FP8 model %5.1f dB (bound 10)%s\n", s.name.c_str(), db, db >= 10.0 ? "" : "  <-- FAIL");
+            expect(db >= 10.0, "gradient %s: SQNR %.1f dB", s.name.c_str(), db);
+        } else {
+            expect_close(("grad " + s.name).c_str(), grads_tp.data() + s.offset, ref.data() + s.offset, s.numel, 5e-2);
         }
-    printf("    scales of X and dY: %d checked; sharded tensors whose ranks chose different scales: %d\n", checked, differing);
-#endif
+    }
+    if constexpr (!BUILD_FP8) {
+        expect_close("all gradients together", grads_tp.data(), ref.data(), ref.size(), 1e-2);
+    } else {
+        // the scales of X and dY of every linear (all layers FP8): sharded tensors (X of wo / w_down, dY of wqkv /
+        // w_gate_up) and replicated ones (the others: the same bits on every rank, so the same scale in both modes)
+        int differing = 0, checked = 0;
+        for (int i = 0; i < c.n_layers * 4; i++)
+            for (int t : {FP8_X, FP8_DY}) {
+                const bool row_parallel = i % 4 == 1 || i % 4 == 3, sharded = (t == FP8_X) == row_parallel;
+                const size_t k = 3 * i + t;
+                int widest = 0;   // the rank with the largest amax
+                bool equal = true;
+                for (int r = 1; r < n; r++) {
+                    equal = equal && metas[r][k].scale == metas[0][k].scale;
+                    if (metas[r][k].amax > metas[widest][k].amax) widest = r;
+                }
+                const char* name = t == FP8_X ? "X" : "dY";
+                checked++;
+                if (!sharded || fp8.tp_amax_sync) {
+                    expect(equal, "linear %d %s: the ranks' scales differ (%s)", i, name, sharded ? "with --tp-amax-sync" : "a replicated tensor");
+                } else if (!equal) {
+                    differing++;
+                }
+                if (!fp8.recipe.delayed())
+                    expect(tp_same_scale_or_edge(metas[widest][k], metas_whole[k]),
+                           "linear %d %s: scale %g (amax %g) on the widest rank, %g (amax %g) in the whole model", i, name,
+                           metas[widest][k].scale, metas[widest][k].amax, metas_whole[k].scale, metas_whole[k].amax);
+            }
+        printf("    scales of X and dY: %d checked; sharded tensors whose ranks chose different scales: %d\n", checked, differing);
+    }
 }
 
 GPU_TEST(tp_shards_on_one_gpu_match_whole_model) {
     Fp8Options fp8;
-#if defined(PRECISION_FP8)
-    fp8.all_layers = true;   // tiny's two layers would otherwise both be BF16
-    check_tp_shards(2, 2, fp8, "per-shard FP8 scales");
-    check_tp_shards(4, 4, fp8, "per-shard FP8 scales");
-    Fp8Options sync = fp8;
-    sync.tp_amax_sync = true;
-    check_tp_shards(2, 2, sync, "--tp-amax-sync");
-    check_tp_shards(4, 4, sync, "--tp-amax-sync");
-    Fp8Options delayed = sync;
-    delayed.recipe.history_len = 4;   // the sync happens when the amaxes are recorded (model_fp8_record_amax)
-    check_tp_shards(2, 2, delayed, "--tp-amax-sync, delayed scaling (history 4)");
-#else
-    check_tp_shards(2, 2, fp8, "BF16");
-    check_tp_shards(4, 4, fp8, "BF16");
-#endif
+    if constexpr (BUILD_FP8) {
+        fp8.all_layers = true;   // tiny's two layers would otherwise both be BF16
+        check_tp_shards(2, 2, fp8, "per-shard FP8 scales");
+        check_tp_shards(4, 4, fp8, "per-shard FP8 scales");
+        Fp8Options sync = fp8;
+        sync.tp_amax_sync = true;
+        check_tp_shards(2, 2, sync, "--tp-amax-sync");
+        check_tp_shards(4, 4, sync, "--tp-amax-sync");
+        Fp8Options delayed = sync;
+        delayed.recipe.history_len = 4;   // the sync happens when the amaxes are recorded (model_fp8_record_amax)
+        check_tp_shards(2, 2, delayed, "--tp-amax-sync, delayed scaling (history 4)");
+    } else {
+        check_tp_shards(2, 2, fp8, "BF16");
+        check_tp_shards(4, 4, fp8, "BF16");
+    }
 }
 
 // ---- With 2 GPUs or more: whole training runs of the tiny model (2 KV heads, so that it splits in two).
@@ -5783,9 +5750,7 @@ GPU_TEST(tp2_training_matches_tp1) {
     TempDir data;
     write_synthetic_corpus(data);
     std::vector<std::vector<std::string>> modes = {{}};
-#if defined(PRECISION_FP8)
-    modes = {{"--fp8-all-layers"}, {"--fp8-all-layers", "--tp-amax-sync"}};
-#endif
+    if constexpr (BUILD_FP8) modes = {{"--fp8-all-layers"}, {"--fp8-all-layers", "--tp-amax-sync"}};
     for (const std::vector<std::string>& mode : modes) {
         TempDir d1, d2, split, reshard;
         std::vector<std::string> common = {"--kv-heads", "2", "--steps", "4", "--warmup", "1", "--lr", "3e-3", "--checkpoint-every", "0"};
@@ -6100,26 +6065,26 @@ static void bench_model(const char* preset, int B, int T) {
         model_destroy(&m);
         return ms;
     };
-#if defined(PRECISION_FP8)
-    Fp8Options off;
-    off.enabled = false;
-    float t_bf16 = time_step(off, "BF16 linears");
-    float t_fp8 = time_step(Fp8Options(), "FP8 (recipe)");
-    Fp8Options all;
-    all.all_layers = true;
-    float t_all = time_step(all, "FP8 (all layers)");
-    Fp8Options unfused;
-    unfused.fused_casts = false;
-    float t_unfused = time_step(unfused, "FP8 (recipe, unfused)");
-    Fp8Options delayed;
-    delayed.recipe.history_len = 16;
-    float t_delayed = time_step(delayed, "FP8 (recipe, delayed)");
-    printf("%-6s FP8/BF16 speed-up: recipe %.2fx, all layers %.2fx; casts fused into their producers: %.2fx the unfused "
-           "recipe; delayed scaling (history 16): %.2fx current\n", preset, t_bf16 / t_fp8, t_bf16 / t_all, t_unfused / t_fp8,
-           t_fp8 / t_delayed);
-#else
-    time_step(Fp8Options(), "BF16 build");
-#endif
+    if constexpr (BUILD_FP8) {
+        Fp8Options off;
+        off.enabled = false;
+        float t_bf16 = time_step(off, "BF16 linears");
+        float t_fp8 = time_step(Fp8Options(), "FP8 (recipe)");
+        Fp8Options all;
+        all.all_layers = true;
+        float t_all = time_step(all, "FP8 (all layers)");
+        Fp8Options unfused;
+        unfused.fused_casts = false;
+        float t_unfused = time_step(unfused, "FP8 (recipe, unfused)");
+        Fp8Options delayed;
+        delayed.recipe.history_len = 16;
+        float t_delayed = time_step(delayed, "FP8 (recipe, delayed)");
+        printf("%-6s FP8/BF16 speed-up: recipe %.2fx, all layers %.2fx; casts fused into their producers: %.2fx the unfused "
+               "recipe; delayed scaling (history 16): %.2fx current\n", preset, t_bf16 / t_fp8, t_bf16 / t_all, t_unfused / t_fp8,
+               t_fp8 / t_delayed);
+    } else {
+        time_step(Fp8Options(), "BF16 build");
+    }
 }
 
 // ---- The optimizer step (adamw_fp8.cuh) on a preset's parameter table: the gradient norm, norm + step without
@@ -6186,12 +6151,12 @@ static void bench_optimizer(const char* preset, int vocab, double copy_gbs) {
             norm_bytes + stats_bytes + update_bytes, n);
         adamw_destroy(&opt);
     }
-#if defined(PRECISION_FP8)
-    float t_w8 = bench_median_ms([&] { model_weights_changed(&m, true); });
-    float t_w8_amax = bench_median_ms([&] { model_weights_changed(&m, false); });
-    row("W8, W8^T", "rebuild after a step (amax from the update)", t_w8, 4.0, fp8_params);
-    row("W8, W8^T", "rebuild with its own amax pass", t_w8_amax, 6.0, fp8_params);
-#endif
+    if constexpr (BUILD_FP8) {
+        float t_w8 = bench_median_ms([&] { model_weights_changed(&m, true); });
+        float t_w8_amax = bench_median_ms([&] { model_weights_changed(&m, false); });
+        row("W8, W8^T", "rebuild after a step (amax from the update)", t_w8, 4.0, fp8_params);
+        row("W8, W8^T", "rebuild with its own amax pass", t_w8_amax, 6.0, fp8_params);
+    }
     model_destroy(&m);
 }
 
@@ -6370,11 +6335,7 @@ int main(int argc, char** argv) {
     } else {
         printf("GPU: none found; GPU tests will be skipped\n");
     }
-#if defined(PRECISION_FP8)
-    printf("build: PRECISION=FP8, seed %llu\n", (unsigned long long)TEST_SEED);
-#else
-    printf("build: PRECISION=BF16, seed %llu\n", (unsigned long long)TEST_SEED);
-#endif
+    printf("build: PRECISION=%s, seed %llu\n", BUILD_FP8 ? "FP8" : "BF16", (unsigned long long)TEST_SEED);
     if (bench) {
         if (!g_have_gpu) { fprintf(stderr, "error: --bench needs a GPU, and none was found\n"); return 1; }
         run_benchmarks(filters);
