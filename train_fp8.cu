@@ -867,9 +867,6 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
     return "";
 }
 
-// The model's FP8 scale records (FP8 build: ModelFp8::metas; none, nullptr, in the BF16 build).
-inline Fp8Meta* model_fp8_metas(Model* m) { return m->fp8.metas; }
-
 // Bytes of one optimizer state as adamw_save writes it.
 inline size_t adamw_saved_bytes(const AdamW* opt) {
     size_t bytes = sizeof(AdamWFileHeader);
@@ -898,7 +895,7 @@ inline std::string checkpoint_save(const std::string& dir, const CheckpointHeade
         std::vector<Fp8Meta> metas(h.fp8_meta_count);
         for (Model* model : models) {
             if (metas.empty()) break;
-            cudaCheck(cudaMemcpy(metas.data(), model_fp8_metas(model), metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(metas.data(), model->fp8.metas, metas.size() * sizeof(Fp8Meta), cudaMemcpyDeviceToHost));
             write_bytes(f, metas.data(), metas.size() * sizeof(Fp8Meta), tmp);
         }
     });
@@ -924,7 +921,7 @@ inline void checkpoint_load_rank(const std::string& path, const CheckpointHeader
     if (!metas.empty()) {
         if (fread(metas.data(), sizeof(Fp8Meta), metas.size(), f) != metas.size())
             fail("%s: the FP8 scales end early (truncated file)", path.c_str());
-        cudaCheck(cudaMemcpy(model_fp8_metas(model), metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(model->fp8.metas, metas.data(), metas.size() * sizeof(Fp8Meta), cudaMemcpyHostToDevice));
     }
     if (rank == P - 1 && fgetc(f) != EOF)
         fail("%s: bytes after the FP8 scales: damaged file, or written by another version", path.c_str());
