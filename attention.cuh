@@ -7,7 +7,7 @@
 // Two implementations, one launcher (attention_forward / attention_backward) choosing:
 //   Hopper (GPU_ARCH=sm_90a): warpgroup MMA (wgmma) on tiles brought by the TMA, producer/consumer
 //             warpgroups; the backward runs the five products once per (key tile, query tile) and sums dQ
-//             over key tiles from per-tile partials in a fixed order.
+//             over key tiles in a fixed order (turn counters between blocks).
 //   mma.sync (any other GPU, and tested on Hopper too): 4 warps on 64-row tiles, cp.async double
 //             buffering; the backward recomputes S and dP in a separate dQ kernel (7 products) to avoid atomics.
 // Layouts (README.md, "Parameter layout"): qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a
@@ -549,6 +549,7 @@ template <int HD> constexpr int hattn_fwd_consumers() { return HD == 64 ? 3 : 2;
 constexpr int HATTN_FWD_BN = 128;                                // forward: keys per K/V tile
 constexpr int HATTN_BWD_BM = 64;                                 // backward: query rows per step
 constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: keys per block
+constexpr int HATTN_BWD_DQ_COLS = HATTN_BWD_BM / HATTN_CONSUMERS;  // backward: query columns of a consumer's dQ^T
 
 // Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
 // Tiles are [rows x 64 columns] bf16 = rows * 128 bytes, one per 64-column chunk of the head.
@@ -564,18 +565,20 @@ template <int HD> struct HattnSmem {
     static constexpr int FWD_V = FWD_K + HATTN_FWD_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BAR = FWD_V + HATTN_FWD_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
-    // backward: K, V of the block; Q and dO stages; dS^T twice; lse and D rows of each stage; barriers. Every
-    // tile starts on a 1024-byte boundary.
+    // backward: K, V of the block; Q and dO stages; dS^T twice; each consumer's dQ^T twice; lse and D rows of
+    // each stage; barriers. Every tile starts on a 1024-byte boundary.
     static constexpr int BWD_KV_BYTES = CH * chunk(HATTN_BWD_BN);
     static constexpr int BWD_Q_BYTES = CH * chunk(HATTN_BWD_BM);
     static constexpr int BWD_STAGE_BYTES = 2 * BWD_Q_BYTES;                    // Q, dO
     static constexpr int BWD_ROWS_BYTES = 2 * HATTN_BWD_BM * 4;                // lse * log2(e) and D of the step's rows
     static constexpr int BWD_DS_BYTES = HATTN_BWD_BN * HATTN_BWD_BM * 2;       // dS^T, bf16
+    static constexpr int BWD_DQ_BYTES = HD * HATTN_BWD_DQ_COLS * 4;             // a consumer's dQ^T tile, FP32 (two each)
     static constexpr int BWD_K = 0;
     static constexpr int BWD_V = BWD_K + BWD_KV_BYTES;
     static constexpr int BWD_STAGE = BWD_V + BWD_KV_BYTES;
     static constexpr int BWD_DS = BWD_STAGE + HATTN_BWD_STAGES * BWD_STAGE_BYTES;
-    static constexpr int BWD_ROWS = BWD_DS + 2 * BWD_DS_BYTES;
+    static constexpr int BWD_DQ = BWD_DS + 2 * BWD_DS_BYTES;
+    static constexpr int BWD_ROWS = BWD_DQ + HATTN_CONSUMERS * 2 * BWD_DQ_BYTES;
     static constexpr int BWD_BAR = BWD_ROWS + HATTN_BWD_STAGES * BWD_ROWS_BYTES;
     static constexpr int BWD_BYTES = BWD_BAR + 128 + 1024;
     static_assert(FWD_BYTES <= 227 * 1024 && BWD_BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
@@ -583,11 +586,18 @@ template <int HD> struct HattnSmem {
 
 // The backward's per-row values and dQ accumulator, padded to whole query tiles: Tp = ceil(T / 64) * 64.
 __host__ __device__ inline int attention_padded_T(int T) { return (T + HATTN_BWD_BM - 1) / HATTN_BWD_BM * HATTN_BWD_BM; }
-// The backward's dQ partials: query tile qt receives one [HD x 64] FP32 tile from each key tile kt <= qt / 2
-// (keys 128 kt.. reach queries 64 qt.. only then). Tiles of query tile qt start at slot
-// sum_{q < qt} (q / 2 + 1) = floor(qt / 2) * floor((qt - 1) / 2) + qt, key tile kt at slot + kt.
-__host__ __device__ inline int attention_dq_slot(int qt, int kt) { return (qt / 2) * ((qt - 1) / 2) + qt + kt; }
-__host__ __device__ inline int attention_dq_slots(int nq) { return attention_dq_slot(nq, 0); }
+// The backward's FP32 dQ accumulator: per (batch, head, query tile, consumer) one [HD x 32 queries] dQ^T tile,
+// contiguous (one bulk copy), rows of 32 floats with query q of row d stored at column q ^ attention_dq_swizzle(d):
+// a warp's fragment stores then hit distinct shared-memory banks. One turn counter per tile (below).
+__host__ __device__ inline size_t attention_dq_tile(int b, int h, int qt, int w, int NH, int nq) {
+    return (((size_t)b * NH + h) * nq + qt) * HATTN_CONSUMERS + w;
+}
+__host__ __device__ inline int attention_dq_swizzle(int d) { return 8 * (d % 4); }
+// Step i of a backward block: the query tiles from the last down, and for each the query heads of the group.
+__host__ __device__ inline void hattn_bwd_step(int i, int group, int kvh, int nq, int* h, int* qt) {
+    *h = kvh * group + i % group;
+    *qt = nq - 1 - i / group;
+}
 
 #if defined(__CUDA_ARCH__)
 // mbarrier: a phase completes when `count` arrivals and all expected transaction bytes have come.
@@ -621,6 +631,34 @@ __device__ inline void hattn_bulk_load(void* dst, const void* src, uint32_t byte
 // Named barrier over `count` threads (id 0 is __syncthreads).
 __device__ inline void hattn_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ inline void hattn_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+
+// Shared -> global by the TMA (async proxy), tracked as bulk groups of the issuing thread: a plain copy, or an
+// element-wise FP32 add into the destination (performed in L2). `bytes` and both addresses: multiples of 16.
+__device__ inline void hattn_bulk_store(void* dst, const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(attention_smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ inline void hattn_bulk_add_f32(float* dst, const void* src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(attention_smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ inline void hattn_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Turn counters across blocks: wait (one thread) until *turn reaches `value`, with acquire semantics, so that
+// the writes of the turns before are seen, also by this thread's later bulk copies.
+__device__ inline void hattn_turn_wait(const int* turn, int value) {
+    int seen;
+    do {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+    } while (seen < value);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// Pass the turn on once this thread's bulk copies have completed (their writes are done in global memory and
+// their shared-memory sources may be overwritten).
+__device__ inline void hattn_turn_pass_after_bulk(int* turn) {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
+}
 
 // Shared-memory matrix descriptor (PTX: "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets (all >> 4), swizzle mode in bits 62-63 (1 = 128-byte, 2 = 64-byte). With a swizzle, K-major
@@ -865,8 +903,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 
 // ---- Hopper backward. One block per (128-key tile, KV head, batch), ordered by key tile over the whole
 // grid (the first key tiles see the most query tiles: longest first). Consumer w owns keys 64w..64w+63 of
-// the tile and keeps their dK, dV in registers. The block walks the query heads of its group and, for each,
-// the query tiles at or after its keys from the last to the first; per (key tile, query tile):
+// the tile and keeps their dK, dV in registers. The block walks the query tiles at or after its keys from the
+// last to the first and, for each, the query heads of its group; per (key tile, query tile) step:
 //   S^T = K Q^T, dP^T = V dO^T                (both operands K-major)
 //   P^T = exp2(S^T log2(e)/sqrt(HD) - lse2), dS^T = P^T * (dP^T - D)      (registers)
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
@@ -874,18 +912,24 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //                                              columns 32w..32w+31 of the step, all HD rows)
 // That is the 5-GEMM algorithm: nothing is recomputed.
 //
-// dQ is summed over key tiles in a fixed order, without atomics: each step stores its [HD x 64] dQ^T tile
-// (FP32, plain coalesced stores that overlap the products) in its own slot (attention_dq_slot), and
-// attention_backward_dq_kernel_hopper adds the slots of each query tile in key-tile order. Deterministic by
-// construction; the price is memory: sum over query tiles of their key tiles, B*NH*HD*64*(about nq^2/4)
-// floats (1.1 GB for the 1b preset at B = 8, T = 2048), written once and read once - about 0.3 ms of H200
-// bandwidth there, against ~3 ms of products. Measured on this kernel, the alternatives cost more: adding
-// each tile to one FP32 accumulator in key-tile order (turn counters, FP32 atomics) ran at 93 TFLOP/s on the
-// 1b shape, bound by L2 atomics; recomputing S and dP in a separate dQ kernel costs 7 products instead of 5
-// (the mma.sync path).
+// dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
+// (query tile, head, consumer) receives key tile 0's dQ^T as a copy, then key tile 1's as an add, and so on.
+// Each tile has a turn counter. A consumer stages its dQ^T in shared memory (two tiles, by turns) and goes on;
+// its writer, one thread of the producer warpgroup, waits until the counter reads kt, hands the tile to the
+// TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
+// the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for
+// blocks of lower key tiles, which the grid launches first and which never wait for it, so it cannot wait
+// for a block that has no SM. Every block of a (batch, KV head) visits the (query tile, head) pairs in the
+// same order, starting from the same pair, so a block finds its turn ready or one step away; visiting the
+// heads in the outer loop instead (each block's query tiles of a head, then the next head) let key tile kt
+// fall 2 kt steps further behind at every head. attention_backward_dq_kernel_hopper turns the accumulator into
+// the BF16 dQ. The alternatives measured on this kernel cost more: a dQ^T tile of each step in its own slot,
+// summed in key-tile order by a later kernel (1.1 GB written and read back for the 1b preset);
+// FP32 atomics from registers, or from a dQ-writer warp (bound by L2 atomics); recomputing S and dP in a
+// separate dQ kernel (7 products instead of 5, the mma.sync path).
 template <int HD>
 __global__ void __launch_bounds__(HATTN_THREADS, 1)
-attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, const float* delta,
+attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const float* lse2, const float* delta,
                                  const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
                                  const __grid_constant__ CUtensorMap do_map, int B, int T, int NH, int NKV) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -897,13 +941,15 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
     uint64_t* st_empty = st_full + HATTN_BWD_STAGES;
+    uint64_t* dq_full = st_empty + HATTN_BWD_STAGES;           // per (consumer, staging tile): staged, then free
+    uint64_t* dq_empty = dq_full + 2 * HATTN_CONSUMERS;
 
     const int Tp = attention_padded_T(T), nq = Tp / BM;
     const int kt = (int)blockIdx.x / (NKV * B);
     const int kvh = (int)blockIdx.x % NKV, b = ((int)blockIdx.x / NKV) % B;
     const int group = NH / NKV;
     const int k0 = kt * BN, first_qt = k0 / BM;              // query tiles first_qt..nq-1 see keys of this tile
-    const int per_head = nq - first_qt, steps = group * per_head;
+    const int steps = group * (nq - first_qt);
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -912,11 +958,15 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
             hattn_bar_init(st_full + s, 1);
             hattn_bar_init(st_empty + s, 128 * HATTN_CONSUMERS);
         }
+        for (int j = 0; j < 2 * HATTN_CONSUMERS; j++) {
+            hattn_bar_init(dq_full + j, 128);
+            hattn_bar_init(dq_empty + j, 1);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
-    if (wg == 0) {   // producer: K and V once, then (Q, dO, lse2, D) of every step
+    if (wg == 0) {   // producer: K and V once, then (Q, dO, lse2, D) of every step; and the dQ writers
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(HATTN_PRODUCER_REGS));
         if (threadIdx.x == 0) {
             hattn_bar_expect(kv_full, 2 * S::BWD_KV_BYTES);
@@ -926,7 +976,8 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
             }
             for (int i = 0; i < steps; i++) {
                 const int s = i % HATTN_BWD_STAGES;
-                const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
+                int h, qt;
+                hattn_bwd_step(i, group, kvh, nq, &h, &qt);
                 if (i >= HATTN_BWD_STAGES) hattn_bar_wait(st_empty + s, ((i / HATTN_BWD_STAGES) + 1) & 1);
                 unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
                 unsigned char* rows = smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES;
@@ -939,6 +990,28 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
                 hattn_bulk_load(rows, lse2 + row0, BM * 4, st_full + s);
                 hattn_bulk_load(rows + BM * 4, delta + row0, BM * 4, st_full + s);
             }
+        } else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= HATTN_CONSUMERS) {   // warp 1 + w: consumer w's dQ writer
+            const int w = threadIdx.x / 32 - 1;
+            int* turn = nullptr;                              // the turn counter of the last step's tile
+            for (int i = 0; i < steps; i++) {
+                const int buf = i % 2;
+                int h, qt;
+                hattn_bwd_step(i, group, kvh, nq, &h, &qt);
+                hattn_bar_wait(dq_full + 2 * w + buf, (i / 2) & 1);
+                if (i > 0) {   // the last step's add (a step ago: done by now, mostly): pass its turn on, free its tile
+                    hattn_turn_pass_after_bulk(turn);
+                    hattn_bar_arrive(dq_empty + 2 * w + 1 - buf);
+                }
+                const size_t tile = attention_dq_tile(b, h, qt, w, NH, nq);
+                turn = dq_turn + tile;
+                hattn_turn_wait(turn, kt);
+                const unsigned char* stage = smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES;
+                float* acc = dq_acc + tile * S::BWD_DQ_BYTES / 4;
+                if (kt == 0) hattn_bulk_store(acc, stage, S::BWD_DQ_BYTES);
+                else hattn_bulk_add_f32(acc, stage, S::BWD_DQ_BYTES);
+                hattn_bulk_commit();
+            }
+            hattn_turn_pass_after_bulk(turn);                 // steps >= 1: every key tile meets its diagonal query tile
         }
         return;
     }
@@ -959,7 +1032,8 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
 
     for (int i = 0; i < steps; i++) {
         const int s = i % HATTN_BWD_STAGES;
-        const int h = kvh * group + i / per_head, qt = nq - 1 - i % per_head;
+        int h, qt;
+        hattn_bwd_step(i, group, kvh, nq, &h, &qt);
         const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
         const unsigned char* q_tile = stage;
         const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
@@ -1041,16 +1115,22 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
         hattn_wgmma_wait<0>();
         hattn_fence_regs<CH * 16>(&dq[0][0][0]);
 
-        // This key tile's dQ^T tile into its slot: rows of 64 floats (the step's queries), streaming stores.
-        float* part = dq_part + (((size_t)b * NH + h) * attention_dq_slots(nq) + attention_dq_slot(qt, kt)) * HD * BM;
+        // This key tile's dQ^T into a staging tile, for the writer to add in its turn (see above).
+        const int buf = i % 2;
+        float* dq_stage = reinterpret_cast<float*>(smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES);
+        if (i >= 2) hattn_bar_wait(dq_empty + 2 * w + buf, ((i / 2) + 1) & 1);
 #pragma unroll
         for (int ch = 0; ch < CH; ch++)
 #pragma unroll
             for (int n = 0; n < 4; n++)
 #pragma unroll
-                for (int half = 0; half < 2; half++)
-                    __stcs(reinterpret_cast<float2*>(part + (64 * ch + 16 * warp + g + 8 * half) * BM + 32 * w + n * 8 + 2 * t),
-                           make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]));
+                for (int half = 0; half < 2; half++) {
+                    const int d = 64 * ch + 16 * warp + g + 8 * half, q = n * 8 + 2 * t;
+                    *reinterpret_cast<float2*>(dq_stage + d * HATTN_BWD_DQ_COLS + (q ^ attention_dq_swizzle(d))) =
+                        make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]);
+                }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
+        hattn_bar_arrive(dq_full + 2 * w + buf);
     }
     bf16* drows = dqkv + (size_t)b * T * (NH + 2 * NKV) * HD;
     const int C3 = (NH + 2 * NKV) * HD;
@@ -1059,28 +1139,20 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_part, const float* lse2, 
 #endif
 }
 
-// dQ = (sum over key tiles kt <= qt / 2, in order, of the dQ^T partials) / sqrt(HD) into the Q columns of
-// dqkv: a 64 x 64 (query x head column) tile per block, summed in registers and transposed through shared
-// memory so that both the reads and the writes are coalesced.
+// dQ = (the summed dQ^T tiles of the accumulator) / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x
+// head column) tile per block, transposed through shared memory so that both the reads and the writes are
+// coalesced.
 template <int HD>
-__global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_part, int B, int T, int NH, int NKV) {
-    constexpr int THREADS = 256, PER = 64 * 64 / THREADS;
-    __shared__ float tile[64][65];
+__global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_acc, int B, int T, int NH, int NKV) {
+    constexpr int THREADS = 256, COLS = HATTN_BWD_DQ_COLS;
+    __shared__ float tile[64][65];                            // [head column - d0][query of the tile]
     const int nq = attention_padded_T(T) / HATTN_BWD_BM;
     const int qt = blockIdx.x, d0 = blockIdx.y * 64 % HD, h = blockIdx.y * 64 / HD, b = blockIdx.z;
-    const float* src = dq_part + (((size_t)b * NH + h) * attention_dq_slots(nq) + attention_dq_slot(qt, 0)) * HD * HATTN_BWD_BM +
-                       (size_t)d0 * HATTN_BWD_BM;
-    float sum[PER];
-#pragma unroll
-    for (int e = 0; e < PER; e++) sum[e] = 0.0f;
-    for (int kt = 0; kt <= qt / 2; kt++, src += (size_t)HD * HATTN_BWD_BM)
-#pragma unroll
-        for (int e = 0; e < PER; e++) sum[e] += __ldcs(src + e * THREADS + threadIdx.x);   // element (d, q) = (i / 64, i % 64)
     const float scale = rsqrtf((float)HD);
-#pragma unroll
-    for (int e = 0; e < PER; e++) {
-        const int i = e * THREADS + threadIdx.x;
-        tile[i / 64][i % 64] = sum[e] * scale;
+    for (int i = threadIdx.x; i < HATTN_CONSUMERS * 64 * COLS; i += THREADS) {
+        const int w = i / (64 * COLS), d = d0 + i / COLS % 64, stored = i % COLS;
+        const float* src = dq_acc + attention_dq_tile(b, h, qt, w, NH, nq) * HD * COLS;
+        tile[d - d0][w * COLS + (stored ^ attention_dq_swizzle(d))] = __ldcs(src + d * COLS + stored) * scale;
     }
     __syncthreads();
     const int C3 = (NH + 2 * NKV) * HD, q0 = qt * HATTN_BWD_BM;
@@ -1182,7 +1254,9 @@ inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* do
     const size_t rows = (size_t)B * NH * Tp;
     float* lse2 = scratch;
     float* delta = lse2 + rows;
-    float* dq_part = delta + rows;
+    float* dq_acc = delta + rows;
+    int* dq_turn = reinterpret_cast<int*>(dq_acc + rows * HD);
+    cudaCheck(cudaMemsetAsync(dq_turn, 0, attention_dq_tile(B, 0, 0, 0, NH, nq) * sizeof(int), s));
     attention_backward_delta<HD>(delta, lse2, lse, dout, out, B, T, Tp, NH, s);
     static std::atomic<uint64_t> smem_set{0};
     const size_t smem = HattnSmem<HD>::BWD_BYTES;
@@ -1192,10 +1266,10 @@ inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* do
     const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_BWD_BN);
     const CUtensorMap do_map = attention_tensor_map(dout, NH * HD, T, B, HATTN_BWD_BM);
     const int blocks = ceil_div(T, HATTN_BWD_BN) * NKV * B;
-    attention_backward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(dqkv, dq_part, lse2, delta, q_map, kv_map,
+    attention_backward_hopper_kernel<HD><<<blocks, HATTN_THREADS, smem, s>>>(dqkv, dq_acc, dq_turn, lse2, delta, q_map, kv_map,
                                                                               do_map, B, T, NH, NKV);
     cudaCheckLaunch();
-    attention_backward_dq_kernel_hopper<HD><<<dim3(nq, NH * HD / 64, B), 256, 0, s>>>(dqkv, dq_part, B, T, NH, NKV);
+    attention_backward_dq_kernel_hopper<HD><<<dim3(nq, NH * HD / 64, B), 256, 0, s>>>(dqkv, dq_acc, B, T, NH, NKV);
     cudaCheckLaunch();
 }
 #endif
@@ -1223,13 +1297,13 @@ inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int
 }
 
 // Floats of scratch attention_backward needs: the mma.sync kernels use B*NH*T (D); the Hopper kernels the
-// padded lse and D rows and the FP32 dQ partials.
+// padded lse and D rows, the FP32 dQ accumulator (padded rows x HD) and its turn counters (4-byte ints).
 inline size_t attention_backward_scratch_floats(int B, int T, int NH, int HD) {
     const size_t mma = (size_t)B * NH * T;
     if (!attention_hopper_available) return mma;
     const int Tp = attention_padded_T(T);
     const size_t rows = (size_t)B * NH * Tp;
-    return std::max(mma, rows * 2 + (size_t)B * NH * attention_dq_slots(Tp / HATTN_BWD_BM) * HD * HATTN_BWD_BM);
+    return std::max(mma, rows * (2 + HD) + attention_dq_tile(B, 0, 0, 0, NH, Tp / HATTN_BWD_BM));
 }
 
 template <int HD>

@@ -1767,6 +1767,31 @@ GPU_TEST(attention_is_deterministic) {
     }
 }
 
+// The Hopper backward's blocks wait for each other (the dQ turn counters), so a grid of several waves - blocks
+// that start only when others have finished - is a case of its own; the reference is too slow at this size, so
+// the mma.sync path (checked against it above) stands in: the two differ by their BF16 roundings only (a few
+// 1e-3 each, ATTN_BF16_TOL), while a dQ tile added out of turn or lost gives errors of order 1. Two Hopper
+// runs must also give the same bits.
+GPU_TEST(attention_backward_hopper_many_waves) {
+    if (!attention_hopper_available) return;
+    for (const AttentionShape& sh : {AttentionShape{32, 1024, 8, 2, 64}, AttentionShape{8, 1024, 8, 8, 128}}) {
+        const int blocks = ceil_div(sh.T, HATTN_BWD_BN) * sh.NKV * sh.B;
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d blocks\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD, blocks);
+        AttentionRun mma(sh, ATTN_PATH_MMA);
+        mma.run_forward();
+        mma.run_backward();
+        AttentionRun hopper = mma;
+        hopper.path = ATTN_PATH_HOPPER;
+        hopper.run_backward();
+        const std::vector<double> ref = to_double(mma.dqkv);
+        expect_close("dqkv, Hopper vs mma.sync", hopper.dqkv.data(), ref.data(), ref.size(), ATTN_BF16_TOL);
+        AttentionRun again = hopper;
+        again.run_backward();
+        expect(memcmp(hopper.dqkv.data(), again.dqkv.data(), hopper.dqkv.size() * sizeof(bf16)) == 0,
+               "T=%d NH=%d NKV=%d HD=%d: two Hopper backward runs differ in dqkv", sh.T, sh.NH, sh.NKV, sh.HD);
+    }
+}
+
 // ==============================================================================================
 // 8. AdamW (adamw_fp8.cuh): host references first (a float64 AdamW, and the kernel's float32 arithmetic
 // replayed on the host from a stored state), then the tests.
