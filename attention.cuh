@@ -652,6 +652,9 @@ __device__ inline void hattn_turn_wait(const int* turn, int value) {
     } while (seen < value);
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
+// Until this thread's bulk copies have read their shared-memory sources (which may then be overwritten, or
+// freed by the block's exit; the writes complete before the kernel does).
+__device__ inline void hattn_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Pass the turn on once this thread's bulk copies have completed (their writes are done in global memory and
 // their shared-memory sources may be overwritten).
 __device__ inline void hattn_turn_pass_after_bulk(int* turn) {
@@ -992,26 +995,29 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
             }
         } else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= HATTN_CONSUMERS) {   // warp 1 + w: consumer w's dQ writer
             const int w = threadIdx.x / 32 - 1;
-            int* turn = nullptr;                              // the turn counter of the last step's tile
+            // The turn counter of the last step's tile, or null where no later key tile adds to it (query tiles
+            // 2 kt and 2 kt + 1 end with this key tile): then nobody waits, and the block's last steps are such.
+            int* pass = nullptr;
             for (int i = 0; i < steps; i++) {
                 const int buf = i % 2;
                 int h, qt;
                 hattn_bwd_step(i, group, kvh, nq, &h, &qt);
                 hattn_bar_wait(dq_full + 2 * w + buf, (i / 2) & 1);
                 if (i > 0) {   // the last step's add (a step ago: done by now, mostly): pass its turn on, free its tile
-                    hattn_turn_pass_after_bulk(turn);
+                    if (pass) hattn_turn_pass_after_bulk(pass);
+                    else hattn_bulk_wait_read();
                     hattn_bar_arrive(dq_empty + 2 * w + 1 - buf);
                 }
                 const size_t tile = attention_dq_tile(b, h, qt, w, NH, nq);
-                turn = dq_turn + tile;
-                hattn_turn_wait(turn, kt);
+                hattn_turn_wait(dq_turn + tile, kt);
+                pass = qt / 2 > kt ? dq_turn + tile : nullptr;
                 const unsigned char* stage = smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES;
                 float* acc = dq_acc + tile * S::BWD_DQ_BYTES / 4;
                 if (kt == 0) hattn_bulk_store(acc, stage, S::BWD_DQ_BYTES);
                 else hattn_bulk_add_f32(acc, stage, S::BWD_DQ_BYTES);
                 hattn_bulk_commit();
             }
-            hattn_turn_pass_after_bulk(turn);                 // steps >= 1: every key tile meets its diagonal query tile
+            hattn_bulk_wait_read();                           // the last step's tile: query tile 2 kt, nobody waits
         }
         return;
     }
