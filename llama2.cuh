@@ -21,6 +21,7 @@
 #include "dataloader.h"   // strprintf, splitmix64
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 // ----------------------------------------------------------------------------------------------
@@ -422,10 +423,24 @@ inline void embedding_backward(float* demb, const bf16* dout, const int* tokens,
 // Forward: one warp per row. Backward, with r = rstd and g = dy * w (the float64 reference in test_fp8.cu):
 //   dx_j = r g_j - (r^3 / D) x_j sum_i(g_i x_i)   added into dresid, the gradient of resid_out (which is
 //          also the gradient of resid and of branch: an add passes its gradient to both inputs)
-//   dw_j += sum_n dy_nj x_nj r_n                 without atomics: each block of RMSNORM_BWD_ROWS rows writes
-//          one row of partial sums, then one thread per column adds the partial rows up in order.
+//   dw_j += sum_n dy_nj x_nj r_n                 without atomics: each block writes one row of partial sums
+//          over its rows, then rmsnorm_dw_reduce_kernel adds the partial rows up in a fixed order.
+// The backward is one pass over memory (dy, x, dresid read once, dresid written: the floor of 4 tensor
+// passes): a block of threads holds one row at a time in registers, each thread 8 columns per 16-byte pack
+// (rmsnorm_backward_launch), sums the row's dot product across the block, then computes dx and its dw terms
+// from the same registers. The next row's loads are issued before this row's block-wide sum, so they are in
+// flight across the barrier. Blocks stride over the rows (block b: rows b, b + G, ...), G = as many blocks
+// as fit on the GPU at once but at least RMSNORM_BWD_MIN_ROWS rows each; each thread keeps the dw sums of its
+// columns in registers across its block's rows. G depends on the GPU's SM count and the kernel's occupancy,
+// so dw's float summation order (and its last bits) is fixed for a GPU model and a build, not across them.
+// Why a block per row and not a warp: at D = 2048 a warp's thread would hold 64 columns (32 registers each of
+// dy, x, dresid, twice with the next row's, and 64 dw sums: spilled), a block's 256 threads hold 8 each, so
+// 4 blocks fit an SM with 2 rows of loads in flight per thread; the price is one barrier per row, which the
+// next row's loads straddle. Why G blocks resident at once: one wave (no tail), and few partial dw rows (1b on
+// an H200: 528 x 2048 floats, 4 MiB, read back from L2 by the reduction).
 constexpr int RMSNORM_THREADS = 256;
-constexpr int RMSNORM_BWD_ROWS = 32;
+constexpr int RMSNORM_BWD_MIN_ROWS = 16;      // per block when N is small: only a block's first row waits alone
+constexpr int RMSNORM_BWD_MAX_THREADS = 256;  // a row's threads, P packs each (rmsnorm_backward_launch)
 
 // y of one element, as the forward writes it (the one formula of both the BF16 output and the fused FP8 cast).
 __device__ inline bf16 rmsnorm_value(float x, float r, float w) { return __float2bfloat16(x * r * w); }
@@ -474,49 +489,100 @@ __global__ void rmsnorm_forward_kernel(bf16* resid_out, bf16* y, float* rstd, co
     if (amax_bits) block_atomic_max(amax_bits, m);
 }
 
-__global__ void rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const bf16* dy, const bf16* x,
-                                        const float* rstd, const bf16* w, int N, int D) {
-    __shared__ float dots[RMSNORM_BWD_ROWS];   // sum_i dy_i w_i x_i of each row
-    const int row0 = blockIdx.x * RMSNORM_BWD_ROWS, rows = min(RMSNORM_BWD_ROWS, N - row0);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    for (int r = warp; r < rows; r += warps) {
-        const size_t row = (size_t)(row0 + r) * D;
-        float s = 0.0f;
-        for (int c = lane * BF16_PER_16B; c < D; c += 32 * BF16_PER_16B) {
-            Packed128<bf16> g = load128(dy + row + c), xv = load128(x + row + c), wv = load128(w + c);
-            for (int k = 0; k < BF16_PER_16B; k++) s += to_float(g.v[k]) * to_float(wv.v[k]) * to_float(xv.v[k]);
-        }
-        s = attention_warp_sum(s);
-        if (lane == 0) dots[r] = s;
-    }
-    __syncthreads();
-    // Each thread owns 8 columns, walks the block's rows in order and keeps its dw sums in registers.
-    for (int c = threadIdx.x * BF16_PER_16B; c < D; c += blockDim.x * BF16_PER_16B) {
-        Packed128<bf16> wv = load128(w + c);
-        float dw[BF16_PER_16B] = {};
-        for (int r = 0; r < rows; r++) {
-            const size_t o = (size_t)(row0 + r) * D + c;
-            const float rs = rstd[row0 + r], coef = rs * rs * rs * dots[r] / D;
-            Packed128<bf16> g = load128(dy + o), xv = load128(x + o), dr = load128(dresid + o), out;
-            for (int k = 0; k < BF16_PER_16B; k++) {
-                float gk = to_float(g.v[k]), xk = to_float(xv.v[k]);
-                float dx = rs * gk * to_float(wv.v[k]) - coef * xk;
-                out.v[k] = __float2bfloat16(to_float(dr.v[k]) + dx);
-                dw[k] += gk * xk * rs;
+// What a thread holds of one row in the RMSNorm backward: P 16-byte packs of dy, x and dresid (its columns
+// col[p], those < D), and the row's rstd.
+template <int P>
+struct RmsNormBwdRow {
+    Packed128<bf16> g[P], x[P], dr[P];
+    float r;
+    __device__ void load(const bf16* dresid, const bf16* dy, const bf16* x_in, const float* rstd, const int* col, int n, int D) {
+        const size_t row = (size_t)n * D;
+#pragma unroll
+        for (int p = 0; p < P; p++)
+            if (col[p] < D) {
+                g[p] = load128(dy + row + col[p]);
+                x[p] = load128(x_in + row + col[p]);
+                dr[p] = load128(dresid + row + col[p]);
             }
-            store128(dresid + o, out);
-        }
-        float* p = dw_partial + (size_t)blockIdx.x * D + c;
-        for (int k = 0; k < BF16_PER_16B; k++) p[k] = dw[k];
+        r = rstd[n];
     }
+};
+
+// P packs per thread, at columns 8 (threadIdx.x + p blockDim.x): every pack p of a warp is one coalesced
+// 512-byte access. At most 256 threads, with the registers of 4 / P blocks per SM for P <= 4 (the loads of
+// 1024 threads in flight at P = 1); P = 8 (rows over 8192 elements) spills some registers to local memory.
+// The row's dot product sum_i dy_i w_i x_i is summed per thread (its packs in order), per warp (a butterfly),
+// then over the warps in order: another float order than a sequential sum, within FP32 rounding of it.
+template <int P>
+__global__ void __launch_bounds__(RMSNORM_BWD_MAX_THREADS, P <= 4 ? 4 / P : 1)
+rmsnorm_backward_kernel(bf16* dresid, float* dw_partial, const bf16* dy, const bf16* x, const float* rstd, const bf16* w, int N, int D) {
+    __shared__ float warp_dots[2][RMSNORM_BWD_MAX_THREADS / 32];   // two rows' warp sums: one barrier per row
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    int col[P];
+    Packed128<bf16> wv[P];
+    float dw[P][BF16_PER_16B] = {};
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        col[p] = (threadIdx.x + p * blockDim.x) * BF16_PER_16B;
+        if (col[p] < D) wv[p] = load128(w + col[p]);
+    }
+    RmsNormBwdRow<P> cur, next;
+    int n = blockIdx.x;
+    if (n < N) cur.load(dresid, dy, x, rstd, col, n, D);
+    for (int buf = 0; n < N; n += gridDim.x, buf ^= 1) {   // n is the same in the whole block: the barrier is safe
+        if (n + (int)gridDim.x < N) next.load(dresid, dy, x, rstd, col, n + gridDim.x, D);
+        float dot = 0.0f;
+#pragma unroll
+        for (int p = 0; p < P; p++)
+            if (col[p] < D)
+                for (int k = 0; k < BF16_PER_16B; k++) dot += to_float(cur.g[p].v[k]) * to_float(wv[p].v[k]) * to_float(cur.x[p].v[k]);
+        dot = attention_warp_sum(dot);
+        if (lane == 0) warp_dots[buf][warp] = dot;
+        __syncthreads();   // warp_dots[buf] is written again two rows on, after every thread has passed the next barrier
+        dot = 0.0f;
+        for (int i = 0; i < warps; i++) dot += warp_dots[buf][i];
+        const float rs = cur.r, coef = rs * rs * rs * dot / D;
+        const size_t row = (size_t)n * D;
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            if (col[p] >= D) continue;
+            Packed128<bf16> out;
+            for (int k = 0; k < BF16_PER_16B; k++) {
+                float gk = to_float(cur.g[p].v[k]), xk = to_float(cur.x[p].v[k]);
+                float dx = rs * gk * to_float(wv[p].v[k]) - coef * xk;
+                out.v[k] = __float2bfloat16(to_float(cur.dr[p].v[k]) + dx);
+                dw[p][k] += gk * xk * rs;
+            }
+            store128(dresid + row + col[p], out);
+        }
+        cur = next;
+    }
+#pragma unroll
+    for (int p = 0; p < P; p++)
+        if (col[p] < D)
+            for (int k = 0; k < BF16_PER_16B; k++) dw_partial[(size_t)blockIdx.x * D + col[p] + k] = dw[p][k];
 }
 
+// dw[j] (+)= sum over the partial rows b of dw_partial[b, j]. A block of 32 columns x 32 slices: slice t adds
+// the rows b = t, t + 32, ... in order, then one thread per column adds the 32 slices in order: the same
+// order on every run, and 32 short chains of dependent adds per column instead of one of `blocks` adds.
+constexpr int DW_REDUCE_SLICES = 32;
 __global__ void rmsnorm_dw_reduce_kernel(float* dw, const float* dw_partial, int blocks, int D, bool accumulate) {
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= D) return;
+    __shared__ float slice_sums[DW_REDUCE_SLICES][32];
+    const int lane = threadIdx.x % 32, slice = threadIdx.x / 32, j = blockIdx.x * 32 + lane;
     float s = 0.0f;
-    for (int b = 0; b < blocks; b++) s += dw_partial[(size_t)b * D + j];
+    if (j < D)
+        for (int b = slice; b < blocks; b += DW_REDUCE_SLICES) s += dw_partial[(size_t)b * D + j];
+    slice_sums[slice][lane] = s;
+    __syncthreads();
+    if (slice != 0 || j >= D) return;
+    s = 0.0f;
+    for (int t = 0; t < DW_REDUCE_SLICES; t++) s += slice_sums[t][lane];
     dw[j] = accumulate ? dw[j] + s : s;
+}
+inline void rmsnorm_dw_reduce(float* dw, const float* dw_partial, int blocks, int D, bool accumulate, cudaStream_t s) {
+    rmsnorm_dw_reduce_kernel<<<ceil_div(D, 32), 32 * DW_REDUCE_SLICES, 0, s>>>(dw, dw_partial, blocks, D, accumulate);
+    cudaCheckLaunch();
 }
 
 // resid_out and branch: both null (y = rmsnorm(resid)) or both set (the fused residual add). y null: only
@@ -565,19 +631,48 @@ inline void rmsnorm_forward_fp8(const Fp8CastOut& o, bf16* resid_out, float* rst
     ProfileRange range(PHASE_FP8_CAST, s, "rmsnorm: cast X");
     fp8_cast_produced(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, current);
 }
-// Floats of scratch that rmsnorm_backward needs: one partial dw row per block of rows.
-inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * D; }
+// The RMSNorm backward's kernel and grid for rows of D: P packs of 8 columns per thread, the fewest of 1, 2, 4, 8
+// with at most RMSNORM_BWD_MAX_THREADS threads a row; blocks as described above rmsnorm_backward_kernel.
+struct RmsNormBwdLaunch {
+    void (*kernel)(bf16*, float*, const bf16*, const bf16*, const float*, const bf16*, int, int);
+    int threads, blocks;
+};
+inline RmsNormBwdLaunch rmsnorm_backward_launch(int N, int D) {
+    check_rows("rmsnorm_backward", D, {});
+    const int packs = D / BF16_PER_16B, max_d = 8 * RMSNORM_BWD_MAX_THREADS * BF16_PER_16B, T = RMSNORM_BWD_MAX_THREADS;
+    if (D > max_d) fail("rmsnorm_backward: rows of %d elements, more than its %d (a row is held in registers, 8 x 16 bytes a thread, "
+                        "%d threads): choose a model dim of at most %d", D, max_d, T, max_d);
+    const int P = packs <= T ? 1 : packs <= 2 * T ? 2 : packs <= 4 * T ? 4 : 8;
+    RmsNormBwdLaunch l;
+    l.kernel = P == 1 ? rmsnorm_backward_kernel<1> : P == 2 ? rmsnorm_backward_kernel<2> : P == 4 ? rmsnorm_backward_kernel<4>
+                                                                                             : rmsnorm_backward_kernel<8>;
+    l.threads = 32 * ceil_div(ceil_div(packs, P), 32);
+    // the blocks resident on an SM, asked once per device and row length (every launch needs it)
+    static std::mutex mutex;
+    static std::map<std::pair<int, int>, int> blocks_per_sm;   // (device, D) -> blocks
+    int dev;
+    cudaCheck(cudaGetDevice(&dev));
+    std::lock_guard<std::mutex> lock(mutex);
+    int& per_sm = blocks_per_sm[{dev, D}];
+    if (per_sm == 0) {
+        cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.kernel, l.threads, 0));
+        if (per_sm < 1) fail("rmsnorm_backward: no block of %d threads fits on an SM (rows of %d elements)", l.threads, D);
+    }
+    l.blocks = std::max(1, std::min(ceil_div(N, RMSNORM_BWD_MIN_ROWS), device_sm_count() * per_sm));
+    return l;
+}
+// Floats of scratch that rmsnorm_backward needs: one partial dw row per block.
+inline size_t rmsnorm_backward_scratch(int N, int D) { return (size_t)rmsnorm_backward_launch(N, D).blocks * D; }
 // dresid += dx (BF16, in place); dw += dw of these rows (FP32; accumulate false: dw = that). x is the forward's
-// input (resid_out when fused).
+// input (resid_out when fused). scratch: rmsnorm_backward_scratch(N, D) floats, on this GPU.
 inline void rmsnorm_backward(bf16* dresid, float* dw, float* scratch, const bf16* dy, const bf16* x, const float* rstd,
                              const bf16* w, int N, int D, cudaStream_t s, bool accumulate = true) {
     check_rows("rmsnorm_backward", D, {dresid, dw, scratch, dy, x, w});
     ProfileRange range(PHASE_NORM, s, "rmsnorm backward");
-    int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
-    rmsnorm_backward_kernel<<<blocks, RMSNORM_THREADS, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
+    const RmsNormBwdLaunch l = rmsnorm_backward_launch(N, D);
+    l.kernel<<<l.blocks, l.threads, 0, s>>>(dresid, scratch, dy, x, rstd, w, N, D);
     cudaCheckLaunch();
-    rmsnorm_dw_reduce_kernel<<<ceil_div(D, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, D, accumulate);
-    cudaCheckLaunch();
+    rmsnorm_dw_reduce(dw, scratch, l.blocks, D, accumulate, s);
 }
 
 // ---- RoPE, in place on the Q and K column blocks of qkv [N, (NH+2NKV)*HD] (Q heads then K heads are the
@@ -757,7 +852,7 @@ inline void qkv_clip_backward(bf16* dqkv, const uint8_t* mask, size_t n, cudaStr
 // of Q's (K's) weight sums over every token and Q (K) head. The forward keeps x (RoPE overwrites qkv) and r.
 // Both kernels: a block takes QK_NORM_TOKENS tokens and all their Q and K heads with HD threads; a warp per head
 // row reduces the row (sum of squares; sum of dy w x), then thread j does column j of every row in order. The
-// backward writes one row of dw partial sums per block [2 HD] (Q's, then K's), added up in block order by
+// backward writes one row of dw partial sums per block [2 HD] (Q's, then K's), added up in a fixed order by
 // rmsnorm_dw_reduce_kernel: no atomics, the same bits on every run.
 constexpr int QK_NORM_TOKENS = 8;
 
@@ -848,8 +943,7 @@ inline void qk_norm_backward(bf16* dqkv, float* dw, float* scratch, const bf16* 
     qk_norm_backward_kernel<<<blocks, HD, QK_NORM_TOKENS * heads * sizeof(float), s>>>(dqkv, scratch, x_saved, rstd, w, N, heads, NH, HD,
                                                                                       (NH + 2 * NKV) * HD);
     cudaCheckLaunch();
-    rmsnorm_dw_reduce_kernel<<<ceil_div(2 * HD, RMSNORM_THREADS), RMSNORM_THREADS, 0, s>>>(dw, scratch, blocks, 2 * HD, accumulate);
-    cudaCheckLaunch();
+    rmsnorm_dw_reduce(dw, scratch, blocks, 2 * HD, accumulate, s);
 }
 
 // ---- SwiGLU: out[n,j] = silu(g) * u with g = gate_up[n,j], u = gate_up[n,F+j], silu(g) = g sigmoid(g).
@@ -1130,7 +1224,7 @@ struct ModelActivations {
     bf16* dgate_up;        // [N,2F]
     bf16* dswiglu;         // [N,F]
     float* att_scratch;    // FP32, attention_backward's scratch (attention_backward_scratch_floats)
-    float* norm_scratch;   // [ceil(N/32),D] FP32, rmsnorm_backward's partial dw rows
+    float* norm_scratch;   // FP32, rmsnorm_backward's partial dw rows (rmsnorm_backward_scratch)
     float* qk_norm_scratch;   // --qk-norm: qk_norm_backward's partial dw rows
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
     bf16* dlogits;         // [chunk,V]

@@ -2742,10 +2742,14 @@ GPU_TEST(embedding_forward_backward) {
 
 GPU_TEST(rmsnorm_forward_backward) {
     struct Shape { int N, D; };
-    // rows that fill neither a forward block (8 rows) nor a backward block (32 rows); a row of 200 (25
-    // lanes of 32 busy) and one of 2056 (two passes of a 256-thread block over the columns, the second 1 wide)
+    // Rows that fill no forward block (8 rows) and split unevenly over the backward's blocks (at least 16 rows
+    // each: 37 rows over 3 blocks, 1001 over 63). Forward: 8 (one lane busy), 200 (25 lanes), 2056 (a second
+    // pass over the row, 1 lane wide). Backward (8 columns x P packs a thread, <= 256 threads): 8 and 200 (a
+    // part of one warp), 768 (3 warps), 2048 (the 1b row: 256 threads, P = 1), 2056 (P = 2 over 160 threads,
+    // the second pack in 97 of them), 4096 (P = 2, full), 4104 (P = 4), 8200 (P = 8, spilling registers).
     const float eps = 1e-5f;
-    for (const Shape& sh : {Shape{37, 200}, Shape{70, 2056}}) {
+    for (const Shape& sh : {Shape{37, 8}, Shape{37, 200}, Shape{70, 768}, Shape{1001, 2048}, Shape{70, 2056}, Shape{300, 4096},
+                            Shape{37, 4104}, Shape{37, 8200}}) {
         for (bool fused : {false, true}) {
             const int N = sh.N, D = sh.D;
             printf("  N=%d D=%d %s\n", N, D, fused ? "fused with the residual add" : "plain");
@@ -2783,11 +2787,25 @@ GPU_TEST(rmsnorm_forward_backward) {
             DeviceBuffer<float> d_dw(dw0), d_scratch(rmsnorm_backward_scratch(N, D));
             d_scratch.poison();
             rmsnorm_backward(d_dresid.ptr, d_dw.ptr, d_scratch.ptr, d_dy.ptr, d_x.ptr, d_rstd.ptr, d_w.ptr, N, D, 0);
-            std::vector<double> dx_ref((size_t)N * D), dw_ref = to_double(dw0), dyd = to_double(dy), dresid_ref = to_double(dresid0);
-            ref_rmsnorm_backward(dx_ref.data(), dw_ref.data(), dyd.data(), xd.data(), wd.data(), N, D, eps);
+            std::vector<double> dx_ref((size_t)N * D), dw_sum_ref(D, 0.0), dyd = to_double(dy), dresid_ref = to_double(dresid0);
+            ref_rmsnorm_backward(dx_ref.data(), dw_sum_ref.data(), dyd.data(), xd.data(), wd.data(), N, D, eps);
             for (size_t i = 0; i < dx_ref.size(); i++) dresid_ref[i] += dx_ref[i];
-            expect_close("dresid + dx (one BF16 rounding)", d_dresid.download().data(), dresid_ref.data(), dresid_ref.size(), MODEL_BF16_TOL);
-            expect_close("dw (accumulated, FP32)", d_dw.download().data(), dw_ref.data(), D, MODEL_FP32_TOL);
+            std::vector<double> dw_ref = to_double(dw0);
+            for (int j = 0; j < D; j++) dw_ref[j] += dw_sum_ref[j];
+            std::vector<bf16> dresid = d_dresid.download();
+            std::vector<float> dw_accumulated = d_dw.download();
+            expect_close("dresid + dx (one BF16 rounding)", dresid.data(), dresid_ref.data(), dresid_ref.size(), MODEL_BF16_TOL);
+            expect_close("dw (accumulated, FP32)", dw_accumulated.data(), dw_ref.data(), D, MODEL_FP32_TOL);
+            // accumulate = false writes dw (poisoned: never read); the same partial sums in the same order, so
+            // dw0 + that (one FP32 add, as the kernel does) is the accumulated dw bit for bit, and dresid too
+            d_dresid.upload(dresid0);
+            d_dw.poison();
+            rmsnorm_backward(d_dresid.ptr, d_dw.ptr, d_scratch.ptr, d_dy.ptr, d_x.ptr, d_rstd.ptr, d_w.ptr, N, D, 0, false);
+            std::vector<float> dw_written = d_dw.download(), dw_plus(D);
+            expect_close("dw (written, FP32)", dw_written.data(), dw_sum_ref.data(), D, MODEL_FP32_TOL);
+            for (int j = 0; j < D; j++) dw_plus[j] = dw0[j] + dw_written[j];
+            expect(model_test_same_bits(dw_plus, dw_accumulated), "dw0 + dw (written) differs from dw (accumulated): not one order of sums");
+            expect(model_test_same_bits(d_dresid.download(), dresid), "dresid differs between two runs");
         }
     }
 }
@@ -5958,6 +5976,39 @@ static void bench_fused_casts(double copy_gbs) {
         cudaCheck(cudaFree(p));
 }
 
+// rmsnorm_backward (the one-pass kernel and the dw reduction) at 16384 tokens on the presets' widths: d12 (768),
+// 1b (2048), 7b (4096). Its floor is 4 passes over [N,D] BF16 (dy, x, dresid read; dresid written) at the copy's
+// rate; GB/s counts those bytes (not the partial dw rows nor w).
+static void bench_rmsnorm_backward(double copy_gbs) {
+    const int N = 16384, widths[] = {768, 2048, 4096}, max_d = 4096;
+    const size_t nd = (size_t)N * max_d;
+    bf16 *dy, *x, *dresid, *w;
+    float *rstd, *dw, *scratch;
+    size_t scratch_floats = 0;
+    for (int D : widths) scratch_floats = std::max(scratch_floats, rmsnorm_backward_scratch(N, D));
+    cudaCheck(cudaMalloc(&dy, nd * 2));
+    cudaCheck(cudaMalloc(&x, nd * 2));
+    cudaCheck(cudaMalloc(&dresid, nd * 2));
+    cudaCheck(cudaMalloc(&w, max_d * 2));
+    cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
+    cudaCheck(cudaMalloc(&dw, max_d * sizeof(float)));
+    cudaCheck(cudaMalloc(&scratch, scratch_floats * sizeof(float)));
+    fill_random_device(dy, nd * 2, DT_BF16);
+    fill_random_device(x, nd * 2, DT_BF16);
+    fill_random_device(w, max_d * 2, DT_BF16);
+    printf("\nRMSNorm backward (dresid += dx in place, dw written), %d rows; floor: 4 passes over [N,D] BF16 (dy, x, dresid read, "
+           "dresid written) at the copy's %.0f GB/s\n", N, copy_gbs);
+    printf("%-22s %9s %9s %9s %9s\n", "shape", "ms", "GB/s", "floor ms", "vs floor");
+    for (int D : widths) {
+        cudaCheck(cudaMemset(dresid, 0, (size_t)N * D * 2));   // dresid grows by dx each run: from 0, it stays finite
+        rmsnorm_forward(nullptr, nullptr, rstd, x, nullptr, w, N, D, 1e-5f, 0);   // rstd of x's rows
+        const float ms = bench_median_ms([&] { rmsnorm_backward(dresid, dw, scratch, dy, x, rstd, w, N, D, 0, false); });
+        const double bytes = 4.0 * N * D * 2, floor_ms = bytes / copy_gbs / 1e6;
+        printf("%-22s %9.3f %9.0f %9.3f %8.2fx\n", strprintf("%d x %d", N, D).c_str(), ms, bytes / ms / 1e6, floor_ms, ms / floor_ms);
+    }
+    for (void* p : {(void*)dy, (void*)x, (void*)dresid, (void*)w, (void*)rstd, (void*)dw, (void*)scratch}) cudaCheck(cudaFree(p));
+}
+
 struct GemmShape { const char* name; int M, N, K; };
 
 static void bench_gemms(MatmulContext* ctx) {
@@ -6317,7 +6368,9 @@ static void run_benchmarks(const std::vector<std::string>& which) {
     if (want("gemm")) bench_gemms(&ctx);
     if (want("cast")) {
         bench_casts();
-        bench_fused_casts(bench_copy_gbs());
+        const double copy_gbs = bench_copy_gbs();
+        bench_fused_casts(copy_gbs);
+        bench_rmsnorm_backward(copy_gbs);
     }
     if (want("model")) {
         printf("\nModel forward+backward (one micro-batch; FLOPs = model_flops_per_token)\n");
