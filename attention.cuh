@@ -920,13 +920,13 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 // Each tile has a turn counter. A consumer stages its dQ^T in shared memory (two tiles, by turns) and goes on;
 // its writer, one thread of the producer warpgroup, waits until the counter reads kt, hands the tile to the
 // TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
-// the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for
-// blocks of lower key tiles, which never wait for it and have lower block indices: the GPU starts blocks in
-// index order, so those have an SM or are done. (CUDA does not document that order; deterministic split-K
-// GEMMs rely on it the same way. If it changed, a block could wait for one that never starts.) Every block of a (batch, KV head) visits the (query tile, head) pairs in the
-// same order, starting from the same pair, so a block finds its turn ready or one step away; visiting the
-// heads in the outer loop instead (each block's query tiles of a head, then the next head) let key tile kt
-// fall 2 kt steps further behind at every head. attention_backward_dq_kernel_hopper turns the accumulator into
+// the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for blocks of
+// lower key tiles, which never wait for it and have lower block indices: the GPU starts blocks in index
+// order, so those have an SM or are done. (CUDA does not document that order; deterministic split-K GEMMs
+// rely on it the same way. If it changed, a block could wait for one that never starts.) Every block of a
+// (batch, KV head) visits the (query tile, head) pairs in the same order, starting from the same pair, so a
+// block finds its turn ready or one step away; visiting the heads in the outer loop instead (each block's
+// query tiles of a head, then the next head) let key tile kt fall 2 kt steps further behind at every head. attention_backward_dq_kernel_hopper turns the accumulator into
 // the BF16 dQ. The alternatives measured on this kernel cost more (H200, 1b shape, backward 282 TFLOP/s with
 // this scheme): a dQ^T tile of each step in its own slot, summed in key-tile order by a later kernel (1.1 GB
 // written and read back for the 1b preset, 251); the consumer thread waiting for the turn itself (203);
