@@ -926,12 +926,13 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 // rely on it the same way. If it changed, a block could wait for one that never starts.) Every block of a
 // (batch, KV head) visits the (query tile, head) pairs in the same order, starting from the same pair, so a
 // block finds its turn ready or one step away; visiting the heads in the outer loop instead (each block's
-// query tiles of a head, then the next head) let key tile kt fall 2 kt steps further behind at every head. attention_backward_dq_kernel_hopper turns the accumulator into
-// the BF16 dQ. The alternatives measured on this kernel cost more (H200, 1b shape, backward 282 TFLOP/s with
-// this scheme): a dQ^T tile of each step in its own slot, summed in key-tile order by a later kernel (1.1 GB
-// written and read back for the 1b preset, 251); the consumer thread waiting for the turn itself (203);
-// FP32 atomics from registers, or from a dQ-writer warp (bound by L2 atomics); recomputing S and dP in a
-// separate dQ kernel (7 products instead of 5, the mma.sync path).
+// query tiles of a head, then the next head) let key tile kt fall 2 kt steps further behind at every head.
+// attention_backward_dq_kernel_hopper turns the accumulator into the BF16 dQ. The alternatives measured on
+// this kernel cost more (H200, 1b shape, backward 282 TFLOP/s with this scheme): a dQ^T tile of each step in
+// its own slot, summed in key-tile order by a later kernel (1.1 GB written and read back for the 1b preset,
+// 251); the consumer thread waiting for the turn itself (203); FP32 atomics from registers, or from a
+// dQ-writer warp (bound by L2 atomics); recomputing S and dP in a separate dQ kernel (7 products instead of 5,
+// the mma.sync path).
 template <int HD>
 __global__ void __launch_bounds__(HATTN_THREADS, 1)
 attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const float* lse2, const float* delta,
