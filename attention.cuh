@@ -720,11 +720,11 @@ __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b)
 }
 #endif   // __CUDA_ARCH__
 
-// ---- Hopper forward. One block per (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers; longest rows first over the
-// whole grid; heads of one KV group are neighbours in the grid, so their K/V tiles come from L2. Consumer c
-// owns query rows 64c..64c+63 of the tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major), online
-// softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then O += P V
-// (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
+// ---- Hopper forward. One block per (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers;
+// longest rows first over the whole grid; heads of one KV group are neighbours in the grid, so their K/V tiles
+// come from L2. Consumer c owns query rows 64c..64c+63 of the tile. Per K/V tile: S = Q K^T (wgmma, both
+// operands K-major), online softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal
+// tile), then O += P V (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
 template <int HD>
 __global__ void __launch_bounds__(128 * (1 + hattn_fwd_consumers<HD>()), 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
