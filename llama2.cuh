@@ -1402,11 +1402,15 @@ inline bool model_layer_fp8(const Model* m, int l) {
     return BUILD_FP8 && m->fp8_options.enabled && (m->fp8_options.all_layers || (l != 0 && l != m->config.n_layers - 1));
 }
 
-// Where linear parameter `param` sits in ModelFp8's per-linear tables: 4 l + k, k in the order of layer_linears.
+// Where linear parameter `param` sits in ModelFp8's per-linear tables: 4 l + k, k its place in layer_linears
+// (the one list of a layer's linears and their order).
 inline int model_linear_index(const Model* m, int param) {
-    const ParamPlace at = param_place(m->config, param);
-    const int k = at.kind == WQKV ? 0 : at.kind == WO ? 1 : at.kind == W_GATE_UP ? 2 : 3;
-    return at.layer * LINEARS_PER_LAYER + k;
+    const int l = param_place(m->config, param).layer;
+    if (l < 0) fail("model_linear_index: parameter %d is not in a decoder layer", param);
+    const auto linears = layer_linears(m->layers[l]);
+    for (int k = 0; k < (int)linears.size(); k++)
+        if (linears[k]->index == param) return l * LINEARS_PER_LAYER + k;
+    fail("model_linear_index: parameter %d of layer %d is not one of its linears", param, l);
 }
 // The FP8 linear of parameter `param`, or nullptr when it is a BF16 one (every one in the BF16 build).
 inline Fp8Linear* model_fp8_linear(Model* m, int param) {
