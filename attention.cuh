@@ -20,6 +20,7 @@
 #pragma once
 #include "fp8_kernels.cuh"
 #include <atomic>
+#include <type_traits>
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
 #include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 
@@ -1039,47 +1040,82 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
     hattn_bar_wait(kv_full, 0);
 
-    for (int i = 0; i < steps; i++) {
+    // S^T = K Q^T and dP^T = V dO^T of step i into st, dpt (issued and committed, not waited for).
+    float st[BM / 8][4], dpt[BM / 8][4];
+    auto issue_scores = [&](int i) {
         const int s = i % HATTN_BWD_STAGES;
-        int h, qt;
-        hattn_bwd_step(i, group, kvh, nq, &h, &qt);
         const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
-        const unsigned char* q_tile = stage;
-        const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
-        const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
-        const float* delta_q = lse_q + BM;
         hattn_bar_wait(st_full + s, (i / HATTN_BWD_STAGES) & 1);
-
-        float st[BM / 8][4], dpt[BM / 8][4];
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
             const int ch = kk / 4, off = (kk % 4) * 32;
             const int krow = ch * S::chunk(BN) + 64 * w * 128 + off;
             hattn_wgmma_ss<BM, 0, 0>(&st[0][0], hattn_desc(k_tile + krow, 1024, HATTN_SW128),
-                                     hattn_desc(q_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+                                     hattn_desc(stage + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
             hattn_wgmma_ss<BM, 0, 0>(&dpt[0][0], hattn_desc(v_tile + krow, 1024, HATTN_SW128),
-                                     hattn_desc(do_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+                                     hattn_desc(stage + S::BWD_Q_BYTES + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
         }
         hattn_wgmma_commit();
+    };
+    // Step i's dQ^T (complete in dq) into a staging tile, for the writer to add in its turn (see above).
+    float dq[CH][4][4];                                          // dQ^T: rows HD (per chunk 64), columns 32 queries
+    auto stage_dq = [&](int i) {
+        const int buf = i % 2;
+        float* dq_stage = reinterpret_cast<float*>(smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES);
+        if (i >= 2) hattn_bar_wait(dq_empty + 2 * w + buf, ((i / 2) + 1) & 1);
+#pragma unroll
+        for (int ch = 0; ch < CH; ch++)
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int d = 64 * ch + 16 * warp + g + 8 * half, q = n * 8 + 2 * t;
+                    *reinterpret_cast<float2*>(dq_stage + d * HATTN_BWD_DQ_COLS + (q ^ attention_dq_swizzle(d))) =
+                        make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]);
+                }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
+        hattn_bar_arrive(dq_full + 2 * w + buf);
+    };
+
+    // overlap_dq: step i + 1's scores are issued right after step i's dQ^T product, before that is waited for, so
+    // the tensor cores compute them while this consumer stages dQ^T. At HD = 128 the registers do not hold both
+    // (dK and dV alone take 128 a thread): the scores are issued at the top of their own step. A wait for a wgmma
+    // inside a branch makes ptxas serialize every wgmma (its warning C7518), hence the last step is a separate
+    // instance (is_last, a type) instead of a test.
+    constexpr bool overlap_dq = HD == 64;
+    auto backward_step = [&](int i, auto is_last) {
+        constexpr bool issue_next = overlap_dq && !decltype(is_last)::value;
+        const int s = i % HATTN_BWD_STAGES;
+        int h, qt;
+        hattn_bwd_step(i, group, kvh, nq, &h, &qt);
+        if (!overlap_dq) issue_scores(i);
+        const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
+        const unsigned char* q_tile = stage;
+        const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
+        const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
+        const float* delta_q = lse_q + BM;
         hattn_wgmma_wait<0>();
         hattn_fence_regs<BM / 2>(&st[0][0]);
         hattn_fence_regs<BM / 2>(&dpt[0][0]);
 
         const bool diagonal = qt * BM < key_base - 16 * warp + 64;   // some query row of the step precedes a key
+        // P^T and dS^T into registers of their own: with overlap_dq, a non-wgmma write to st or dpt (accumulators of
+        // the next step's scores) would make ptxas serialize every wgmma (its warning C7515).
+        float pt[BM / 8][4], dst[BM / 8][4];
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = key_base + g + 8 * (e / 2), col = n * 8 + 2 * t + e % 2;
                 const float p = (!diagonal || key <= qt * BM + col) ? attention_exp2(fmaf(st[n][e], scale_log2, -lse_q[col])) : 0.0f;
-                st[n][e] = p;                                    // P^T
-                dpt[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
+                pt[n][e] = p;                                    // P^T
+                dst[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
             }
         }
         uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-        attention_pack_a(pa, st);
-        attention_pack_a(dsa, dpt);
+        attention_pack_a(pa, pt);
+        attention_pack_a(dsa, dst);
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++) {   // 16 query rows per step
@@ -1112,7 +1148,6 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         hattn_bar_arrive(st_empty + s);                          // Q and dO of this stage are no longer read
         hattn_sync(1, 128 * HATTN_CONSUMERS);                    // both halves of dS^T are written
 
-        float dq[CH][4][4];                                      // dQ^T: rows HD (per chunk 64), columns 32 queries
         hattn_wgmma_fence();
 #pragma unroll
         for (int ch = 0; ch < CH; ch++)
@@ -1121,26 +1156,18 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
                 hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], hattn_desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128),
                                          hattn_desc(ds + w * (BN * 64) + kk * 16 * 64, 512, HATTN_SW64), kk > 0);
         hattn_wgmma_commit();
-        hattn_wgmma_wait<0>();
+        if constexpr (issue_next) {
+            issue_scores(i + 1);
+            hattn_wgmma_wait<1>();                               // groups complete in order: this dQ^T first
+        } else {
+            hattn_wgmma_wait<0>();
+        }
         hattn_fence_regs<CH * 16>(&dq[0][0][0]);
-
-        // This key tile's dQ^T into a staging tile, for the writer to add in its turn (see above).
-        const int buf = i % 2;
-        float* dq_stage = reinterpret_cast<float*>(smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES);
-        if (i >= 2) hattn_bar_wait(dq_empty + 2 * w + buf, ((i / 2) + 1) & 1);
-#pragma unroll
-        for (int ch = 0; ch < CH; ch++)
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-#pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const int d = 64 * ch + 16 * warp + g + 8 * half, q = n * 8 + 2 * t;
-                    *reinterpret_cast<float2*>(dq_stage + d * HATTN_BWD_DQ_COLS + (q ^ attention_dq_swizzle(d))) =
-                        make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]);
-                }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
-        hattn_bar_arrive(dq_full + 2 * w + buf);
-    }
+        stage_dq(i);
+    };
+    if (overlap_dq) issue_scores(0);
+    for (int i = 0; i < steps - 1; i++) backward_step(i, std::false_type());
+    backward_step(steps - 1, std::true_type());
     bf16* drows = dqkv + (size_t)b * T * (NH + 2 * NKV) * HD;
     const int C3 = (NH + 2 * NKV) * HD;
     attention_store_strip<HD>(drows + (NH + kvh) * HD, C3, key_base, T, dk, scale, lane);
