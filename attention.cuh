@@ -541,7 +541,8 @@ constexpr int HATTN_PRODUCER_REGS = 24;
 // (setmaxnreg takes multiples of 8): 2 -> 240, 3 -> 160.
 constexpr int hattn_consumer_regs(int nc) { return (65536 / 128 - HATTN_PRODUCER_REGS) / nc / 8 * 8; }
 // mbarrier stages of K/V (forward) and of Q/dO (backward). H200, forward at D = 128, T = 2048: 2 -> 3 stages
-// 402 -> 417 TFLOP/s; the backward at the same shape ran slower with 3 (274 -> 265).
+// 402 -> 417 TFLOP/s; the backward at the same shape ran slower with 3 (274 -> 265), and at the 1b shape
+// (D = 64, next scores overlapping dQ^T) no faster (295 -> 289-293).
 constexpr int HATTN_FWD_STAGES = 3, HATTN_BWD_STAGES = 2;
 // Forward consumer warpgroups (64 query rows each): at HD = 64 three fit in registers (O 32 + S 64 + P 32 floats
 // a thread under 160), so a K/V tile serves 192 rows; at HD = 128 two (O alone is 64 floats). H200, 1b shape:
@@ -914,7 +915,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
 //   dS^T -> shared memory; dQ^T = K^T dS^T    (A = K MN-major, B = dS^T MN-major; consumer w takes query
 //                                              columns 32w..32w+31 of the step, all HD rows)
-// That is the 5-GEMM algorithm: nothing is recomputed.
+// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 a consumer issues the next step's S^T and dP^T
+// right after this step's dQ^T and stages dQ^T while the tensor cores run them (overlap_dq below; H200, 1b
+// shape: backward 280 -> 295 TFLOP/s).
 //
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
 // (query tile, head, consumer) receives key tile 0's dQ^T as a copy, then key tile 1's as an add, and so on.
