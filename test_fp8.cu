@@ -1767,21 +1767,30 @@ GPU_TEST(attention_is_deterministic) {
     }
 }
 
-// The Hopper backward's blocks wait for each other (the dQ turn counters), so a grid of several waves - blocks
-// that start only when others have finished - is a case of its own; the reference is too slow at this size, so
-// the mma.sync path (checked against it above) stands in: the two differ by their BF16 roundings only (a few
-// 1e-3 each, ATTN_BF16_TOL), while a dQ tile added out of turn or lost gives errors of order 1. Two Hopper
-// runs must also give the same bits.
-GPU_TEST(attention_backward_hopper_many_waves) {
+// Grids of many tiles are cases of their own for the Hopper kernels: the backward's blocks wait for each other
+// (the dQ turn counters) across several waves, and each persistent forward block walks many work tiles, its
+// barrier phases and turn ring running on from tile to tile. The reference is too slow at this size, so the
+// mma.sync path (checked against it above) stands in: the two differ by their BF16 roundings only (a few 1e-3
+// each, ATTN_BF16_TOL), while a dQ tile added out of turn or lost, or a tile of O computed from another tile's
+// Q, K or V, gives errors of order 1. Two Hopper backward runs must also give the same bits.
+GPU_TEST(attention_hopper_many_waves) {
     if (!attention_hopper_available) return;
     for (const AttentionShape& sh : {AttentionShape{32, 1024, 8, 2, 64}, AttentionShape{8, 1024, 8, 8, 128}}) {
         const int blocks = ceil_div(sh.T, HATTN_BWD_BN) * sh.NKV * sh.B;
-        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d blocks\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD, blocks);
+        const int tiles = ceil_div(sh.T, sh.HD == 64 ? HattnSmem<64>::FWD_BM : HattnSmem<128>::FWD_BM) * sh.NH * sh.B;
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d forward tiles, %d backward blocks\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD, tiles, blocks);
         AttentionRun mma(sh, ATTN_PATH_MMA);
         mma.run_forward();
         mma.run_backward();
         AttentionRun hopper = mma;
         hopper.path = ATTN_PATH_HOPPER;
+        hopper.run_forward();
+        expect_close("out, Hopper vs mma.sync", hopper.out.data(), to_double(mma.out).data(), mma.out.size(), ATTN_BF16_TOL);
+        // each path's lse lies within ATTN_LSE_TOL of the float64 reference (the tests above), so within twice that of the other
+        expect_close("lse, Hopper vs mma.sync", hopper.lse.data(), std::vector<double>(mma.lse.begin(), mma.lse.end()).data(),
+                     mma.lse.size(), 2 * ATTN_LSE_TOL);
+        hopper.out = mma.out;                                   // the backward of both paths from the same O and lse
+        hopper.lse = mma.lse;
         hopper.run_backward();
         const std::vector<double> ref = to_double(mma.dqkv);
         expect_close("dqkv, Hopper vs mma.sync", hopper.dqkv.data(), ref.data(), ref.size(), ATTN_BF16_TOL);
