@@ -1206,16 +1206,16 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         fence_scores();
         grads_of_scores(0);
         for (int i = 0; i < steps - 1; i++) {                    // pending: dV, dK of step i
-            issue_scores(i + 1);
             issue_dq(i);
-            hattn_wgmma_wait<1>();                               // dV, dK of step i; S^T, dP^T of step i + 1
+            issue_scores(i + 1);
+            hattn_wgmma_wait<1>();                               // dV, dK and dQ^T of step i
             fence_grads();
-            fence_scores();
-            hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
-            grads_of_scores(i + 1);
-            hattn_wgmma_wait<1>();                               // dQ^T of step i
             hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+            hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
             stage_dq(i);
+            hattn_wgmma_wait<0>();                               // S^T, dP^T of step i + 1
+            fence_scores();
+            grads_of_scores(i + 1);
         }
         issue_dq(steps - 1);
         hattn_wgmma_wait<0>();
