@@ -20,7 +20,6 @@
 #pragma once
 #include "fp8_kernels.cuh"
 #include <atomic>
-#include <type_traits>
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
 #include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 
@@ -949,9 +948,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
 //   dS^T -> shared memory; dQ^T = K^T dS^T    (A = K MN-major, B = dS^T MN-major; consumer w takes query
 //                                              columns 32w..32w+31 of the step, all HD rows)
-// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 a consumer issues the next step's S^T and dP^T
-// right after this step's dQ^T and stages dQ^T while the tensor cores run them (overlap_dq below; H200, 1b
-// shape: backward 280 -> 295 TFLOP/s).
+// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 the products of consecutive steps are
+// pipelined, so that the tensor cores run a step's dQ^T while the consumer computes the next step's P^T and dS^T
+// (below).
 //
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
 // (query tile, head, consumer) receives key tile 0's dQ^T as a copy, then key tile 1's as an add, and so on.
@@ -1115,30 +1114,20 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         hattn_bar_arrive(dq_full + 2 * w + buf);
     };
 
-    // overlap_dq: step i + 1's scores are issued right after step i's dQ^T product, before that is waited for, so
-    // the tensor cores compute them while this consumer stages dQ^T. At HD = 128 the registers do not hold both
-    // (dK and dV alone take 128 a thread): the scores are issued at the top of their own step. A wait for a wgmma
-    // inside a branch makes ptxas serialize every wgmma (its warning C7518), hence the last step is a separate
-    // instance (is_last, a type) instead of a test.
-    constexpr bool overlap_dq = HD == 64;
-    auto backward_step = [&](int i, auto is_last) {
-        constexpr bool issue_next = overlap_dq && !decltype(is_last)::value;
+    // Step i's P^T = exp2(S^T scale_log2 - lse2) and dS^T = P^T * (dP^T - D) (its scores complete in st, dpt);
+    // issues and commits dV += P^T dO, dK += dS^T Q (not waited for: pa and dsa stay untouched until then) and
+    // writes dS^T to shared memory for the dQ^T product.
+    uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+    auto grads_of_scores = [&](int i) {
         const int s = i % HATTN_BWD_STAGES;
         int h, qt;
         hattn_bwd_step(i, group, kvh, nq, &h, &qt);
-        if (!overlap_dq) issue_scores(i);
         const unsigned char* stage = smem + S::BWD_STAGE + s * S::BWD_STAGE_BYTES;
         const unsigned char* q_tile = stage;
         const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
         const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
         const float* delta_q = lse_q + BM;
-        hattn_wgmma_wait<0>();
-        hattn_fence_regs<BM / 2>(&st[0][0]);
-        hattn_fence_regs<BM / 2>(&dpt[0][0]);
-
         const bool diagonal = qt * BM < key_base - 16 * warp + 64;   // some query row of the step precedes a key
-        // P^T and dS^T into registers of their own: with overlap_dq, a non-wgmma write to st or dpt (accumulators of
-        // the next step's scores) would make ptxas serialize every wgmma (its warning C7515).
         float pt[BM / 8][4], dst[BM / 8][4];
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -1150,7 +1139,6 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
                 dst[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
             }
         }
-        uint32_t pa[BM / 16][4], dsa[BM / 16][4];
         attention_pack_a(pa, pt);
         attention_pack_a(dsa, dst);
         hattn_wgmma_fence();
@@ -1167,6 +1155,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
 
         // dS^T (bf16) into shared memory while those run: two blocks of 32 query columns, each [128 keys x 64
         // bytes] with the 64-byte swizzle (chunk c of row r at c ^ ((r / 2) % 4)), the layout wgmma reads below.
+        // The last reader of this buffer, both consumers' dQ^T of step i - 2, completed before barrier i - 1.
         unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -1179,12 +1168,12 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
-        hattn_wgmma_wait<0>();
-        hattn_fence_regs<HD / 2>(&dv[0][0]);
-        hattn_fence_regs<HD / 2>(&dk[0][0]);
-        hattn_bar_arrive(st_empty + s);                          // Q and dO of this stage are no longer read
+    };
+    // Once both consumers have written step i's dS^T: dQ^T = K^T dS^T for this consumer's 32 query columns into dq
+    // (issued and committed, not waited for).
+    auto issue_dq = [&](int i) {
+        const unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
         hattn_sync(1, 128 * HATTN_CONSUMERS);                    // both halves of dS^T are written
-
         hattn_wgmma_fence();
 #pragma unroll
         for (int ch = 0; ch < CH; ch++)
@@ -1193,18 +1182,62 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
                 hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], hattn_desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128),
                                          hattn_desc(ds + w * (BN * 64) + kk * 16 * 64, 512, HATTN_SW64), kk > 0);
         hattn_wgmma_commit();
-        if constexpr (issue_next) {
-            issue_scores(i + 1);
-            hattn_wgmma_wait<1>();                               // groups complete in order: this dQ^T first
-        } else {
-            hattn_wgmma_wait<0>();
-        }
-        hattn_fence_regs<CH * 16>(&dq[0][0][0]);
-        stage_dq(i);
     };
-    if (overlap_dq) issue_scores(0);
-    for (int i = 0; i < steps - 1; i++) backward_step(i, std::false_type());
-    backward_step(steps - 1, std::true_type());
+    auto fence_grads = [&] {
+        hattn_fence_regs<HD / 2>(&dv[0][0]);
+        hattn_fence_regs<HD / 2>(&dk[0][0]);
+    };
+    auto fence_scores = [&] {
+        hattn_fence_regs<BM / 2>(&st[0][0]);
+        hattn_fence_regs<BM / 2>(&dpt[0][0]);
+    };
+
+    if constexpr (HD == 64) {
+        // The products of a step are pipelined with the next step's: the tensor cores get step i's dV and dK, step
+        // i + 1's S^T and dP^T and step i's dQ^T back to back, and run dQ^T while this consumer computes step
+        // i + 1's P^T and dS^T. wait<N> waits until at most the N newest committed groups are pending. ptxas
+        // tracks these counts only for groups committed in the same loop iteration (a wait<1> at the top of the
+        // loop for scores committed in the previous one made it serialize every wgmma: C7514), so an iteration
+        // begins where only one group, step i's dV and dK, is pending. At HD = 128 the registers do not hold this
+        // (dK and dV alone take 128 a thread).
+        fence_grads();                                           // dK, dV = 0 written before the wgmma fences
+        issue_scores(0);
+        hattn_wgmma_wait<0>();
+        fence_scores();
+        grads_of_scores(0);
+        for (int i = 0; i < steps - 1; i++) {                    // pending: dV, dK of step i
+            issue_dq(i);
+            issue_scores(i + 1);
+            hattn_wgmma_wait<1>();                               // dV, dK and dQ^T of step i
+            fence_grads();
+            hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+            hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
+            stage_dq(i);
+            hattn_wgmma_wait<0>();                               // S^T, dP^T of step i + 1
+            fence_scores();
+            grads_of_scores(i + 1);
+        }
+        issue_dq(steps - 1);
+        hattn_wgmma_wait<0>();
+        fence_grads();
+        hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+        hattn_bar_arrive(st_empty + (steps - 1) % HATTN_BWD_STAGES);
+        stage_dq(steps - 1);
+    } else {
+        for (int i = 0; i < steps; i++) {                       // each product waited for in turn
+            issue_scores(i);
+            hattn_wgmma_wait<0>();
+            fence_scores();
+            grads_of_scores(i);
+            hattn_wgmma_wait<0>();
+            fence_grads();
+            hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
+            issue_dq(i);
+            hattn_wgmma_wait<0>();
+            hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+            stage_dq(i);
+        }
+    }
     bf16* drows = dqkv + (size_t)b * T * (NH + 2 * NKV) * HD;
     const int C3 = (NH + 2 * NKV) * HD;
     attention_store_strip<HD>(drows + (NH + kvh) * HD, C3, key_base, T, dk, scale, lane);
