@@ -948,8 +948,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
 //   dS^T -> shared memory; dQ^T = K^T dS^T    (A = K MN-major, B = dS^T MN-major; consumer w takes query
 //                                              columns 32w..32w+31 of the step, all HD rows)
-// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 the products of consecutive steps are
-// pipelined, so that the tensor cores run a step's dQ^T while the consumer computes the next step's P^T and dS^T
+// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 the products of consecutive steps overlap
 // (below).
 //
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
@@ -1193,13 +1192,16 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
     };
 
     if constexpr (HD == 64) {
-        // The products of a step are pipelined with the next step's: the tensor cores get step i's dV and dK, step
-        // i + 1's S^T and dP^T and step i's dQ^T back to back, and run dQ^T while this consumer computes step
-        // i + 1's P^T and dS^T. wait<N> waits until at most the N newest committed groups are pending. ptxas
-        // tracks these counts only for groups committed in the same loop iteration (a wait<1> at the top of the
-        // loop for scores committed in the previous one made it serialize every wgmma: C7514), so an iteration
-        // begins where only one group, step i's dV and dK, is pending. At HD = 128 the registers do not hold this
-        // (dK and dV alone take 128 a thread).
+        // The products of consecutive steps overlap: step i's dV and dK run while this consumer writes dS^T and
+        // meets the other at the barrier; step i's dQ^T and step i + 1's S^T and dP^T queue behind them, and dQ^T
+        // is staged while the scores run. wait<N> waits until at most the N newest committed groups are pending;
+        // ptxas tracks these counts only for groups committed in the same loop iteration (a wait<1> at the top of
+        // the loop for groups of the previous iteration made it serialize every wgmma: C7514), so an iteration
+        // begins where one group, step i's dV and dK, is pending. H200, 1b shape: backward 290 -> 313-315 TFLOP/s
+        // (the dK and dV waited for before the barrier, dQ^T then the next scores). The next scores queued before
+        // dQ^T instead, so that dQ^T would run while this consumer computes the next P^T and dS^T, measured 284-286
+        // against 291-294: dQ^T, which the next key tile's block waits for (turns), comes later. ptxas spills 28
+        // bytes here. At HD = 128 the registers do not hold this (dK and dV alone take 128 a thread).
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
