@@ -633,6 +633,12 @@ __device__ inline void hattn_bulk_load(void* dst, const void* src, uint32_t byte
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  ::"r"(attention_smem_addr(dst)), "l"(src), "r"(bytes), "r"(attention_smem_addr(bar)) : "memory");
 }
+// The dynamic shared memory from its first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes).
+// An offset from the array, not an integer round trip: the compiler then still knows the pointer is shared
+// memory and accesses through it are LDS/STS (through an integer they were generic loads and stores).
+__device__ inline unsigned char* hattn_smem_base(unsigned char* raw) {
+    return raw + ((1024 - (attention_smem_addr(raw) & 1023)) & 1023);
+}
 // Named barrier over `count` threads (id 0 is __syncthreads).
 __device__ inline void hattn_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ inline void hattn_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
@@ -740,7 +746,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     typedef HattnSmem<HD> S;
     constexpr int CH = S::CH, BN = HATTN_FWD_BN, NC = hattn_fwd_consumers<HD>(), BM = S::FWD_BM, QB = hattn_fwd_q_bufs<HD>();
     extern __shared__ unsigned char hattn_smem_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(hattn_smem_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* smem = hattn_smem_base(hattn_smem_raw);
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::FWD_BAR);
     uint64_t* q_full = bars;                                  // per Q buffer: full, empty; then per stage:
     uint64_t* q_empty = q_full + QB;                          // K full, K empty, V full, V empty
@@ -978,7 +984,7 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
     typedef HattnSmem<HD> S;
     constexpr int CH = S::CH, BM = HATTN_BWD_BM, BN = HATTN_BWD_BN;
     extern __shared__ unsigned char hattn_smem_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(hattn_smem_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* smem = hattn_smem_base(hattn_smem_raw);
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BWD_BAR);
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
@@ -1130,12 +1136,15 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         float pt[BM / 8][4], dst[BM / 8][4];
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
+            const float2 lse_n = *reinterpret_cast<const float2*>(lse_q + n * 8 + 2 * t);   // columns 2t, 2t + 1
+            const float2 delta_n = *reinterpret_cast<const float2*>(delta_q + n * 8 + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = key_base + g + 8 * (e / 2), col = n * 8 + 2 * t + e % 2;
-                const float p = (!diagonal || key <= qt * BM + col) ? attention_exp2(fmaf(st[n][e], scale_log2, -lse_q[col])) : 0.0f;
+                const float lse_c = e % 2 ? lse_n.y : lse_n.x, delta_c = e % 2 ? delta_n.y : delta_n.x;
+                const float p = (!diagonal || key <= qt * BM + col) ? attention_exp2(fmaf(st[n][e], scale_log2, -lse_c)) : 0.0f;
                 pt[n][e] = p;                                    // P^T
-                dst[n][e] = p * (dpt[n][e] - delta_q[col]);      // dS^T
+                dst[n][e] = p * (dpt[n][e] - delta_c);           // dS^T
             }
         }
         attention_pack_a(pa, pt);
