@@ -684,6 +684,13 @@ __device__ inline uint64_t hattn_desc(const void* smem, uint32_t sbo_bytes, uint
     return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo_bytes >> 4) << 32) | ((uint64_t)swizzle << 62);
 }
 
+// The descriptor of the matrix `bytes` (a multiple of 16) further on in shared memory than base_desc's: one add
+// to the start address field, which cannot carry out of it (shared addresses are below 2^18). Descriptors built
+// from one base per kernel cost an add each, instead of hattn_desc's conversion, mask and shifts per wgmma.
+__device__ inline uint64_t hattn_desc_at(uint64_t base_desc, uint32_t bytes) {
+    return (base_desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)base_desc + (bytes >> 4));
+}
+
 __device__ inline void hattn_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void hattn_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -747,6 +754,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     constexpr int CH = S::CH, BN = HATTN_FWD_BN, NC = hattn_fwd_consumers<HD>(), BM = S::FWD_BM, QB = hattn_fwd_q_bufs<HD>();
     extern __shared__ unsigned char hattn_smem_raw[];
     unsigned char* smem = hattn_smem_base(hattn_smem_raw);
+    const uint64_t sw128 = hattn_desc(smem, 1024, HATTN_SW128);   // every operand tile: 128-byte swizzle, 8 rows = 1024 bytes
+    auto desc = [&](const unsigned char* tile) { return hattn_desc_at(sw128, (uint32_t)(tile - smem)); };
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::FWD_BAR);
     uint64_t* q_full = bars;                                  // per Q buffer: full, empty; then per stage:
     uint64_t* q_empty = q_full + QB;                          // K full, K empty, V full, V empty
@@ -846,8 +855,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
                 const int ch = kk / 4, off = (kk % 4) * 32;
-                hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], hattn_desc(q_tile + ch * S::chunk(BM) + off, 1024, HATTN_SW128),
-                                         hattn_desc(k_tile + ch * S::chunk(BN) + off, 1024, HATTN_SW128), kk > 0);
+                hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], desc(q_tile + ch * S::chunk(BM) + off),
+                                         desc(k_tile + ch * S::chunk(BN) + off), kk > 0);
             }
             hattn_wgmma_commit();
         };
@@ -873,7 +882,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
 #pragma unroll
                 for (int ch = 0; ch < CH; ch++)
-                    hattn_wgmma_rs64<1>(&o[8 * ch][0], pa[kk], hattn_desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128));
+                    hattn_wgmma_rs64<1>(&o[8 * ch][0], pa[kk], desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128));
             hattn_wgmma_commit();
         };
 
@@ -985,6 +994,9 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
     constexpr int CH = S::CH, BM = HATTN_BWD_BM, BN = HATTN_BWD_BN;
     extern __shared__ unsigned char hattn_smem_raw[];
     unsigned char* smem = hattn_smem_base(hattn_smem_raw);
+    const uint64_t sw128 = hattn_desc(smem, 1024, HATTN_SW128);   // every operand tile: 128-byte swizzle, 8 rows = 1024 bytes
+    auto desc = [&](const unsigned char* tile) { return hattn_desc_at(sw128, (uint32_t)(tile - smem)); };
+    const uint64_t sw64 = hattn_desc(smem, 512, HATTN_SW64);      // dS^T: 64-byte swizzle, 8 rows = 512 bytes
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BWD_BAR);
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
@@ -1092,10 +1104,10 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         for (int kk = 0; kk < HD / 16; kk++) {
             const int ch = kk / 4, off = (kk % 4) * 32;
             const int krow = ch * S::chunk(BN) + 64 * w * 128 + off;
-            hattn_wgmma_ss<BM, 0, 0>(&st[0][0], hattn_desc(k_tile + krow, 1024, HATTN_SW128),
-                                     hattn_desc(stage + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
-            hattn_wgmma_ss<BM, 0, 0>(&dpt[0][0], hattn_desc(v_tile + krow, 1024, HATTN_SW128),
-                                     hattn_desc(stage + S::BWD_Q_BYTES + ch * S::chunk(BM) + off, 1024, HATTN_SW128), kk > 0);
+            hattn_wgmma_ss<BM, 0, 0>(&st[0][0], desc(k_tile + krow),
+                                     desc(stage + ch * S::chunk(BM) + off), kk > 0);
+            hattn_wgmma_ss<BM, 0, 0>(&dpt[0][0], desc(v_tile + krow),
+                                     desc(stage + S::BWD_Q_BYTES + ch * S::chunk(BM) + off), kk > 0);
         }
         hattn_wgmma_commit();
     };
@@ -1155,8 +1167,8 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
 #pragma unroll
             for (int ch = 0; ch < CH; ch++) {
                 const int qrow = ch * S::chunk(BM) + kk * 16 * 128;
-                hattn_wgmma_rs64<1>(&dv[8 * ch][0], pa[kk], hattn_desc(do_tile + qrow, 1024, HATTN_SW128));
-                hattn_wgmma_rs64<1>(&dk[8 * ch][0], dsa[kk], hattn_desc(q_tile + qrow, 1024, HATTN_SW128));
+                hattn_wgmma_rs64<1>(&dv[8 * ch][0], pa[kk], desc(do_tile + qrow));
+                hattn_wgmma_rs64<1>(&dk[8 * ch][0], dsa[kk], desc(q_tile + qrow));
             }
         }
         hattn_wgmma_commit();
@@ -1187,8 +1199,8 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         for (int ch = 0; ch < CH; ch++)
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)                 // 16 keys per step
-                hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], hattn_desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128, 1024, HATTN_SW128),
-                                         hattn_desc(ds + w * (BN * 64) + kk * 16 * 64, 512, HATTN_SW64), kk > 0);
+                hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128),
+                                         hattn_desc_at(sw64, (uint32_t)(ds + w * (BN * 64) + kk * 16 * 64 - smem)), kk > 0);
         hattn_wgmma_commit();
     };
     auto fence_grads = [&] {
