@@ -635,7 +635,9 @@ __device__ inline void hattn_bulk_load(void* dst, const void* src, uint32_t byte
 }
 // The dynamic shared memory from its first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes).
 // An offset from the array, not an integer round trip: the compiler then still knows the pointer is shared
-// memory and accesses through it are LDS/STS (through an integer they were generic loads and stores).
+// memory and accesses through it are LDS/STS (through an integer they were generic loads and stores, with
+// 64-bit addresses: the D = 64 backward spilled 28 bytes). With hattn_desc_at below, H200, 1b shape: backward
+// 311-312 -> 326-330 TFLOP/s, forward unchanged (393-401).
 __device__ inline unsigned char* hattn_smem_base(unsigned char* raw) {
     return raw + ((1024 - (attention_smem_addr(raw) & 1023)) & 1023);
 }
@@ -1221,8 +1223,10 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
         // begins where one group, step i's dV and dK, is pending. H200, 1b shape: backward 290 -> 313-315 TFLOP/s
         // (the dK and dV waited for before the barrier, dQ^T then the next scores). The next scores queued before
         // dQ^T instead, so that dQ^T would run while this consumer computes the next P^T and dS^T, measured 284-286
-        // against 291-294: dQ^T, which the next key tile's block waits for (turns), comes later. ptxas spills 28
-        // bytes here. At HD = 128 the registers do not hold this (dK and dV alone take 128 a thread).
+        // against 291-294: dQ^T, which the next key tile's block waits for (turns), comes later. At HD = 128 the
+        // registers do not hold this (dK and dV alone take 128 a thread); two partial overlaps there measured no
+        // faster (d128 backward 283-288 TFLOP/s either way): dQ^T queued behind dV and dK, and S^T and dP^T
+        // committed apart so that P^T is computed under dP^T and dS^T under dV.
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
