@@ -1441,11 +1441,12 @@ inline size_t attention_backward_scratch_floats(int B, int T, int NH, int HD) {
 }
 
 template <int HD>
-inline void attention_backward_launch(bf16* dqkv, float* delta, const bf16* dout, const bf16* qkv, const bf16* out,
+inline void attention_backward_launch(bf16* dqkv, float* scratch, const bf16* dout, const bf16* qkv, const bf16* out,
                                       const float* lse, int B, int T, int NH, int NKV, bool hopper, cudaStream_t s) {
 #if defined(ATTENTION_HOPPER)
-    if (hopper) return attention_backward_hopper<HD>(dqkv, delta, dout, qkv, out, lse, B, T, NH, NKV, s);
+    if (hopper) return attention_backward_hopper<HD>(dqkv, scratch, dout, qkv, out, lse, B, T, NH, NKV, s);
 #endif
+    float* delta = scratch;   // the mma.sync kernels' scratch: D of every row
     attention_backward_delta<HD>(delta, nullptr, lse, dout, out, B, T, T, NH, s);
     int ntiles = ceil_div(T, ATTN_TILE);
     static std::atomic<uint64_t> dkdv_set{0}, dq_set{0};
