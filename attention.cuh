@@ -554,6 +554,7 @@ constexpr int HATTN_FWD_BN = 128;                                // forward: key
 constexpr int HATTN_BWD_BM = 64;                                 // backward: query rows per step
 constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: keys per block
 constexpr int HATTN_BWD_DQ_COLS = HATTN_BWD_BM / HATTN_CONSUMERS;  // backward: query columns of a consumer's dQ^T
+constexpr int HATTN_BWD_KEY_GROUP = 2;                           // backward: neighbouring key tiles side by side
 
 // Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
 // Tiles are [rows x 64 columns] bf16 = rows * 128 bytes, one per 64-column chunk of the head.
@@ -598,6 +599,29 @@ __host__ __device__ inline size_t attention_dq_tile(int b, int h, int qt, int w,
     return (((size_t)b * NH + h) * nq + qt) * HATTN_CONSUMERS + w;
 }
 __host__ __device__ inline int attention_dq_swizzle(int d) { return 8 * (d % 4); }
+// Forward work tile w of ntiles * NH * B: query tile, head, batch. The query tiles go from the last (the longest
+// rows) down, in groups of qg neighbours (the last group may be short); within a group the qg tiles of one (batch,
+// head) are neighbours in w, so they run side by side and read each K/V tile from memory once, and the query heads
+// of one KV head follow each other (GQA: the same K/V). The tiles of a group take turns by group (r + grp), so
+// that no persistent block always gets a group's longest tile.
+__host__ __device__ inline void hattn_fwd_tile(int w, int ntiles, int NH, int B, int qg, int* qt, int* h, int* b) {
+    const int grp = w / (NH * B * qg), r = w % (NH * B * qg), n = min(qg, ntiles - grp * qg);
+    *qt = ntiles - 1 - grp * qg - (r + grp) % n;
+    *h = (r / n) % NH;
+    *b = r / (n * NH);
+}
+// Backward block i of nkt * NKV * B: key tile, KV head, batch. The key tiles go from the first (the most query
+// tiles) up, in groups of HATTN_BWD_KEY_GROUP neighbours; within a group the tiles of one (batch, KV head) are
+// neighbours in i, so each runs a step behind the one before it (the dQ turns) and reads the same Q, dO and dQ
+// accumulator tiles from L2. A lower key tile of the same (batch, KV head) always has the lower block index, so
+// the block before it in the turns has started (blocks start in index order).
+__host__ __device__ inline void hattn_bwd_block(int i, int nkt, int NKV, int B, int* kt, int* kvh, int* b) {
+    constexpr int KG = HATTN_BWD_KEY_GROUP;
+    const int grp = i / (KG * NKV * B), r = i % (KG * NKV * B), n = min(KG, nkt - grp * KG);
+    *kt = grp * KG + r % n;
+    *kvh = (r / n) % NKV;
+    *b = r / (n * NKV);
+}
 // Step i of a backward block: the query tiles from the last down, and for each the query heads of the group.
 __host__ __device__ inline void hattn_bwd_step(int i, int group, int kvh, int nq, int* h, int* qt) {
     *h = kvh * group + i % group;
@@ -741,8 +765,8 @@ __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b)
 #endif   // __CUDA_ARCH__
 
 // ---- Hopper forward. Work tiles: (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers,
-// numbered longest rows first; heads of one KV group are neighbours in that order, so their K/V tiles come from
-// L2. Persistent blocks, one per SM: block i takes tiles i, i + grid, i + 2 grid, ..., so the producer loads the
+// numbered longest rows first, in groups of neighbouring query tiles (hattn_fwd_tile, attention_fwd_query_group)
+// so that the K/V tiles come from L2. Persistent blocks, one per SM: block i takes tiles i, i + grid, i + 2 grid, ..., so the producer loads the
 // next tile's Q and K/V while the consumers finish this one (no block launch, no pipeline fill between tiles).
 // Consumer c owns query rows 64c..64c+63 of a tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major),
 // online softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then
@@ -750,7 +774,7 @@ __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b)
 template <int HD>
 __global__ void __launch_bounds__(128 * (1 + hattn_fwd_consumers<HD>()), 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
-                                const __grid_constant__ CUtensorMap kv_map, int B, int T, int NH, int NKV) {
+                                const __grid_constant__ CUtensorMap kv_map, int B, int T, int NH, int NKV, int qg) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef HattnSmem<HD> S;
     constexpr int CH = S::CH, BN = HATTN_FWD_BN, NC = hattn_fwd_consumers<HD>(), BM = S::FWD_BM, QB = hattn_fwd_q_bufs<HD>();
@@ -767,11 +791,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     uint64_t* v_empty = v_full + HATTN_FWD_STAGES;
 
     const int ntiles = (T + BM - 1) / BM, tiles = ntiles * NH * B;
-    // Work tile w: query tile, head, batch, and the K/V tiles holding keys <= its last row.
+    // Work tile w (hattn_fwd_tile), and the K/V tiles holding keys <= its last row.
     auto tile_of = [&](int w, int* qt, int* h, int* b, int* nkv) {
-        *qt = ntiles - 1 - w / (NH * B);
-        *h = w % NH;
-        *b = (w / NH) % B;
+        hattn_fwd_tile(w, ntiles, NH, B, qg, qt, h, b);
         *nkv = (min(*qt * BM + BM, T) + BN - 1) / BN;
     };
     const int wg = threadIdx.x / 128;
@@ -1007,8 +1029,8 @@ attention_backward_hopper_kernel(bf16* dqkv, float* dq_acc, int* dq_turn, const 
     uint64_t* dq_empty = dq_full + 2 * HATTN_CONSUMERS;
 
     const int Tp = attention_padded_T(T), nq = Tp / BM;
-    const int kt = (int)blockIdx.x / (NKV * B);
-    const int kvh = (int)blockIdx.x % NKV, b = ((int)blockIdx.x / NKV) % B;
+    int kt, kvh, b;
+    hattn_bwd_block(blockIdx.x, (T + BN - 1) / BN, NKV, B, &kt, &kvh, &b);
     const int group = NH / NKV;
     const int k0 = kt * BN, first_qt = k0 / BM;              // query tiles first_qt..nq-1 see keys of this tile
     const int steps = group * (nq - first_qt);
@@ -1367,6 +1389,18 @@ inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B
     return map;
 }
 
+// How many neighbouring query tiles of one (batch, head) the forward runs side by side (tile_of). One wave of
+// `blocks` tiles reads the K/V (kv_bytes a KV head) of about blocks / (qg * group) KV heads, since the `group` query
+// heads of one KV head are neighbours too. Where those exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every
+// tile would bring its K/V from memory; qg is the smallest power of two that fits them in the L2, and 1 where they
+// fit already (the 1b shape: 17 KV heads x 0.5 MB), since groups make the tiles of one wave unequal in length.
+inline int attention_fwd_query_group(int blocks, int ntiles, size_t kv_bytes, int group) {
+    const size_t l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
+    int qg = 1;
+    while (qg < ntiles && (size_t)ceil_div(blocks, qg * group) * kv_bytes > l2) qg *= 2;
+    return qg;
+}
+
 template <int HD>
 inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, cudaStream_t s) {
     static std::atomic<uint64_t> smem_set{0};
@@ -1375,9 +1409,11 @@ inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int
     const int C3 = (NH + 2 * NKV) * HD;
     const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HattnSmem<HD>::FWD_BM);
     const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BN);
-    const int tiles = ceil_div(T, HattnSmem<HD>::FWD_BM) * NH * B;
+    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), tiles = ntiles * NH * B;
     const int blocks = std::min(tiles, device_sm_count());   // persistent: one block an SM (shared memory allows one)
-    attention_forward_hopper_kernel<HD><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(out, lse, q_map, kv_map, B, T, NH, NKV);
+    const int qg = attention_fwd_query_group(blocks, ntiles, (size_t)T * HD * 2 * sizeof(bf16), NH / NKV);
+    attention_forward_hopper_kernel<HD><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(out, lse, q_map, kv_map,
+                                                                                                  B, T, NH, NKV, qg);
     cudaCheckLaunch();
 }
 

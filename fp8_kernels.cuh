@@ -703,20 +703,22 @@ __global__ void fp8_update_scales_kernel(Fp8Meta* metas, const int* ids, int n, 
 }
 
 // ---- launchers
-// The number of SMs of the current device, queried once per device.
-inline int device_sm_count() {
+// An attribute of the current device (cudaDeviceGetAttribute), queried once per device.
+template <cudaDeviceAttr ATTR>
+inline int device_attribute() {
     constexpr int MAX_DEVICES = 64;
-    static std::atomic<int> sms[MAX_DEVICES];   // 0: not yet known
+    static std::atomic<int> values[MAX_DEVICES];   // 0: not yet known
     int dev;
     cudaCheck(cudaGetDevice(&dev));
     if (dev >= MAX_DEVICES) fail("device %d: this program handles devices 0..%d", dev, MAX_DEVICES - 1);
-    int n = sms[dev].load();
-    if (n == 0) {
-        cudaCheck(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-        sms[dev].store(n);
+    int v = values[dev].load();
+    if (v == 0) {
+        cudaCheck(cudaDeviceGetAttribute(&v, ATTR, dev));
+        values[dev].store(v);
     }
-    return n;
+    return v;
 }
+inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
 // Grid for the element-wise kernels: enough blocks to fill the GPU several times; the loops stride.
 inline int cast_grid(size_t n) {
     long max_blocks = device_sm_count() * 8L;

@@ -573,6 +573,56 @@ HOST_TEST(ref_attention_causal_and_gqa) {
     expect(gqa_err <= 1e-14, "GQA head mapping differs from repeated KV heads: %g", gqa_err);
 }
 
+// The Hopper kernels' work orders (hattn_fwd_tile, hattn_bwd_block), ragged groups included: each visits every
+// tile once; the forward's groups go from the longest rows down and hold the tiles of one (batch, head) side by
+// side; in the backward, a lower key tile of the same (batch, KV head) has the lower block index (the dQ turns
+// rely on that) and the groups of key tiles go from the first up.
+HOST_TEST(attention_hopper_tile_orders) {
+    int checked = 0;
+    for (int ntiles : {1, 2, 3, 5, 8, 11, 17})
+        for (int NH : {1, 3, 8})
+            for (int B : {1, 2, 5})
+                for (int qg : {1, 2, 4, 8}) {
+                    std::vector<int> seen(ntiles * NH * B, 0);
+                    for (int w = 0; w < ntiles * NH * B; w++) {
+                        int qt, h, b;
+                        hattn_fwd_tile(w, ntiles, NH, B, qg, &qt, &h, &b);
+                        const int grp = w / (NH * B * qg), n = std::min(qg, ntiles - grp * qg);
+                        const bool in_range = qt >= 0 && qt < ntiles && h >= 0 && h < NH && b >= 0 && b < B;
+                        expect(in_range && qt <= ntiles - 1 - grp * qg && qt > ntiles - 1 - grp * qg - n &&
+                                   (w % (NH * B * qg)) / n == b * NH + h,
+                               "forward ntiles=%d NH=%d B=%d qg=%d: tile %d -> (qt %d, h %d, b %d) out of order", ntiles,
+                               NH, B, qg, w, qt, h, b);
+                        if (in_range) seen[(qt * NH + h) * B + b]++;
+                    }
+                    expect(std::count(seen.begin(), seen.end(), 1) == (long)seen.size(),
+                           "forward ntiles=%d NH=%d B=%d qg=%d: not every tile visited once", ntiles, NH, B, qg);
+                    checked++;
+                }
+    for (int nkt : {1, 2, 3, 5, 17})
+        for (int NKV : {1, 3})
+            for (int B : {1, 2, 5}) {
+                std::vector<int> block_of(nkt * NKV * B, -1);
+                for (int i = 0; i < nkt * NKV * B; i++) {
+                    int kt, kvh, b;
+                    hattn_bwd_block(i, nkt, NKV, B, &kt, &kvh, &b);
+                    const int grp = i / (HATTN_BWD_KEY_GROUP * NKV * B);
+                    const bool ok = kt >= 0 && kt < nkt && kvh >= 0 && kvh < NKV && b >= 0 && b < B &&
+                                    kt / HATTN_BWD_KEY_GROUP == grp && block_of[(kt * NKV + kvh) * B + b] < 0;
+                    expect(ok, "backward nkt=%d NKV=%d B=%d: block %d -> (kt %d, kvh %d, b %d) out of order or twice",
+                           nkt, NKV, B, i, kt, kvh, b);
+                    if (ok) block_of[(kt * NKV + kvh) * B + b] = i;
+                }
+                for (int kt = 1; kt < nkt; kt++)
+                    for (int j = 0; j < NKV * B; j++)
+                        expect(block_of[kt * NKV * B + j] > block_of[(kt - 1) * NKV * B + j],
+                               "backward nkt=%d NKV=%d B=%d: key tile %d starts before key tile %d of its (batch, KV head)",
+                               nkt, NKV, B, kt, kt - 1);
+                checked++;
+            }
+    printf("    %d forward and backward orders: every tile once, groups in order\n", checked);
+}
+
 HOST_TEST(ref_swiglu_vs_finite_differences) {
     const int N = 3, F = 5;
     std::vector<double> gu = ref_random(N * 2 * F, 2.0), dout = ref_random(N * F, 1.0), out(N * F), dgu(N * 2 * F);
@@ -1772,13 +1822,22 @@ GPU_TEST(attention_is_deterministic) {
 // barrier phases and turn ring running on from tile to tile. The reference is too slow at this size, so the
 // mma.sync path (checked against it above) stands in: the two differ by their BF16 roundings only (a few 1e-3
 // each, ATTN_BF16_TOL), while a dQ tile added out of turn or lost, or a tile of O computed from another tile's
-// Q, K or V, gives errors of order 1. Two Hopper backward runs must also give the same bits.
+// Q, K or V, gives errors of order 1. Two Hopper backward runs must also give the same bits. T = 1088 leaves
+// the last query and key tiles ragged and the last groups of tiles short (9 key tiles in pairs; at HD = 128, 9
+// query tiles in groups of 2, its K/V of 132 blocks being 73 MB against the H200's 50 MB of L2).
 GPU_TEST(attention_hopper_many_waves) {
     if (!attention_hopper_available) return;
-    for (const AttentionShape& sh : {AttentionShape{32, 1024, 8, 2, 64}, AttentionShape{8, 1024, 8, 8, 128}}) {
+    for (const AttentionShape& sh : {AttentionShape{32, 1088, 8, 2, 64}, AttentionShape{8, 1088, 8, 8, 128}}) {
         const int blocks = ceil_div(sh.T, HATTN_BWD_BN) * sh.NKV * sh.B;
-        const int tiles = ceil_div(sh.T, sh.HD == 64 ? HattnSmem<64>::FWD_BM : HattnSmem<128>::FWD_BM) * sh.NH * sh.B;
-        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d forward tiles, %d backward blocks\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD, tiles, blocks);
+        const int ntiles = ceil_div(sh.T, sh.HD == 64 ? HattnSmem<64>::FWD_BM : HattnSmem<128>::FWD_BM);
+        const int tiles = ntiles * sh.NH * sh.B;
+        const int qg = attention_fwd_query_group(std::min(tiles, device_sm_count()), ntiles,
+                                                 (size_t)sh.T * sh.HD * 2 * sizeof(bf16), sh.NH / sh.NKV);
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d forward tiles in groups of %d query tiles, %d backward blocks\n",
+               sh.B, sh.T, sh.NH, sh.NKV, sh.HD, tiles, qg, blocks);
+        if (sh.HD == 128)
+            expect(qg > 1 && ntiles % qg != 0, "HD=128: %d query tiles in groups of %d: this GPU's L2 needs a larger "
+                   "shape here to test a short last group", ntiles, qg);
         AttentionRun mma(sh, ATTN_PATH_MMA);
         mma.run_forward();
         mma.run_backward();
