@@ -766,8 +766,9 @@ __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b)
 
 // ---- Hopper forward. Work tiles: (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers,
 // numbered longest rows first, in groups of neighbouring query tiles (hattn_fwd_tile, attention_fwd_query_group)
-// so that the K/V tiles come from L2. Persistent blocks, one per SM: block i takes tiles i, i + grid, i + 2 grid, ..., so the producer loads the
-// next tile's Q and K/V while the consumers finish this one (no block launch, no pipeline fill between tiles).
+// so that the K/V tiles come from L2. Persistent blocks, one per SM: block i takes tiles i, i + grid, i + 2 grid,
+// ..., so the producer loads the next tile's Q and K/V while the consumers finish this one (no block launch, no
+// pipeline fill between tiles).
 // Consumer c owns query rows 64c..64c+63 of a tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major),
 // online softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then
 // O += P V (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
