@@ -1390,15 +1390,19 @@ inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B
     return map;
 }
 
-// How many neighbouring query tiles of one (batch, head) the forward runs side by side (tile_of). One wave of
-// `blocks` tiles reads the K/V (kv_bytes a KV head) of about blocks / (qg * group) KV heads, since the `group` query
-// heads of one KV head are neighbours too. Where those exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every
-// tile would bring its K/V from memory; qg is the smallest power of two that fits them in the L2, and 1 where they
-// fit already (the 1b shape: 17 KV heads x 0.5 MB), since groups make the tiles of one wave unequal in length.
-inline int attention_fwd_query_group(int blocks, int ntiles, size_t kv_bytes, int group) {
-    const size_t l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
+// The forward's persistent grid: *blocks, one an SM, and how many neighbouring query tiles of one (batch, head)
+// run side by side (qg, returned; tile_of). One wave of the blocks reads the K/V (kv_bytes a KV head) of about
+// blocks / (qg * group) KV heads, since the `group` query heads of one KV head are neighbours too. Where those
+// exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every tile would bring its K/V from memory; qg is the
+// smallest power of two that fits them in the L2, and 1 where they fit already (the 1b shape: 17 KV heads x
+// 0.5 MB), since groups make the tiles of one wave unequal in length.
+template <int HD>
+inline int attention_fwd_query_group(int B, int T, int NH, int NKV, int* blocks) {
+    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), group = NH / NKV;
+    *blocks = std::min(ntiles * NH * B, device_sm_count());   // persistent: one block an SM (shared memory allows one)
+    const size_t kv_bytes = (size_t)T * HD * 2 * sizeof(bf16), l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
     int qg = 1;
-    while (qg < ntiles && (size_t)ceil_div(blocks, qg * group) * kv_bytes > l2) qg *= 2;
+    while (qg < ntiles && (size_t)ceil_div(*blocks, qg * group) * kv_bytes > l2) qg *= 2;
     return qg;
 }
 
@@ -1410,9 +1414,8 @@ inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int
     const int C3 = (NH + 2 * NKV) * HD;
     const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HattnSmem<HD>::FWD_BM);
     const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BN);
-    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), tiles = ntiles * NH * B;
-    const int blocks = std::min(tiles, device_sm_count());   // persistent: one block an SM (shared memory allows one)
-    const int qg = attention_fwd_query_group(blocks, ntiles, (size_t)T * HD * 2 * sizeof(bf16), NH / NKV);
+    int blocks;
+    const int qg = attention_fwd_query_group<HD>(B, T, NH, NKV, &blocks);
     attention_forward_hopper_kernel<HD><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(out, lse, q_map, kv_map,
                                                                                                   B, T, NH, NKV, qg);
     cudaCheckLaunch();

@@ -1831,10 +1831,11 @@ GPU_TEST(attention_hopper_many_waves) {
         const int blocks = ceil_div(sh.T, HATTN_BWD_BN) * sh.NKV * sh.B;
         const int ntiles = ceil_div(sh.T, sh.HD == 64 ? HattnSmem<64>::FWD_BM : HattnSmem<128>::FWD_BM);
         const int tiles = ntiles * sh.NH * sh.B;
-        const int qg = attention_fwd_query_group(std::min(tiles, device_sm_count()), ntiles,
-                                                 (size_t)sh.T * sh.HD * 2 * sizeof(bf16), sh.NH / sh.NKV);
-        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d forward tiles in groups of %d query tiles, %d backward blocks\n",
-               sh.B, sh.T, sh.NH, sh.NKV, sh.HD, tiles, qg, blocks);
+        int fwd_blocks;   // the launcher's grid and group size, as it computes them
+        const int qg = sh.HD == 64 ? attention_fwd_query_group<64>(sh.B, sh.T, sh.NH, sh.NKV, &fwd_blocks)
+                                   : attention_fwd_query_group<128>(sh.B, sh.T, sh.NH, sh.NKV, &fwd_blocks);
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d: %d forward tiles on %d blocks in groups of %d query tiles, %d backward blocks\n",
+               sh.B, sh.T, sh.NH, sh.NKV, sh.HD, tiles, fwd_blocks, qg, blocks);
         if (sh.HD == 128)
             expect(qg > 1 && ntiles % qg != 0, "HD=128: %d query tiles in groups of %d: this GPU's L2 needs a larger "
                    "shape here to test a short last group", ntiles, qg);
