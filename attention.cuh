@@ -803,7 +803,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         hattn_fwd_tile(w, ntiles, NH, B, qg, qt, h, b);
         *nkv = (min(*qt * BM + BM, T) + BN - 1) / BN;
     };
-    const int wg = threadIdx.x / 128;
+    // Through a shuffle, so that the compiler knows it is warp-uniform: the consumer's loop counts depend on it
+    // (nkv_c), and its counters and barrier addresses then stay in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < QB; i++) {
@@ -868,6 +870,13 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         int qt, h, b, nkv;
         tile_of(w, &qt, &h, &b, &nkv);
         const int row_base = qt * BM + 64 * c + 16 * warp;   // this warp's first query row
+        // The block loads the nkv K/V tiles its last rows see; this consumer's rows see only the first nkv_c. Its
+        // products and softmax stop there (the rest would be wholly masked); it still waits for each later load,
+        // releases it and keeps its turns (below). At D = 64 (192 query rows against 128 keys a tile) that skips
+        // 10% of the 1b shape's products and 26% of the d12 shape's. A consumer whose rows all lie past T still
+        // scores tile 0 (nothing of it is stored), so that every consumer has a first tile.
+        const int row_first = qt * BM + 64 * c;
+        const int nkv_c = row_first >= T ? 1 : min(row_first + 63, T - 1) / BN + 1;
         const int qb = it % QB;
         const unsigned char* q_tile = smem + S::FWD_Q + qb * S::FWD_Q_BYTES + 64 * c * 128;   // this consumer's rows of chunk 0
 #pragma unroll
@@ -942,7 +951,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         softmax(0);
         attention_pack_a(pa, sc);
         attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
-        for (int j = 0; j + 1 < nkv; j++) {
+        for (int j = 0; j + 1 < nkv_c; j++) {
             turn_begin();
             issue_scores(j + 1);
             issue_pv(j);
@@ -964,11 +973,20 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         hattn_bar_arrive(q_empty + qb);                 // every product reading Q has completed
         turn_begin();
-        issue_pv(nkv - 1);
+        issue_pv(nkv_c - 1);
         turn_end();
         hattn_wgmma_wait<0>();
         hattn_fence_regs<HD / 2>(&o[0][0]);
-        hattn_bar_arrive(v_empty + (kv_base + nkv - 1) % HATTN_FWD_STAGES);
+        hattn_bar_arrive(v_empty + (kv_base + nkv_c - 1) % HATTN_FWD_STAGES);
+        for (int j = nkv_c; j < nkv; j++) {             // the tiles past this consumer's rows: one turn each, as
+            const int u = kv_base + j, s = u % HATTN_FWD_STAGES;   // the others have, and a release of the loads
+            turn_begin();
+            hattn_bar_wait(k_full + s, (u / HATTN_FWD_STAGES) & 1);
+            hattn_bar_arrive(k_empty + s);
+            hattn_bar_wait(v_full + s, (u / HATTN_FWD_STAGES) & 1);
+            hattn_bar_arrive(v_empty + s);
+            turn_end();
+        }
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
@@ -1042,7 +1060,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     const int group = NH / NKV;
     const int k0 = kt * BN, first_qt = k0 / BM;              // query tiles first_qt..nq-1 see keys of this tile
     const int steps = group * (nq - first_qt);
-    const int wg = threadIdx.x / 128;
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);   // warp-uniform to the compiler, as the forward's
 
     if (threadIdx.x == 0) {
         hattn_bar_init(kv_full, 1);
