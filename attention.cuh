@@ -1272,9 +1272,11 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // (the dK and dV waited for before the barrier, dQ^T then the next scores). The next scores queued before
         // dQ^T instead, so that dQ^T would run while this consumer computes the next P^T and dS^T, measured 284-286
         // against 291-294: dQ^T, which the next key tile's block waits for (turns), comes later. At HD = 128 the
-        // registers do not hold this (dK and dV alone take 128 a thread); two partial overlaps there measured no
-        // faster (d128 backward 283-288 TFLOP/s either way): dQ^T queued behind dV and dK, and S^T and dP^T
-        // committed apart so that P^T is computed under dP^T and dS^T under dV.
+        // registers do not hold this (dK and dV alone take 128 a thread); three partial overlaps there measured no
+        // faster: dQ^T queued behind dV and dK, and S^T and dP^T committed apart so that P^T is computed under
+        // dP^T and dS^T under dV (d128 backward 283-288 TFLOP/s either way); dQ^T behind dV and dK with the next
+        // S^T under dQ^T and its staging (76 bytes spilled; H100, d128 310 against 320-322, d128 long 349-350
+        // against 361-362).
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
