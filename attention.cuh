@@ -554,7 +554,22 @@ constexpr int HATTN_FWD_BN = 128;                                // forward: key
 constexpr int HATTN_BWD_BM = 64;                                 // backward: query rows per step
 constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: keys per block
 constexpr int HATTN_BWD_DQ_COLS = HATTN_BWD_BM / HATTN_CONSUMERS;  // backward: query columns of a consumer's dQ^T
-constexpr int HATTN_BWD_KEY_GROUP = 2;                           // backward: neighbouring key tiles side by side
+// Backward: neighbouring key tiles of one (batch, KV head) side by side (hattn_bwd_block). The FP32 dQ
+// accumulator tile of a (query tile, head) gets one add per key tile: the adds of one group come within a few
+// steps of each other and find the tile in the L2, while between groups waves of other heads pass and the tile
+// goes back to memory (at the d128 shape a wave's accumulator and Q/dO tiles exceed the 50 MB L2; ncu measured
+// 2.0 TB/s from memory with pairs, call 43). H100, backward TFLOP/s (call 45), groups of 2 / 4 / 8 / 16: d128
+// 324 / 375 / 370 / 341, d128 long 363-366 / 433-445 / 423-454 / 404-437, 1b 307 / 321-324 / 310-313 / 291-293.
+// Larger groups lose, we think, to the turns: each block of a group adds a step after the one below it, so
+// its consumers wait longer for free staging tiles (not profiled).
+constexpr int HATTN_BWD_KEY_GROUP = 4;
+// How a backward consumer forms its share of a step's dQ (64 queries x HD), its "dQ tile": at HD = 64 as
+// dQ^T = K^T dS^T, all 64 head rows x its 32 queries (m64n32, K as the A operand); at HD = 128 as dQ = dS K
+// ("rows"), all 64 queries x its 64 head columns (m64n64, dS as the A operand). Both operands come from shared
+// memory (~128 bytes a clock an SM): for the same FLOPs, m64n64 reads 32 KB a consumer and step where m64n32 at
+// HD = 128 reads 48 KB. H100, backward at D = 128 (call 45): d128 374-376 against 375, d128 long 444-445
+// against 433-435 TFLOP/s. At HD = 64 both read 24 KB.
+template <int HD> constexpr bool hattn_dq_rows() { return HD == 128; }
 
 // Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
 // Tiles are [rows x 64 columns] bf16 = rows * 128 bytes, one per 64-column chunk of the head.
@@ -571,14 +586,15 @@ template <int HD> struct HattnSmem {
     static constexpr int FWD_BAR = FWD_V + HATTN_FWD_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
     static_assert(2 * hattn_fwd_q_bufs<HD>() + 4 * HATTN_FWD_STAGES <= 16, "the forward's barriers fit their 128 bytes");
-    // backward: K, V of the block; Q and dO stages; dS^T twice; each consumer's dQ^T twice; lse and D rows of
+    // backward: K, V of the block; Q and dO stages; dS^T twice; each consumer's dQ tile twice; lse and D rows of
     // each stage; barriers. Every tile starts on a 1024-byte boundary.
     static constexpr int BWD_KV_BYTES = CH * chunk(HATTN_BWD_BN);
     static constexpr int BWD_Q_BYTES = CH * chunk(HATTN_BWD_BM);
     static constexpr int BWD_STAGE_BYTES = 2 * BWD_Q_BYTES;                    // Q, dO
     static constexpr int BWD_ROWS_BYTES = 2 * HATTN_BWD_BM * 4;                // lse * log2(e) and D of the step's rows
     static constexpr int BWD_DS_BYTES = HATTN_BWD_BN * HATTN_BWD_BM * 2;       // dS^T, bf16
-    static constexpr int BWD_DQ_BYTES = HD * HATTN_BWD_DQ_COLS * 4;             // a consumer's dQ^T tile, FP32 (two each)
+    static constexpr int BWD_DQ_COLS = hattn_dq_rows<HD>() ? 64 : HATTN_BWD_DQ_COLS; // a dQ tile: 64 rows x these
+    static constexpr int BWD_DQ_BYTES = 64 * BWD_DQ_COLS * 4;                  // a consumer's dQ tile, FP32 (two each)
     static constexpr int BWD_K = 0;
     static constexpr int BWD_V = BWD_K + BWD_KV_BYTES;
     static constexpr int BWD_STAGE = BWD_V + BWD_KV_BYTES;
@@ -592,13 +608,14 @@ template <int HD> struct HattnSmem {
 
 // The backward's per-row values and dQ accumulator, padded to whole query tiles: Tp = ceil(T / 64) * 64.
 __host__ __device__ inline int attention_padded_T(int T) { return (T + HATTN_BWD_BM - 1) / HATTN_BWD_BM * HATTN_BWD_BM; }
-// The backward's FP32 dQ accumulator: per (batch, head, query tile, consumer) one [HD x 32 queries] dQ^T tile,
-// contiguous (one bulk copy), rows of 32 floats with query q of row d stored at column q ^ attention_dq_swizzle(d):
-// a warp's fragment stores then hit distinct shared-memory banks. One turn counter per tile (below).
+// The backward's FP32 dQ accumulator: per (batch, head, query tile, consumer) one dQ tile (hattn_dq_rows),
+// contiguous (one bulk copy): at HD = 64 dQ^T, [64 head rows x 32 queries]; at HD = 128 dQ, [64 queries x 64 head
+// columns]. Column c of row r is stored at c ^ attention_dq_swizzle(r): a warp's fragment stores then hit distinct
+// shared-memory banks. One turn counter per tile (below).
 __host__ __device__ inline size_t attention_dq_tile(int b, int h, int qt, int w, int NH, int nq) {
     return (((size_t)b * NH + h) * nq + qt) * HATTN_CONSUMERS + w;
 }
-__host__ __device__ inline int attention_dq_swizzle(int d) { return 8 * (d % 4); }
+__host__ __device__ inline int attention_dq_swizzle(int r) { return 8 * (r % 4); }
 // Forward work tile w of ntiles * NH * B: query tile, head, batch. The query tiles go from the last (the longest
 // rows) down, in groups of qg neighbours (the last group may be short); within a group the qg tiles of one (batch,
 // head) are neighbours in w, so they run side by side and read each K/V tile from memory once, and the query heads
@@ -734,8 +751,12 @@ __device__ inline void hattn_fence_regs(float* d) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define HATTN_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define HATTN_F16(d, i) HATTN_F4(d, i), HATTN_F4(d, i + 4), HATTN_F4(d, i + 8), HATTN_F4(d, i + 12)
+// The accumulators d[0..N/2) as asm operands with constraint c ("+f" read and written, "=f" written only).
+#define HATTN_C4(c, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3])
+#define HATTN_C16(c, i) HATTN_C4(c, i), HATTN_C4(c, i + 4), HATTN_C4(c, i + 8), HATTN_C4(c, i + 12)
+#define HATTN_D16(c) HATTN_C16(c, 0)
+#define HATTN_D32(c) HATTN_C16(c, 0), HATTN_C16(c, 16)
+#define HATTN_D64(c) HATTN_C16(c, 0), HATTN_C16(c, 16), HATTN_C16(c, 32), HATTN_C16(c, 48)
 #define HATTN_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define HATTN_R32 HATTN_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define HATTN_R64 HATTN_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
@@ -743,30 +764,34 @@ __device__ inline void hattn_fence_regs(float* d) {
 
 // d[64 x N] (+)= A[64 x 16] B[16 x N], BF16 in, FP32 accumulate; A and B from shared memory (descriptors).
 // TA / TB: 0 = K-major (rows of the operand run along K), 1 = MN-major (transposed). accumulate = 0 overwrites d.
+// accumulate is a constant in every caller's unrolled loop: with 0 the accumulators are outputs only ("=f"), so
+// the compiler need not keep their old values live up to the product that overwrites them (H100, call 45: the
+// forward at d128 long 572-575 -> 584-588 TFLOP/s).
+#define HATTN_WGMMA_SS(SHAPE, REGS, OUTS, OPERANDS)                                                                 \
+    if (accumulate)                                                                                                \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
+                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n" : OUTS("+f") : "l"(a), "l"(b), "n"(TA), "n"(TB));  \
+    else                                                                                                           \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
+                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n" : OUTS("=f") : "l"(a), "l"(b), "n"(TA), "n"(TB));
 template <int N, int TA, int TB>
 __device__ inline void hattn_wgmma_ss(float* d, uint64_t a, uint64_t b, int accumulate) {
     static_assert(N == 32 || N == 64 || N == 128, "wgmma widths used here");
     if constexpr (N == 32) {
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" HATTN_R16 "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
-                     : HATTN_F16(d, 0) : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+        HATTN_WGMMA_SS("m64n32k16", HATTN_R16, HATTN_D16, "%16, %17, p, 1, 1, %18, %19")
     } else if constexpr (N == 64) {
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" HATTN_R32 "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
-                     : HATTN_F16(d, 0), HATTN_F16(d, 16) : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+        HATTN_WGMMA_SS("m64n64k16", HATTN_R32, HATTN_D32, "%32, %33, p, 1, 1, %34, %35")
     } else {
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-                     " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" HATTN_R64 "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
-                     : HATTN_F16(d, 0), HATTN_F16(d, 16), HATTN_F16(d, 32), HATTN_F16(d, 48)
-                     : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
+        HATTN_WGMMA_SS("m64n128k16", HATTN_R64, HATTN_D64, "%64, %65, p, 1, 1, %66, %67")
     }
 }
+#undef HATTN_WGMMA_SS
 // d[64 x 64] += A[64 x 16] B[16 x 64]; A from registers (the mma.sync A fragment of each warp's 16 rows).
 template <int TB>
 __device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
                  " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" HATTN_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-                 : HATTN_F16(d, 0), HATTN_F16(d, 16) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
+                 : HATTN_D32("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
 }
 #endif   // __CUDA_ARCH__
 
@@ -1010,14 +1035,14 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //   S^T = K Q^T, dP^T = V dO^T                (both operands K-major)
 //   P^T = exp2(S^T log2(e)/sqrt(HD) - lse2), dS^T = P^T * (dP^T - D)      (registers)
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
-//   dS^T -> shared memory; dQ^T = K^T dS^T    (A = K MN-major, B = dS^T MN-major; consumer w takes query
-//                                              columns 32w..32w+31 of the step, all HD rows)
+//   dS^T -> shared memory; consumer w's dQ tile (hattn_dq_rows; both operands MN-major): at HD = 64
+//     dQ^T = K^T dS^T for the step's queries 32w..32w+31, at HD = 128 dQ = dS K for head columns 64w..64w+63
 // That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 the products of consecutive steps overlap
 // (below).
 //
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
-// (query tile, head, consumer) receives key tile 0's dQ^T as a copy, then key tile 1's as an add, and so on.
-// Each tile has a turn counter. A consumer stages its dQ^T in shared memory (two tiles, by turns) and goes on;
+// (query tile, head, consumer) receives key tile 0's dQ tile as a copy, then key tile 1's as an add, and so on.
+// Each tile has a turn counter. A consumer stages its dQ tile in shared memory (two, by turns) and goes on;
 // its writer, one thread of the producer warpgroup, waits until the counter reads kt, hands the tile to the
 // TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
 // the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for blocks of
@@ -1161,29 +1186,32 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         hattn_wgmma_commit();
     };
-    // Step i's dQ^T (complete in dq) into a staging tile, for the writer to add in its turn (see above).
-    float dq[CH][4][4];                                          // dQ^T: rows HD (per chunk 64), columns 32 queries
+    // Step i's dQ tile (complete in dq) into a staging tile, for the writer to add in its turn (see above).
+    // dq[n] holds rows 16 warp + g (+ 8) and columns 8n + 2t (+ 1) of the 64-row tile: 64 queries x 64 head
+    // columns (rows) or 64 head rows x 32 queries (dQ^T, HD = 64 only).
+    constexpr bool ROWS = hattn_dq_rows<HD>();
+    static_assert(ROWS || HD == 64, "dQ^T tiles cover all head rows only at HD = 64");
+    constexpr int DQ_COLS = S::BWD_DQ_COLS;
+    float dq[DQ_COLS / 8][4];
     auto stage_dq = [&](int i) {
         const int buf = i % 2;
         float* dq_stage = reinterpret_cast<float*>(smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES);
         if (i >= 2) hattn_bar_wait(dq_empty + 2 * w + buf, ((i / 2) + 1) & 1);
 #pragma unroll
-        for (int ch = 0; ch < CH; ch++)
+        for (int n = 0; n < DQ_COLS / 8; n++)
 #pragma unroll
-            for (int n = 0; n < 4; n++)
-#pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const int d = 64 * ch + 16 * warp + g + 8 * half, q = n * 8 + 2 * t;
-                    *reinterpret_cast<float2*>(dq_stage + d * HATTN_BWD_DQ_COLS + (q ^ attention_dq_swizzle(d))) =
-                        make_float2(dq[ch][n][2 * half], dq[ch][n][2 * half + 1]);
-                }
+            for (int half = 0; half < 2; half++) {
+                const int row = 16 * warp + g + 8 * half, col = 8 * n + 2 * t;
+                *reinterpret_cast<float2*>(dq_stage + row * DQ_COLS + (col ^ attention_dq_swizzle(row))) =
+                    make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
+            }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
         hattn_bar_arrive(dq_full + 2 * w + buf);
     };
 
     // Step i's P^T = exp2(S^T scale_log2 - lse2) and dS^T = P^T * (dP^T - D) (its scores complete in st, dpt);
     // issues and commits dV += P^T dO, dK += dS^T Q (not waited for: pa and dsa stay untouched until then) and
-    // writes dS^T to shared memory for the dQ^T product.
+    // writes dS^T to shared memory for the dQ product.
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
     auto grads_of_scores = [&](int i) {
         const int s = i % HATTN_BWD_STAGES;
@@ -1223,9 +1251,10 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         hattn_wgmma_commit();
 
-        // dS^T (bf16) into shared memory while those run: two blocks of 32 query columns, each [128 keys x 64
-        // bytes] with the 64-byte swizzle (chunk c of row r at c ^ ((r / 2) % 4)), the layout wgmma reads below.
-        // The last reader of this buffer, both consumers' dQ^T of step i - 2, completed before barrier i - 1.
+        // dS^T (bf16) into shared memory while those run, in the layout the dQ product reads (16-byte unit u of
+        // key row r): rows, [128 keys x 128 bytes] with the 128-byte swizzle (u at u ^ (r % 8)); dQ^T, two blocks
+        // of 32 query columns, each [128 keys x 64 bytes] with the 64-byte swizzle (u at u ^ ((r / 2) % 4)).
+        // The last reader of this buffer, both consumers' dQ products of step i - 2, completed before barrier i - 1.
         unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -1233,24 +1262,31 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             for (int half = 0; half < 2; half++) {
                 const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
                 const int blk = n / 4, chunk = n % 4;                            // 32-column block, 16-byte chunk
-                unsigned char* p = ds + blk * (BN * 64) + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) + 4 * t;
+                unsigned char* p = ROWS ? ds + r * 128 + ((n ^ (r % 8)) * 16) + 4 * t
+                                        : ds + blk * (BN * 64) + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) + 4 * t;
                 *reinterpret_cast<uint32_t*>(p) = dsa[n / 2][2 * (n % 2) + half];   // the A fragment holds these bf16 pairs
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
     };
-    // Once both consumers have written step i's dS^T: dQ^T = K^T dS^T for this consumer's 32 query columns into dq
-    // (issued and committed, not waited for).
+    // Once both consumers have written step i's dS^T: this consumer's dQ tile into dq (issued and committed, not
+    // waited for). Rows: A = dS (the dS^T tile read MN-major), B = its 64 columns of K (MN-major); dQ^T: A = K^T
+    // (K MN-major), B = its 32 columns of dS^T (MN-major).
     auto issue_dq = [&](int i) {
         const unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
         hattn_sync(1, 128 * HATTN_CONSUMERS);                    // both halves of dS^T are written
         hattn_wgmma_fence();
-#pragma unroll
-        for (int ch = 0; ch < CH; ch++)
+        if constexpr (ROWS) {
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)                 // 16 keys per step
-                hattn_wgmma_ss<32, 1, 1>(&dq[ch][0][0], desc(k_tile + ch * S::chunk(BN) + kk * 16 * 128),
+                hattn_wgmma_ss<64, 1, 1>(&dq[0][0], desc(ds + kk * 16 * 128), desc(k_tile + w * S::chunk(BN) + kk * 16 * 128),
+                                         kk > 0);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+                hattn_wgmma_ss<32, 1, 1>(&dq[0][0], desc(k_tile + kk * 16 * 128),
                                          hattn_desc_at(sw64, (uint32_t)(ds + w * (BN * 64) + kk * 16 * 64 - smem)), kk > 0);
+        }
         hattn_wgmma_commit();
     };
     auto fence_grads = [&] {
@@ -1287,7 +1323,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             issue_scores(i + 1);
             hattn_wgmma_wait<1>();                               // dV, dK and dQ^T of step i
             fence_grads();
-            hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+            hattn_fence_regs<DQ_COLS / 2>(&dq[0][0]);
             hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
             stage_dq(i);
             hattn_wgmma_wait<0>();                               // S^T, dP^T of step i + 1
@@ -1297,7 +1333,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         issue_dq(steps - 1);
         hattn_wgmma_wait<0>();
         fence_grads();
-        hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+        hattn_fence_regs<DQ_COLS / 2>(&dq[0][0]);
         hattn_bar_arrive(st_empty + (steps - 1) % HATTN_BWD_STAGES);
         stage_dq(steps - 1);
     } else {
@@ -1311,7 +1347,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
             issue_dq(i);
             hattn_wgmma_wait<0>();
-            hattn_fence_regs<CH * 16>(&dq[0][0][0]);
+            hattn_fence_regs<DQ_COLS / 2>(&dq[0][0]);
             stage_dq(i);
         }
     }
@@ -1343,9 +1379,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
 #endif
 }
 
-// dQ = (the summed dQ^T tiles of the accumulator) / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x
-// head column) tile per block, transposed through shared memory so that both the reads and the writes are
-// coalesced.
+// dQ = (the summed dQ tiles of the accumulator) / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x head
+// column) tile per block, the two consumers' dQ^T tiles (HD = 64) or one consumer's dQ tile (HD = 128), through
+// shared memory so that both the reads and the writes are coalesced.
 template <int HD>
 __global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_acc, int B, int T, int NH, int NKV) {
     constexpr int THREADS = 256, COLS = HATTN_BWD_DQ_COLS;
@@ -1353,10 +1389,19 @@ __global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_
     const int nq = attention_padded_T(T) / HATTN_BWD_BM;
     const int qt = blockIdx.x, d0 = blockIdx.y * 64 % HD, h = blockIdx.y * 64 / HD, b = blockIdx.z;
     const float scale = rsqrtf((float)HD);
-    for (int i = threadIdx.x; i < HATTN_CONSUMERS * 64 * COLS; i += THREADS) {
-        const int w = i / (64 * COLS), d = d0 + i / COLS % 64, stored = i % COLS;
-        const float* src = dq_acc + attention_dq_tile(b, h, qt, w, NH, nq) * HD * COLS;
-        tile[d - d0][w * COLS + (stored ^ attention_dq_swizzle(d))] = __ldcs(src + d * COLS + stored) * scale;
+    constexpr int TILE_FLOATS = HattnSmem<HD>::BWD_DQ_BYTES / 4;
+    if constexpr (hattn_dq_rows<HD>()) {   // [query][column], consumer w = d0 / 64
+        const float* src = dq_acc + attention_dq_tile(b, h, qt, d0 / 64, NH, nq) * TILE_FLOATS;
+        for (int i = threadIdx.x; i < 64 * 64; i += THREADS) {
+            const int q = i / 64, d = (i % 64) ^ attention_dq_swizzle(q);
+            tile[d][q] = __ldcs(src + i) * scale;
+        }
+    } else {                               // [head row][query], consumer w's queries 32w..32w+31 (d0 = 0)
+        for (int i = threadIdx.x; i < HATTN_CONSUMERS * 64 * COLS; i += THREADS) {
+            const int w = i / (64 * COLS), d = i / COLS % 64, stored = i % COLS;
+            const float* src = dq_acc + attention_dq_tile(b, h, qt, w, NH, nq) * TILE_FLOATS;
+            tile[d][w * COLS + (stored ^ attention_dq_swizzle(d))] = __ldcs(src + d * COLS + stored) * scale;
+        }
     }
     __syncthreads();
     const int C3 = (NH + 2 * NKV) * HD, q0 = qt * HATTN_BWD_BM;
