@@ -1312,7 +1312,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // faster: dQ^T queued behind dV and dK, and S^T and dP^T committed apart so that P^T is computed under
         // dP^T and dS^T under dV (d128 backward 283-288 TFLOP/s either way); dQ^T behind dV and dK with the next
         // S^T under dQ^T and its staging (76 bytes spilled; H100, d128 310 against 320-322, d128 long 349-350
-        // against 361-362).
+        // against 361-362); dQ^T a step late behind the next dV and dK, the consumers meeting through dS^T
+        // mbarriers so that one could run half a step ahead (20-68 bytes spilled; H100, key tiles in pairs,
+        // d128 310 against 321, d128 long 340-347 against 362).
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
