@@ -1382,36 +1382,43 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
 }
 
 // dQ = (the summed dQ tiles of the accumulator) / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x head
-// column) tile per block, the two consumers' dQ^T tiles (HD = 64) or one consumer's dQ tile (HD = 128), through
-// shared memory so that both the reads and the writes are coalesced.
+// column) tile per block. At HD = 128 the tile is one consumer's dQ tile, already [query][column]: each thread
+// reads a float2 (the swizzle moves columns by multiples of 8, so a pair stays adjacent) and writes the BF16
+// pair. At HD = 64 it is the two consumers' dQ^T tiles, transposed through shared memory so that both the reads
+// and the writes are coalesced.
 template <int HD>
 __global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_acc, int B, int T, int NH, int NKV) {
     constexpr int THREADS = 256, COLS = HATTN_BWD_DQ_COLS;
-    __shared__ float tile[64][65];                            // [head column - d0][query of the tile]
     const int nq = attention_padded_T(T) / HATTN_BWD_BM;
     const int qt = blockIdx.x, d0 = blockIdx.y * 64 % HD, h = blockIdx.y * 64 / HD, b = blockIdx.z;
     const float scale = rsqrtf((float)HD);
     constexpr int TILE_FLOATS = HattnSmem<HD>::BWD_DQ_BYTES / 4;
+    const int C3 = (NH + 2 * NKV) * HD, q0 = qt * HATTN_BWD_BM;
+    auto store_pair = [&](int q, int d, float x, float y) {   // head columns d, d + 1 of query q0 + q
+        *reinterpret_cast<__nv_bfloat162*>(dqkv + ((size_t)b * T + q0 + q) * C3 + h * HD + d0 + d) =
+            __floats2bfloat162_rn(x * scale, y * scale);
+    };
     if constexpr (hattn_dq_rows<HD>()) {   // [query][column], consumer w = d0 / 64
         const float* src = dq_acc + attention_dq_tile(b, h, qt, d0 / 64, NH, nq) * TILE_FLOATS;
-        for (int i = threadIdx.x; i < 64 * 64; i += THREADS) {
-            const int q = i / 64, d = (i % 64) ^ attention_dq_swizzle(q);
-            tile[d][q] = __ldcs(src + i) * scale;
+        for (int i = threadIdx.x; i < 64 * 32; i += THREADS) {
+            const int q = i / 32, d = 2 * (i % 32);
+            if (q0 + q < T) {
+                const float2 v = __ldcs(reinterpret_cast<const float2*>(src + q * 64 + (d ^ attention_dq_swizzle(q))));
+                store_pair(q, d, v.x, v.y);
+            }
         }
     } else {                               // [head row][query], consumer w's queries 32w..32w+31 (d0 = 0)
+        __shared__ float tile[64][65];     // [head column][query of the tile]
         for (int i = threadIdx.x; i < HATTN_CONSUMERS * 64 * COLS; i += THREADS) {
             const int w = i / (64 * COLS), d = i / COLS % 64, stored = i % COLS;
             const float* src = dq_acc + attention_dq_tile(b, h, qt, w, NH, nq) * TILE_FLOATS;
-            tile[d][w * COLS + (stored ^ attention_dq_swizzle(d))] = __ldcs(src + d * COLS + stored) * scale;
+            tile[d][w * COLS + (stored ^ attention_dq_swizzle(d))] = __ldcs(src + d * COLS + stored);
         }
-    }
-    __syncthreads();
-    const int C3 = (NH + 2 * NKV) * HD, q0 = qt * HATTN_BWD_BM;
-    for (int i = threadIdx.x; i < 64 * 32; i += THREADS) {
-        const int q = i / 32, d = 2 * (i % 32);
-        if (q0 + q < T)
-            *reinterpret_cast<__nv_bfloat162*>(dqkv + ((size_t)b * T + q0 + q) * C3 + h * HD + d0 + d) =
-                __floats2bfloat162_rn(tile[d][q], tile[d + 1][q]);
+        __syncthreads();
+        for (int i = threadIdx.x; i < 64 * 32; i += THREADS) {
+            const int q = i / 32, d = 2 * (i % 32);
+            if (q0 + q < T) store_pair(q, d, tile[d][q], tile[d + 1][q]);
+        }
     }
 }
 
