@@ -559,7 +559,8 @@ constexpr int HATTN_BWD_DQ_COLS = HATTN_BWD_BM / HATTN_CONSUMERS;  // backward: 
 // steps of each other and find the tile in the L2, while between groups waves of other heads pass and the tile
 // goes back to memory (at the d128 shape a wave's accumulator and Q/dO tiles exceed the 50 MB L2; ncu measured
 // 2.0 TB/s from memory with pairs, call 43). H100, backward TFLOP/s (call 45), groups of 2 / 4 / 8 / 16: d128
-// 324 / 375 / 370 / 341, d128 long 363-366 / 433-445 / 423-454 / 404-437, 1b 307 / 321-324 / 310-313 / 291-293.
+// 324 / 375 / 370 / 341, d128 long 363-366 / 433-445 / 423-454 / 404-437, 1b 307 / 321-324 / 310-313 / 291-293;
+// call 48, groups of 3 / 4 / 6: 1b 312-316 / 325 / 313, d128 359-363 / 373-375 / 376, d12 147 / 140-141 / 141.
 // Larger groups lose, we think, to the turns: each block of a group adds a step after the one below it, so
 // its consumers wait longer for free staging tiles (not profiled).
 constexpr int HATTN_BWD_KEY_GROUP = 4;
@@ -786,13 +787,27 @@ __device__ inline void hattn_wgmma_ss(float* d, uint64_t a, uint64_t b, int accu
     }
 }
 #undef HATTN_WGMMA_SS
-// d[64 x 64] += A[64 x 16] B[16 x 64]; A from registers (the mma.sync A fragment of each warp's 16 rows).
-template <int TB>
-__device__ inline void hattn_wgmma_rs64(float* d, const uint32_t* a, uint64_t b) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
-                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" HATTN_R32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-                 : HATTN_D32("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
+// d[64 x N] (+)= A[64 x 16] B[16 x N]; A from registers (the mma.sync A fragment of each warp's 16 rows), B from
+// shared memory (TB as above).
+#define HATTN_WGMMA_RS(SHAPE, REGS, OUTS, OPERANDS)                                                                 \
+    if (accumulate)                                                                                                \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
+                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n"                                                  \
+                     : OUTS("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));                    \
+    else                                                                                                           \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
+                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n"                                                  \
+                     : OUTS("=f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
+template <int N, int TB>
+__device__ inline void hattn_wgmma_rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma widths used here");
+    if constexpr (N == 64) {
+        HATTN_WGMMA_RS("m64n64k16", HATTN_R32, HATTN_D32, "{%32, %33, %34, %35}, %36, p, 1, 1, %37")
+    } else {
+        HATTN_WGMMA_RS("m64n128k16", HATTN_R64, HATTN_D64, "{%64, %65, %66, %67}, %68, p, 1, 1, %69")
+    }
 }
+#undef HATTN_WGMMA_RS
 #endif   // __CUDA_ARCH__
 
 // ---- Hopper forward. Work tiles: (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers,
@@ -890,6 +905,14 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     float sc[BN / 8][4];
     float alpha[2];
     uint32_t pa[BN / 16][4];
+    // At HD = 128 each warp keeps its 16 rows of Q in registers (32 a thread), the A operand of S = Q K^T: the
+    // product then reads only K from shared memory, and the block's one Q buffer is released as soon as the
+    // fragments are loaded, so the next work tile's Q loads under this tile's products (H100, call 48: d128
+    // forward 487-495 -> 500-503 TFLOP/s, d128 long 584-590 -> 589-593). At HD = 64 three consumers have 160
+    // registers a thread and this spilled (96 bytes); there the two Q buffers already overlap the loads. (P V as
+    // one m64n128 product over both chunks of V, instead of two m64n64, measured slower: d128 481-485.)
+    constexpr bool Q_IN_REGS = HD == 128;
+    uint32_t qa[HD / 16][4];
     int kv_base = 0;                                          // this block's K/V tiles before the current work tile
     for (int w = blockIdx.x, it = 0; w < tiles; w += gridDim.x, it++) {
         int qt, h, b, nkv;
@@ -920,8 +943,11 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
                 const int ch = kk / 4, off = (kk % 4) * 32;
-                hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], desc(q_tile + ch * S::chunk(BM) + off),
-                                         desc(k_tile + ch * S::chunk(BN) + off), kk > 0);
+                if constexpr (Q_IN_REGS)
+                    hattn_wgmma_rs<BN, 0>(&sc[0][0], qa[kk], desc(k_tile + ch * S::chunk(BN) + off), kk > 0);
+                else
+                    hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], desc(q_tile + ch * S::chunk(BM) + off),
+                                             desc(k_tile + ch * S::chunk(BN) + off), kk > 0);
             }
             hattn_wgmma_commit();
         };
@@ -947,7 +973,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
 #pragma unroll
                 for (int ch = 0; ch < CH; ch++)
-                    hattn_wgmma_rs64<1>(&o[8 * ch][0], pa[kk], desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128));
+                    hattn_wgmma_rs<64, 1>(&o[8 * ch][0], pa[kk], desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128), 1);
             hattn_wgmma_commit();
         };
 
@@ -967,6 +993,16 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         };
         if (c == NC - 1) hattn_arrive(4, 256);
         hattn_bar_wait(q_full + qb, (it / QB) & 1);
+        if constexpr (Q_IN_REGS) {   // qa[kk][j]: row 16 warp + g (+ 8 for odd j), columns 16 kk + 2t (+ 8 for j >= 2)
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int r = 16 * warp + g + 8 * (j % 2), unit = (kk % 4) * 2 + j / 2;   // 16-byte unit, swizzled
+                    qa[kk][j] = *reinterpret_cast<const uint32_t*>(q_tile + (kk / 4) * S::chunk(BM) + r * 128 + ((unit ^ (r % 8)) * 16) + 4 * t);
+                }
+            hattn_bar_arrive(q_empty + qb);             // Q is in registers: the next tile's may load
+        }
         turn_begin();
         issue_scores(0);
         turn_end();
@@ -996,7 +1032,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             attention_pack_a(pa, sc);
             attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
         }
-        hattn_bar_arrive(q_empty + qb);                 // every product reading Q has completed
+        if constexpr (!Q_IN_REGS) hattn_bar_arrive(q_empty + qb);   // every product reading Q has completed
         turn_begin();
         issue_pv(nkv_c - 1);
         turn_end();
@@ -1245,8 +1281,8 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
 #pragma unroll
             for (int ch = 0; ch < CH; ch++) {
                 const int qrow = ch * S::chunk(BM) + kk * 16 * 128;
-                hattn_wgmma_rs64<1>(&dv[8 * ch][0], pa[kk], desc(do_tile + qrow));
-                hattn_wgmma_rs64<1>(&dk[8 * ch][0], dsa[kk], desc(q_tile + qrow));
+                hattn_wgmma_rs<64, 1>(&dv[8 * ch][0], pa[kk], desc(do_tile + qrow), 1);
+                hattn_wgmma_rs<64, 1>(&dk[8 * ch][0], dsa[kk], desc(q_tile + qrow), 1);
             }
         }
         hattn_wgmma_commit();
@@ -1314,7 +1350,10 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // S^T under dQ^T and its staging (76 bytes spilled; H100, d128 310 against 320-322, d128 long 349-350
         // against 361-362); dQ^T a step late behind the next dV and dK, the consumers meeting through dS^T
         // mbarriers so that one could run half a step ahead (20-68 bytes spilled; H100, key tiles in pairs,
-        // d128 310 against 321, d128 long 340-347 against 362).
+        // d128 310 against 321, d128 long 340-347 against 362). Also slower (H100, call 48, against 373-375 at d128
+        // and 325 at 1b): K and V in registers as the A operands of S^T and dP^T, which would halve those products'
+        // shared-memory reads (1b 290-293; at HD = 128 it spills 304 bytes, d128 267-269; half of K's k-steps,
+        // which fits: d128 363-365); and dV, dK as m64n128 products over both 64-column chunks (d128 364-372).
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
