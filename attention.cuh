@@ -1351,9 +1351,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // against 361-362); dQ^T a step late behind the next dV and dK, the consumers meeting through dS^T
         // mbarriers so that one could run half a step ahead (20-68 bytes spilled; H100, key tiles in pairs,
         // d128 310 against 321, d128 long 340-347 against 362). Also slower (H100, call 48, against 373-375 at d128
-        // and 325 at 1b): K and V in registers as the A operands of S^T and dP^T, which would halve those products'
-        // shared-memory reads (1b 290-293; at HD = 128 it spills 304 bytes, d128 267-269; half of K's k-steps,
-        // which fits: d128 363-365); and dV, dK as m64n128 products over both 64-column chunks (d128 364-372).
+        // and 325 at 1b): K and V in registers as the A operands of S^T and dP^T, halving their shared-memory reads
+        // (1b 290-293: ptxas serialized the wgmmas for want of registers, C7512, even with K alone; HD = 128 spills,
+        // d128 267-269; half of K's k-steps, 363-365); dV, dK as m64n128 over both column chunks (d128 364-372).
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
