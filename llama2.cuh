@@ -226,6 +226,18 @@ inline double model_flops_per_token(const ModelConfig& c, int T) {
     return 6.0 * matmul_params + 12.0 * c.n_layers * (double)c.dim * T;
 }
 
+// fn(i) for every i in [0, n) on all host cores: each i once, in any order and on any thread, so fn(i) must
+// depend on i alone (give each item its own random stream, not a shared one).
+inline void host_parallel_for(size_t n, const std::function<void(size_t)>& fn) {
+    std::atomic<size_t> next(0);
+    auto worker = [&] {
+        for (size_t i = next++; i < n; i = next++) fn(i);
+    };
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < std::max(1u, std::thread::hardware_concurrency()); t++) threads.emplace_back(worker);
+    for (std::thread& t : threads) t.join();
+}
+
 // The init's normal numbers, simple enough to re-implement anywhere: splitmix64 (dataloader.h) gives 64
 // random bits; u = (top 53 bits + 0.5) / 2^53 is uniform in (0, 1) and never 0; Box-Muller turns two
 // uniforms into two independent standard normals r cos(2 pi u2), r sin(2 pi u2) with r = sqrt(-2 ln u1),
@@ -269,37 +281,31 @@ inline std::vector<float> model_init_weights(const ModelConfig& c, uint64_t seed
     std::vector<float> w(specs.back().offset + specs.back().numel);
     const double residual_scale = 1.0 / sqrt(2.0 * c.n_layers);
     // Each tensor has its own RNG stream, so threads can take tensors in any order: same weights.
-    std::atomic<size_t> next(0);
-    auto worker = [&]() {
-        for (size_t i = next++; i < specs.size(); i = next++) {
-            const TensorSpec& s = specs[i];
-            float* out = w.data() + s.offset;
-            if (s.cols == 1) {   // the norm weights are the only 1-D tensors
-                std::fill(out, out + s.numel, 1.0f);
-                continue;
-            }
-            InitRng rng(seed + ((uint64_t)i << 32));
-            if (kind == INIT_TORCH_DEFAULT) {
-                if (i == PARAM_TOK_EMBEDDING) {
-                    for (size_t j = 0; j < s.numel; j++) out[j] = (float)rng.normal();
-                } else {
-                    const double bound = 1.0 / sqrt((double)s.cols);   // fan_in: the columns of a [out, in] weight
-                    for (size_t j = 0; j < s.numel; j++) out[j] = (float)((2.0 * rng.uniform() - 1.0) * bound);
-                }
-                continue;
-            }
-            const LayerParam layer_kind = param_place(c, (int)i).kind;
-            double stddev = init_std * (layer_kind == WO || layer_kind == W_DOWN ? residual_scale : 1.0);
-            for (size_t j = 0; j < s.numel; j++) {
-                double z = rng.normal();
-                while (kind == INIT_TRUNC_NORMAL && fabs(z) > 2.0) z = rng.normal();
-                out[j] = (float)(z * stddev);
-            }
+    host_parallel_for(specs.size(), [&](size_t i) {
+        const TensorSpec& s = specs[i];
+        float* out = w.data() + s.offset;
+        if (s.cols == 1) {   // the norm weights are the only 1-D tensors
+            std::fill(out, out + s.numel, 1.0f);
+            return;
         }
-    };
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < std::max(1u, std::thread::hardware_concurrency()); t++) threads.emplace_back(worker);
-    for (std::thread& t : threads) t.join();
+        InitRng rng(seed + ((uint64_t)i << 32));
+        if (kind == INIT_TORCH_DEFAULT) {
+            if (i == PARAM_TOK_EMBEDDING) {
+                for (size_t j = 0; j < s.numel; j++) out[j] = (float)rng.normal();
+            } else {
+                const double bound = 1.0 / sqrt((double)s.cols);   // fan_in: the columns of a [out, in] weight
+                for (size_t j = 0; j < s.numel; j++) out[j] = (float)((2.0 * rng.uniform() - 1.0) * bound);
+            }
+            return;
+        }
+        const LayerParam layer_kind = param_place(c, (int)i).kind;
+        double stddev = init_std * (layer_kind == WO || layer_kind == W_DOWN ? residual_scale : 1.0);
+        for (size_t j = 0; j < s.numel; j++) {
+            double z = rng.normal();
+            while (kind == INIT_TRUNC_NORMAL && fabs(z) > 2.0) z = rng.normal();
+            out[j] = (float)(z * stddev);
+        }
+    });
     return w;
 }
 
