@@ -5960,7 +5960,7 @@ static float bench_median_ms(const std::function<void()>& fn, int reps = 20, int
 static void fill_random_device(void* p, size_t bytes, DType t) {
     std::vector<uint8_t> h(bytes);
     constexpr size_t CHUNK = (size_t)1 << 22;   // bytes; even, so no BF16 value straddles two chunks
-    host_parallel_for((bytes + CHUNK - 1) / CHUNK, [&](size_t c) {
+    host_parallel_for(ceil_div((long)bytes, (long)CHUNK), [&](size_t c) {
         InitRng rng(7 + (c << 32));
         const size_t end = std::min(bytes, (c + 1) * CHUNK);
         if (t == DT_BF16) {
