@@ -724,6 +724,10 @@ __device__ inline void hattn_turn_pass_after_bulk(int* turn) {
     asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
 
+// Byte offset of 16-byte unit u (0-7) of row r in a tile of 128-byte rows under the 128-byte swizzle (the
+// layout the TMA writes and wgmma reads, see above): the unit moves to u ^ (r % 8).
+__device__ inline int hattn_sw128(int r, int u) { return r * 128 + ((u ^ (r % 8)) * 16); }
+
 // Shared-memory matrix descriptor (PTX: "Matrix Descriptor Format"): start address, leading and stride byte
 // offsets (all >> 4), swizzle mode in bits 62-63 (1 = 128-byte, 2 = 64-byte). With a swizzle, K-major
 // operands ignore the leading offset and step 8 rows by the stride offset; MN-major operands step 8 rows
@@ -999,7 +1003,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int r = 16 * warp + g + 8 * (j % 2), unit = (kk % 4) * 2 + j / 2;   // 16-byte unit, swizzled
-                    qa[kk][j] = *reinterpret_cast<const uint32_t*>(q_tile + (kk / 4) * S::chunk(BM) + r * 128 + ((unit ^ (r % 8)) * 16) + 4 * t);
+                    qa[kk][j] = *reinterpret_cast<const uint32_t*>(q_tile + (kk / 4) * S::chunk(BM) + hattn_sw128(r, unit) + 4 * t);
                 }
             hattn_bar_arrive(q_empty + qb);             // Q is in registers: the next tile's may load
         }
@@ -1298,7 +1302,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             for (int half = 0; half < 2; half++) {
                 const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
                 const int blk = n / 4, chunk = n % 4;                            // 32-column block, 16-byte chunk
-                unsigned char* p = ROWS ? ds + r * 128 + ((n ^ (r % 8)) * 16) + 4 * t
+                unsigned char* p = ROWS ? ds + hattn_sw128(r, n) + 4 * t
                                         : ds + blk * (BN * 64) + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) + 4 * t;
                 *reinterpret_cast<uint32_t*>(p) = dsa[n / 2][2 * (n % 2) + half];   // the A fragment holds these bf16 pairs
             }
@@ -1403,7 +1407,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
 #pragma unroll
             for (int half = 0; half < 2; half++) {
                 const int r = 16 * warp + g + 8 * half, ch = n / 8, unit = n % 8;   // columns 8n + 2t, 8n + 2t + 1
-                *reinterpret_cast<__nv_bfloat162*>(rows_out + ch * S::chunk(BN) + r * 128 + ((unit ^ (r % 8)) * 16) + 4 * t) =
+                *reinterpret_cast<__nv_bfloat162*>(rows_out + ch * S::chunk(BN) + hattn_sw128(r, unit) + 4 * t) =
                     __floats2bfloat162_rn(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
             }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
