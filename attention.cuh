@@ -20,6 +20,7 @@
 #pragma once
 #include "fp8_kernels.cuh"
 #include <atomic>
+#include <type_traits>
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
 #include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 
@@ -564,12 +565,17 @@ constexpr int HATTN_BWD_DQ_COLS = HATTN_BWD_BM / HATTN_CONSUMERS;  // backward: 
 // Larger groups lose, we think, to the turns: each block of a group adds a step after the one below it, so
 // its consumers wait longer for free staging tiles (not profiled).
 constexpr int HATTN_BWD_KEY_GROUP = 4;
-// How a backward consumer forms its share of a step's dQ (64 queries x HD), its "dQ tile": at HD = 64 as
-// dQ^T = K^T dS^T, all 64 head rows x its 32 queries (m64n32, K as the A operand); at HD = 128 as dQ = dS K
-// ("rows"), all 64 queries x its 64 head columns (m64n64, dS as the A operand). Both operands come from shared
-// memory (~128 bytes a clock an SM): for the same FLOPs, m64n64 reads 32 KB a consumer and step where m64n32 at
-// HD = 128 reads 48 KB. H100, backward at D = 128 (call 45): d128 374-376 against 375, d128 long 444-445
-// against 433-435 TFLOP/s. At HD = 64 both read 24 KB.
+// How a step's dQ (64 queries x HD) is formed, in "dQ tiles" of 64 x 64 FP32 (the units of the accumulator and
+// its writers): at HD = 64 each consumer forms dQ^T = K^T dS^T for its 32 queries, all 64 head rows (m64n32, K
+// as the A operand): dQ tile w is consumer w's. At HD = 128 ("rows") one consumer forms the whole dQ = dS K,
+// 64 queries x 128 head columns (m64n128 over the block's 128 keys, dS as the A operand), the two consumers
+// taking turns by step (consumer i % 2 at step i, the other going straight on to the next step's scores): dQ
+// tile j is columns 64j..64j+63. Operands all from shared memory (~128 bytes a clock an SM): m64n128 reads 48 KB
+// for a step's dQ where two m64n64 halves (one a consumer, both every step) read 64 KB. H100, backward TFLOP/s,
+// three alternated runs (call 55): d128 375.6 / 377.2 / 375.6 against 373.2 / 373.6 / 372.1 with the halves,
+// d128 long 438.4 / 433.2 / 429.6 against 440.1 / 421.8 / 427.2. The dQ^T formulation at HD = 128 (m64n32, 48 KB
+// a consumer and step; call 45): d128 375 against 374-376 with the halves, d128 long 433-435 against 444-445.
+// At HD = 64 dQ^T and dQ halves both read 24 KB.
 template <int HD> constexpr bool hattn_dq_rows() { return HD == 128; }
 
 // Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
@@ -587,7 +593,7 @@ template <int HD> struct HattnSmem {
     static constexpr int FWD_BAR = FWD_V + HATTN_FWD_STAGES * FWD_KV_BYTES;
     static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
     static_assert(2 * hattn_fwd_q_bufs<HD>() + 4 * HATTN_FWD_STAGES <= 16, "the forward's barriers fit their 128 bytes");
-    // backward: K, V of the block; Q and dO stages; dS^T twice; each consumer's dQ tile twice; lse and D rows of
+    // backward: K, V of the block; Q and dO stages; dS^T twice; two dQ tiles twice (by step parity); lse and D rows of
     // each stage; barriers. Every tile starts on a 1024-byte boundary.
     static constexpr int BWD_KV_BYTES = CH * chunk(HATTN_BWD_BN);
     static constexpr int BWD_Q_BYTES = CH * chunk(HATTN_BWD_BM);
@@ -595,7 +601,7 @@ template <int HD> struct HattnSmem {
     static constexpr int BWD_ROWS_BYTES = 2 * HATTN_BWD_BM * 4;                // lse * log2(e) and D of the step's rows
     static constexpr int BWD_DS_BYTES = HATTN_BWD_BN * HATTN_BWD_BM * 2;       // dS^T, bf16
     static constexpr int BWD_DQ_COLS = hattn_dq_rows<HD>() ? 64 : HATTN_BWD_DQ_COLS; // a dQ tile: 64 rows x these
-    static constexpr int BWD_DQ_BYTES = 64 * BWD_DQ_COLS * 4;                  // a consumer's dQ tile, FP32 (two each)
+    static constexpr int BWD_DQ_BYTES = 64 * BWD_DQ_COLS * 4;                  // a dQ tile, FP32 (two of each)
     static constexpr int BWD_K = 0;
     static constexpr int BWD_V = BWD_K + BWD_KV_BYTES;
     static constexpr int BWD_STAGE = BWD_V + BWD_KV_BYTES;
@@ -609,12 +615,13 @@ template <int HD> struct HattnSmem {
 
 // The backward's per-row values and dQ accumulator, padded to whole query tiles: Tp = ceil(T / 64) * 64.
 __host__ __device__ inline int attention_padded_T(int T) { return (T + HATTN_BWD_BM - 1) / HATTN_BWD_BM * HATTN_BWD_BM; }
-// The backward's FP32 dQ accumulator: per (batch, head, query tile, consumer) one dQ tile (hattn_dq_rows),
-// contiguous (one bulk copy): at HD = 64 dQ^T, [64 head rows x 32 queries]; at HD = 128 dQ, [64 queries x 64 head
-// columns]. Column c of row r is stored at c ^ attention_dq_swizzle(r): a warp's fragment stores then hit distinct
-// shared-memory banks. One turn counter per tile (below).
-__host__ __device__ inline size_t attention_dq_tile(int b, int h, int qt, int w, int NH, int nq) {
-    return (((size_t)b * NH + h) * nq + qt) * HATTN_CONSUMERS + w;
+// The backward's FP32 dQ accumulator: per (batch, head, query tile) two dQ tiles j (hattn_dq_rows), each
+// contiguous (one bulk copy): at HD = 64 dQ^T of queries 32j..32j+31, [64 head rows x 32 queries]; at HD = 128
+// dQ of head columns 64j..64j+63, [64 queries x 64 columns]. Column c of row r is stored at
+// c ^ attention_dq_swizzle(r): a warp's fragment stores then hit distinct shared-memory banks. One turn counter
+// per tile (below).
+__host__ __device__ inline size_t attention_dq_tile(int b, int h, int qt, int j, int NH, int nq) {
+    return (((size_t)b * NH + h) * nq + qt) * HATTN_CONSUMERS + j;
 }
 __host__ __device__ inline int attention_dq_swizzle(int r) { return 8 * (r % 4); }
 // Forward work tile w of ntiles * NH * B: query tile, head, batch. The query tiles go from the last (the longest
@@ -733,9 +740,10 @@ __device__ inline int hattn_sw128(int r, int u) { return r * 128 + ((u ^ (r % 8)
 // operands ignore the leading offset and step 8 rows by the stride offset; MN-major operands step 8 rows
 // of K by the stride offset and the next 64 (or 32) MN elements by the leading offset.
 constexpr uint32_t HATTN_SW128 = 1, HATTN_SW64 = 2;
-__device__ inline uint64_t hattn_desc(const void* smem, uint32_t sbo_bytes, uint32_t swizzle) {
+__device__ inline uint64_t hattn_desc(const void* smem, uint32_t sbo_bytes, uint32_t swizzle, uint32_t lbo_bytes = 16) {
     const uint64_t addr = attention_smem_addr(smem);
-    return ((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(sbo_bytes >> 4) << 32) | ((uint64_t)swizzle << 62);
+    return ((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo_bytes >> 4) << 16) | ((uint64_t)(sbo_bytes >> 4) << 32) |
+           ((uint64_t)swizzle << 62);
 }
 
 // The descriptor of the matrix `bytes` (a multiple of 16) further on in shared memory than base_desc's: one add
@@ -1075,15 +1083,15 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //   S^T = K Q^T, dP^T = V dO^T                (both operands K-major)
 //   P^T = exp2(S^T log2(e)/sqrt(HD) - lse2), dS^T = P^T * (dP^T - D)      (registers)
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
-//   dS^T -> shared memory; consumer w's dQ tile (hattn_dq_rows; both operands MN-major): at HD = 64
-//     dQ^T = K^T dS^T for the step's queries 32w..32w+31, at HD = 128 dQ = dS K for head columns 64w..64w+63
+//   dS^T -> shared memory; dQ (hattn_dq_rows; both operands MN-major): at HD = 64 consumer w's
+//     dQ^T = K^T dS^T for the step's queries 32w..32w+31, at HD = 128 consumer i % 2's dQ = dS K, all of it
 // That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 the products of consecutive steps overlap
 // (below).
 //
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
-// (query tile, head, consumer) receives key tile 0's dQ tile as a copy, then key tile 1's as an add, and so on.
-// Each tile has a turn counter. A consumer stages its dQ tile in shared memory (two, by turns) and goes on;
-// its writer, one thread of the producer warpgroup, waits until the counter reads kt, hands the tile to the
+// (query tile, head, j) receives key tile 0's dQ tile j as a copy, then key tile 1's as an add, and so on.
+// Each tile has a turn counter. A consumer stages the dQ tiles it formed in shared memory (two of each, by step
+// parity) and goes on; the writer of tile j, one thread of the producer warpgroup, waits until the counter reads kt, hands the tile to the
 // TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
 // the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for blocks of
 // lower key tiles, which never wait for it and have lower block indices: the GPU starts blocks in index
@@ -1165,7 +1173,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
                 hattn_bulk_load(rows, lse2 + row0, BM * 4, st_full + s);
                 hattn_bulk_load(rows + BM * 4, delta + row0, BM * 4, st_full + s);
             }
-        } else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= HATTN_CONSUMERS) {   // warp 1 + w: consumer w's dQ writer
+        } else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= HATTN_CONSUMERS) {   // warp 1 + w: dQ tile w's writer
             const int w = threadIdx.x / 32 - 1;
             // The turn counter of the last step's tile, or null where no later key tile adds to it (query tiles
             // 2 kt and 2 kt + 1 end with this key tile): then nobody waits, and the block's last steps are such.
@@ -1226,27 +1234,36 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         hattn_wgmma_commit();
     };
-    // Step i's dQ tile (complete in dq) into a staging tile, for the writer to add in its turn (see above).
-    // dq[n] holds rows 16 warp + g (+ 8) and columns 8n + 2t (+ 1) of the 64-row tile: 64 queries x 64 head
-    // columns (rows) or 64 head rows x 32 queries (dQ^T, HD = 64 only).
+    // Step i's dQ (complete in dq) into its staging tiles, for the writers to add in their turn (see above):
+    // at HD = 64 this consumer's dQ^T, tile w; at HD = 128 the whole dQ, tiles 0 and 1 (dq[n] of n < 8, n >= 8).
+    // dq[n] holds rows 16 warp + g (+ 8) and columns 8n + 2t (+ 1): 64 queries x HD head columns (rows) or 64
+    // head rows x 32 queries (dQ^T, HD = 64 only).
     constexpr bool ROWS = hattn_dq_rows<HD>();
     static_assert(ROWS || HD == 64, "dQ^T tiles cover all head rows only at HD = 64");
-    constexpr int DQ_COLS = S::BWD_DQ_COLS;
-    float dq[DQ_COLS / 8][4];
+    constexpr int DQ_COLS = S::BWD_DQ_COLS;                      // of a dQ tile
+    constexpr int DQ_TILES = ROWS ? HD / DQ_COLS : 1;            // formed by a consumer at a step
+    constexpr int DQ_FLOATS = DQ_TILES * DQ_COLS / 2;            // a thread's share
+    float dq[DQ_FLOATS / 4][4];
     auto stage_dq = [&](int i) {
         const int buf = i % 2;
-        float* dq_stage = reinterpret_cast<float*>(smem + S::BWD_DQ + (2 * w + buf) * S::BWD_DQ_BYTES);
-        if (i >= 2) hattn_bar_wait(dq_empty + 2 * w + buf, ((i / 2) + 1) & 1);
 #pragma unroll
-        for (int n = 0; n < DQ_COLS / 8; n++)
+        for (int j = 0; j < DQ_TILES; j++) {                     // dq[DQ_COLS / 8 j ..] into dQ tile j (rows) or w
+            const int tile = ROWS ? j : w;
+            float* dq_stage = reinterpret_cast<float*>(smem + S::BWD_DQ + (2 * tile + buf) * S::BWD_DQ_BYTES);
+            if (i >= 2) hattn_bar_wait(dq_empty + 2 * tile + buf, ((i / 2) + 1) & 1);
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int row = 16 * warp + g + 8 * half, col = 8 * n + 2 * t;
-                *reinterpret_cast<float2*>(dq_stage + row * DQ_COLS + (col ^ attention_dq_swizzle(row))) =
-                    make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
-            }
+            for (int n = 0; n < DQ_COLS / 8; n++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int row = 16 * warp + g + 8 * half, col = 8 * n + 2 * t;
+                    const float* d = dq[j * DQ_COLS / 8 + n];
+                    *reinterpret_cast<float2*>(dq_stage + row * DQ_COLS + (col ^ attention_dq_swizzle(row))) =
+                        make_float2(d[2 * half], d[2 * half + 1]);
+                }
+        }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
-        hattn_bar_arrive(dq_full + 2 * w + buf);
+#pragma unroll
+        for (int j = 0; j < DQ_TILES; j++) hattn_bar_arrive(dq_full + 2 * (ROWS ? j : w) + buf);
     };
 
     // Step i's P^T = exp2(S^T scale_log2 - lse2) and dS^T = P^T * (dP^T - D) (its scores complete in st, dpt);
@@ -1294,7 +1311,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // dS^T (bf16) into shared memory while those run, in the layout the dQ product reads (16-byte unit u of
         // key row r): rows, [128 keys x 128 bytes] with the 128-byte swizzle (u at u ^ (r % 8)); dQ^T, two blocks
         // of 32 query columns, each [128 keys x 64 bytes] with the 64-byte swizzle (u at u ^ ((r / 2) % 4)).
-        // The last reader of this buffer, both consumers' dQ products of step i - 2, completed before barrier i - 1.
+        // The last readers of this buffer, the dQ products of step i - 2, are complete: a consumer reaches the dQ
+        // barrier of step i - 1 only after waiting for the ones it issued, and at least the consumer that did not
+        // issue them (at HD = 64 both) waits at that barrier before going on.
         unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -1309,18 +1328,21 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
     };
-    // Once both consumers have written step i's dS^T: this consumer's dQ tile into dq (issued and committed, not
-    // waited for). Rows: A = dS (the dS^T tile read MN-major), B = its 64 columns of K (MN-major); dQ^T: A = K^T
-    // (K MN-major), B = its 32 columns of dS^T (MN-major).
+    // Once both consumers have written step i's dS^T: this consumer's part of the step's dQ into dq (issued and
+    // committed, not waited for). Rows: A = dS (the dS^T tile read MN-major), B = K (MN-major, both 64-column
+    // chunks: the leading offset steps from one to the other); dQ^T: A = K^T (K MN-major), B = its 32 columns of
+    // dS^T (MN-major). Rows takes named barrier 4 + i % 2, which the other consumer only arrives at (step i's
+    // barrier has completed before either consumer comes to step i + 2's: each waits at the one between).
     auto issue_dq = [&](int i) {
         const unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
-        hattn_sync(1, 128 * HATTN_CONSUMERS);                    // both halves of dS^T are written
+        hattn_sync(ROWS ? 4 + i % 2 : 1, 128 * HATTN_CONSUMERS);   // both halves of dS^T are written
         hattn_wgmma_fence();
         if constexpr (ROWS) {
+            const uint64_t k_cols = hattn_desc(smem, 1024, HATTN_SW128, S::chunk(BN));
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)                 // 16 keys per step
-                hattn_wgmma_ss<64, 1, 1>(&dq[0][0], desc(ds + kk * 16 * 128), desc(k_tile + w * S::chunk(BN) + kk * 16 * 128),
-                                         kk > 0);
+                hattn_wgmma_ss<HD, 1, 1>(&dq[0][0], desc(ds + kk * 16 * 128),
+                                         hattn_desc_at(k_cols, (uint32_t)(k_tile + kk * 16 * 128 - smem)), kk > 0);
         } else {
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)
@@ -1368,7 +1390,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             issue_scores(i + 1);
             hattn_wgmma_wait<1>();                               // dV, dK and dQ^T of step i
             fence_grads();
-            hattn_fence_regs<DQ_COLS / 2>(&dq[0][0]);
+            hattn_fence_regs<DQ_FLOATS>(&dq[0][0]);
             hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
             stage_dq(i);
             hattn_wgmma_wait<0>();                               // S^T, dP^T of step i + 1
@@ -1378,22 +1400,39 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         issue_dq(steps - 1);
         hattn_wgmma_wait<0>();
         fence_grads();
-        hattn_fence_regs<DQ_COLS / 2>(&dq[0][0]);
+        hattn_fence_regs<DQ_FLOATS>(&dq[0][0]);
         hattn_bar_arrive(st_empty + (steps - 1) % HATTN_BWD_STAGES);
         stage_dq(steps - 1);
     } else {
-        for (int i = 0; i < steps; i++) {                       // each product waited for in turn
+        // HD = 128: each consumer's products in turn, and the step's dQ (all 128 keys, both dS^T halves) by
+        // consumer i % 2 alone, after its dV and dK (dq's 64 registers fit beside dK and dV only once pa and dsa,
+        // their A operands, are free); the other consumer arrives at the dQ barrier and goes on to step i + 1, so
+        // that its scores run under this dQ. Measured slower (H100, backward TFLOP/s, against the same call's
+        // 371-374 at d128 and 421-441 at d128 long with both consumers forming a 64-column half of every step's
+        // dQ): each consumer a partial over its own 64 keys (m64n128, no barrier between the consumers), the
+        // partials summed in the staging tile (call 53: 344-347, 386-410: a third more shared-memory traffic);
+        // the writer freeing the staging tile as soon as read and passing the turn at once (call 54: d128 362-368,
+        // and the 1b shape 283-285 against 320-323). The consumer doing dQ mostly waits for the other at the
+        // barrier (ncu, call 55: 12% of its stall samples): the other did the last step's dQ.
+        auto step = [&](int i, auto with_dq) {
             issue_scores(i);
             hattn_wgmma_wait<0>();
             fence_scores();
             grads_of_scores(i);
+            if constexpr (!decltype(with_dq)::value) hattn_arrive(4 + i % 2, 128 * HATTN_CONSUMERS);
             hattn_wgmma_wait<0>();
             fence_grads();
             hattn_bar_arrive(st_empty + i % HATTN_BWD_STAGES);   // Q and dO of step i are no longer read
-            issue_dq(i);
-            hattn_wgmma_wait<0>();
-            hattn_fence_regs<DQ_COLS / 2>(&dq[0][0]);
-            stage_dq(i);
+            if constexpr (decltype(with_dq)::value) {
+                issue_dq(i);
+                hattn_wgmma_wait<0>();
+                hattn_fence_regs<DQ_FLOATS>(&dq[0][0]);
+                stage_dq(i);
+            }
+        };
+        for (int i = 0; i < steps; i++) {
+            if (i % 2 == w) step(i, std::true_type());
+            else step(i, std::false_type());
         }
     }
     // dV, then dK, out through this consumer's 64 rows of the V tile, which no product reads any more (only
