@@ -1090,9 +1090,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
 // (query tile, head, j) receives key tile 0's dQ tile j as a copy, then key tile 1's as an add, and so on.
-// Each tile has a turn counter. A consumer stages the dQ tiles it formed in shared memory (two of each, by step
-// parity) and goes on; the writer of tile j, one thread of the producer warpgroup, waits until the counter reads kt, hands the tile to the
-// TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
+// Each tile has a turn counter. A consumer stages the dQ tiles it formed in shared memory (two of each, by
+// step parity) and goes on; the writer of tile j, one thread of the producer warpgroup, waits until the
+// counter reads kt, hands the tile to the TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
 // the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for blocks of
 // lower key tiles, which never wait for it and have lower block indices: the GPU starts blocks in index
 // order, so those have an SM or are done. (CUDA does not document that order; deterministic split-K GEMMs
@@ -1105,7 +1105,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 // its own slot, summed in key-tile order by a later kernel (1.1 GB written and read back for the 1b preset,
 // 251); the consumer thread waiting for the turn itself (203); FP32 atomics from registers, or from a
 // dQ-writer warp (bound by L2 atomics); recomputing S and dP in a separate dQ kernel (7 products instead of 5,
-// the mma.sync path).
+// the mma.sync path). The writer freeing its staging tile as soon as the TMA has read it and passing the turn
+// at once, instead of at its next tile, was slower too (H100, call 54: 1b 283-285 against 321-323 TFLOP/s, d128
+// 362-368 against 368-373).
 template <int HD>
 __global__ void __launch_bounds__(HATTN_THREADS, 1)
 attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2, const float* delta,
@@ -1407,13 +1409,13 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // HD = 128: each consumer's products in turn, and the step's dQ (all 128 keys, both dS^T halves) by
         // consumer i % 2 alone, after its dV and dK (dq's 64 registers fit beside dK and dV only once pa and dsa,
         // their A operands, are free); the other consumer arrives at the dQ barrier and goes on to step i + 1, so
-        // that its scores run under this dQ. Measured slower (H100, backward TFLOP/s, against the same call's
-        // 371-374 at d128 and 421-441 at d128 long with both consumers forming a 64-column half of every step's
-        // dQ): each consumer a partial over its own 64 keys (m64n128, no barrier between the consumers), the
-        // partials summed in the staging tile (call 53: 344-347, 386-410: a third more shared-memory traffic);
-        // the writer freeing the staging tile as soon as read and passing the turn at once (call 54: d128 362-368,
-        // and the 1b shape 283-285 against 320-323). The consumer doing dQ mostly waits for the other at the
-        // barrier (ncu, call 55: 12% of its stall samples): the other did the last step's dQ.
+        // that its scores run under this dQ. Measured slower (H100, call 53, backward TFLOP/s, against 371-374 at
+        // d128 and 430-441 at d128 long with both consumers forming a 64-column half of every step's dQ): each
+        // consumer a partial over its own 64 keys (m64n128, no barrier between the consumers), the partials
+        // summed in the staging tile (344-347, 386-410: a third more shared-memory traffic); no faster: the
+        // halves with dQ issued before dV and dK are waited for (368-369, 444). The consumer doing dQ waits for
+        // the other at the barrier (ncu, call 55: 14% of the consumers' stall samples): the other did the last
+        // step's dQ.
         auto step = [&](int i, auto with_dq) {
             issue_scores(i);
             hattn_wgmma_wait<0>();
