@@ -1244,6 +1244,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     static_assert(ROWS || HD == 64, "dQ^T tiles cover all head rows only at HD = 64");
     constexpr int DQ_COLS = S::BWD_DQ_COLS;                      // of a dQ tile
     constexpr int DQ_TILES = ROWS ? HD / DQ_COLS : 1;            // formed by a consumer at a step
+    static_assert(!ROWS || DQ_TILES == HATTN_CONSUMERS, "at HD = 128 the dQ tiles of a step are one a writer");
     constexpr int DQ_FLOATS = DQ_TILES * DQ_COLS / 2;            // a thread's share
     float dq[DQ_FLOATS / 4][4];
     auto stage_dq = [&](int i) {
@@ -1476,7 +1477,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
 }
 
 // dQ = (the summed dQ tiles of the accumulator) / sqrt(HD) into the Q columns of dqkv: a 64 x 64 (query x head
-// column) tile per block. At HD = 128 the tile is one consumer's dQ tile, already [query][column]: each thread
+// column) tile per block. At HD = 128 the tile is dQ tile d0 / 64, already [query][column]: each thread
 // reads a float2 (the swizzle moves columns by multiples of 8, so a pair stays adjacent) and writes the BF16
 // pair. At HD = 64 it is the two consumers' dQ^T tiles, transposed through shared memory so that both the reads
 // and the writes are coalesced.
@@ -1492,7 +1493,7 @@ __global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_
         *reinterpret_cast<__nv_bfloat162*>(dqkv + ((size_t)b * T + q0 + q) * C3 + h * HD + d0 + d) =
             __floats2bfloat162_rn(x * scale, y * scale);
     };
-    if constexpr (hattn_dq_rows<HD>()) {   // [query][column], consumer w = d0 / 64
+    if constexpr (hattn_dq_rows<HD>()) {   // [query][column], dQ tile d0 / 64
         const float* src = dq_acc + attention_dq_tile(b, h, qt, d0 / 64, NH, nq) * TILE_FLOATS;
         for (int i = threadIdx.x; i < 64 * 32; i += THREADS) {
             const int q = i / 32, d = 2 * (i % 32);
