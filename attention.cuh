@@ -924,7 +924,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     // registers a thread and this spilled (96 bytes); there the two Q buffers already overlap the loads. (P V as
     // one m64n128 product over both chunks of V, instead of two m64n64, measured slower: d128 481-485.)
     constexpr bool Q_IN_REGS = HD == 128;
-    uint32_t qa[HD / 16][4];
+    uint32_t qa[Q_IN_REGS ? HD / 16 : 1][4];
     int kv_base = 0;                                          // this block's K/V tiles before the current work tile
     for (int w = blockIdx.x, it = 0; w < tiles; w += gridDim.x, it++) {
         int qt, h, b, nkv;
@@ -1121,7 +1121,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     unsigned char* smem = hattn_smem_base(hattn_smem_raw);
     const uint64_t sw128 = hattn_desc(smem, 1024, HATTN_SW128);   // every operand tile: 128-byte swizzle, 8 rows = 1024 bytes
     auto desc = [&](const unsigned char* tile) { return hattn_desc_at(sw128, (uint32_t)(tile - smem)); };
-    const uint64_t sw64 = hattn_desc(smem, 512, HATTN_SW64);      // dS^T: 64-byte swizzle, 8 rows = 512 bytes
+    const uint64_t sw64 = hattn_desc(smem, 512, HATTN_SW64);      // HD = 64, dS^T: 64-byte swizzle, 8 rows = 512 bytes
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BWD_BAR);
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
@@ -1205,6 +1205,8 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(HATTN_CONSUMERS)));
     const int w = wg - 1;
+    // Computed after the setmaxnreg: with these three computed before it (call 60; the HD = 64 PTX otherwise
+    // equal up to register names) the 1b backward ran at 274-276 TFLOP/s against 321-326. We did not find why.
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int key_base = k0 + 64 * w + 16 * warp;            // this warp's first key row
     const float scale = rsqrtf((float)HD), scale_log2 = scale * ATTN_LOG2E;
@@ -1315,9 +1317,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
 #pragma unroll
             for (int half = 0; half < 2; half++) {
                 const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
-                const int blk = n / 4, chunk = n % 4;                            // 32-column block, 16-byte chunk
+                // rows: n is the 16-byte unit; dQ^T: the 32-column block n / 4, its 16-byte unit n % 4
                 unsigned char* p = ROWS ? ds + hattn_sw128(r, n) + 4 * t
-                                        : ds + blk * (BN * 64) + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) + 4 * t;
+                                        : ds + (n / 4) * (BN * 64) + r * 64 + (((n % 4) ^ ((r >> 1) & 3)) * 16) + 4 * t;
                 *reinterpret_cast<uint32_t*>(p) = dsa[n / 2][2 * (n % 2) + half];   // the A fragment holds these bf16 pairs
             }
         }
@@ -1426,7 +1428,12 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // summed in the staging tile (344-347, 386-410: a third more shared-memory traffic); no faster: the
         // halves with dQ issued before dV and dK are waited for (368-369, 444). The consumer doing dQ waits for
         // the other at the barrier (ncu, call 55: 14% of the consumers' stall samples): the other did the last
-        // step's dQ.
+        // step's dQ. Taking dQ off the consumers does not fit the registers: a fourth warpgroup for it would need
+        // 24 + 48 + 2 x 224 > 512 a thread slot (ptxas ignores a setmaxnreg under 48 in a region that issues
+        // wgmma, C7507; the consumers need 224, at 216 they spilled 672 bytes and serialized their wgmmas). dQ
+        // formed by the producer warpgroup at 48 (m64n32 quarters, dS^T handed over by mbarriers, its thread 0
+        // also loading and waiting for the turns; consumers at 232) ran far slower (call 60: d128 224-231
+        // against 373-375, d128 long 247-257 against 430-446).
         auto step = [&](int i, auto with_dq) {
             issue_scores(i);
             hattn_wgmma_wait<0>();
