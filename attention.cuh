@@ -1433,7 +1433,11 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // wgmma, C7507; the consumers need 224, at 216 they spilled 672 bytes and serialized their wgmmas). dQ
         // formed by the producer warpgroup at 48 (m64n32 quarters, dS^T handed over by mbarriers, its thread 0
         // also loading and waiting for the turns; consumers at 232) ran far slower (call 60: d128 224-231
-        // against 373-375, d128 long 247-257 against 430-446).
+        // against 373-375, d128 long 247-257 against 430-446). The S^T of a consumer's dQ step issued under its
+        // previous step's dV and dK (32 registers beside them) gained too little to keep (calls 61-62: d128
+        // 375.5-380.8 against 373.2-377.4, d128 long no gain; 16 bytes spilled, and ptxas injected wgmma
+        // fences, C7519); as a loop over the dQ steps without the spill, 371.7-376.3; with P^T also computed
+        // under dP^T, 345-347 (112 bytes spilled).
         auto step = [&](int i, auto with_dq) {
             issue_scores(i);
             hattn_wgmma_wait<0>();
