@@ -1122,6 +1122,8 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     const uint64_t sw128 = hattn_desc(smem, 1024, HATTN_SW128);   // every operand tile: 128-byte swizzle, 8 rows = 1024 bytes
     auto desc = [&](const unsigned char* tile) { return hattn_desc_at(sw128, (uint32_t)(tile - smem)); };
     const uint64_t sw64 = hattn_desc(smem, 512, HATTN_SW64);      // HD = 64, dS^T: 64-byte swizzle, 8 rows = 512 bytes
+    // HD = 128, K as dQ's B operand (MN-major): the leading offset steps from one 64-column chunk to the next
+    const uint64_t k_cols = hattn_desc(smem, 1024, HATTN_SW128, S::chunk(BN));
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BWD_BAR);
     uint64_t* kv_full = bars;                                 // then per stage: full, empty
     uint64_t* st_full = bars + 1;
@@ -1304,26 +1306,26 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         attention_pack_a(pa, pt);
         attention_pack_a(dsa, dst);
+        // dS^T (bf16) into shared memory, in the layout the dQ product reads (16-byte unit u of key row r): rows,
+        // [128 keys x 128 bytes] with the 128-byte swizzle (u at u ^ (r % 8)); dQ^T, two blocks of 32 query
+        // columns, each [128 keys x 64 bytes] with the 64-byte swizzle (u at u ^ ((r / 2) % 4)). The last readers
+        // of this buffer, the dQ products of step i - 2, are complete: a consumer reaches the dQ barrier of step
+        // i - 1 only after waiting for the ones it issued, and at least the consumer that did not issue them (at
+        // HD = 64 both) waits at that barrier before going on.
         auto store_ds = [&] {
-        // dS^T (bf16) into shared memory while those run, in the layout the dQ product reads (16-byte unit u of
-        // key row r): rows, [128 keys x 128 bytes] with the 128-byte swizzle (u at u ^ (r % 8)); dQ^T, two blocks
-        // of 32 query columns, each [128 keys x 64 bytes] with the 64-byte swizzle (u at u ^ ((r / 2) % 4)).
-        // The last readers of this buffer, the dQ products of step i - 2, are complete: a consumer reaches the dQ
-        // barrier of step i - 1 only after waiting for the ones it issued, and at least the consumer that did not
-        // issue them (at HD = 64 both) waits at that barrier before going on.
-        unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
+            unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
 #pragma unroll
-        for (int n = 0; n < BM / 8; n++) {
+            for (int n = 0; n < BM / 8; n++) {
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
-                // rows: n is the 16-byte unit; dQ^T: the 32-column block n / 4, its 16-byte unit n % 4
-                unsigned char* p = ROWS ? ds + hattn_sw128(r, n) + 4 * t
-                                        : ds + (n / 4) * (BN * 64) + r * 64 + (((n % 4) ^ ((r >> 1) & 3)) * 16) + 4 * t;
-                *reinterpret_cast<uint32_t*>(p) = dsa[n / 2][2 * (n % 2) + half];   // the A fragment holds these bf16 pairs
+                for (int half = 0; half < 2; half++) {
+                    const int r = 64 * w + 16 * warp + g + 8 * half;                 // key row within the tile
+                    // rows: n is the 16-byte unit; dQ^T: the 32-column block n / 4, its 16-byte unit n % 4
+                    unsigned char* p = ROWS ? ds + hattn_sw128(r, n) + 4 * t
+                                            : ds + (n / 4) * (BN * 64) + r * 64 + (((n % 4) ^ ((r >> 1) & 3)) * 16) + 4 * t;
+                    *reinterpret_cast<uint32_t*>(p) = dsa[n / 2][2 * (n % 2) + half];   // the A fragment holds these bf16 pairs
+                }
             }
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to wgmma
         };
         if constexpr (decltype(arrive_first)::value) {   // HD = 128, the consumer not forming this step's dQ
             store_ds();
@@ -1353,7 +1355,6 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         hattn_sync(ROWS ? 4 + i % 2 : 1, 128 * HATTN_CONSUMERS);   // both halves of dS^T are written
         hattn_wgmma_fence();
         if constexpr (ROWS) {
-            const uint64_t k_cols = hattn_desc(smem, 1024, HATTN_SW128, S::chunk(BN));
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)                 // 16 keys per step
                 hattn_wgmma_ss<HD, 1, 1>(&dq[0][0], desc(ds + kk * 16 * 128),
