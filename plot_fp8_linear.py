@@ -68,20 +68,25 @@ def chain(ax, y):
         arrow(ax, [(right(a), y), (left(a + 1), y)])
 
 
+def cast_row(ax, y, t, shape, producers, fmax, fmt):
+    """Tensor t (X or dY), or the kernel producing it, through its amax and scale into one cast+transpose."""
+    box(ax, 0, y, 11.5, "bf16", f"{t}   BF16 {shape}", f"or the kernel making it:\n{producers}\nrecompute {t} in the cast")
+    box(ax, 1, y, 11.5, "op", "amax", f"max |{t}| (atomicMax)\ninto amax_pending:\nan amax pass, or\nthe producer's kernel")
+    box(ax, 2, y, 11.5, "op", "power-of-two scale",
+        f"scale = 2^e, inv_scale = 1/scale\ne = ⌊log₂(max / amax)⌋ − margin\nmax = {fmax} ({fmt})")
+    box(ax, 3, y, 11.5, "op", "fp8_cast_produced", "one cast+transpose\nkernel, 64×64 tiles\nx8 = sat(x · scale)")
+    chain(ax, y)
+
+
 def forward(ax):
     lane(ax, 57, 99.5, "Forward   Y = X Wᵀ   (every micro-batch)")
-    y = 86
-    box(ax, 0, y, 11.5, "bf16", "X   BF16 [N, in]", "or the kernel making it:\nRMSNorm and SwiGLU\nrecompute X in the cast")
-    box(ax, 1, y, 11.5, "op", "amax", "max |X| (atomicMax)\ninto amax_pending:\nan amax pass, or\nthe producer's kernel")
-    box(ax, 2, y, 11.5, "op", "power-of-two scale", "scale = 2^e, inv_scale = 1/scale\ne = ⌊log₂(max / amax)⌋ − margin\nmax = 448 (E4M3)")
-    box(ax, 3, y, 11.5, "op", "fp8_cast_produced", "one cast+transpose\nkernel, 64×64 tiles\nx8 = sat(x · scale)")
+    cast_row(ax, 86, "X", "[N, in]", "RMSNorm and SwiGLU", 448, "E4M3")
     box(ax, 4, 89.5, 4.2, "e4m3", "X8  [N, in]")
     box(ax, 4, 82.2, 6, "e4m3", "X8ᵀ  [in, N]", "kept for backward")
     box(ax, 5, 85, 16.5, "op", "fp8_linear_forward",
         "cuBLASLt matmul, TN form:\nY = X8 · W8ᵀ\nA = X8, B = W8, K-contiguous\n× inv_scale of X and W,\n"
         "read from device memory\nfast accumulation")
     box(ax, 6, 85, 8, "bf16", "Y", "BF16\n[N, out]")
-    chain(ax, y)
     arrow(ax, [(right(3), 89.5), (left(4), 89.5)])
     arrow(ax, [(right(3), 82.2), (left(4), 82.2)])
     arrow(ax, [(right(4), 89.5), (left(5), 89.5)], "A")
@@ -106,11 +111,7 @@ def forward(ax):
 
 def backward(ax):
     lane(ax, 18, 55.5, "Backward   dX = dY W,  dW += dYᵀ X")
-    y = 44
-    box(ax, 0, y, 11.5, "bf16", "dY   BF16 [N, out]", "or the kernel making it:\nSwiGLU and RoPE backward\nrecompute dY in the cast")
-    box(ax, 1, y, 11.5, "op", "amax", "max |dY| (atomicMax)\ninto amax_pending:\nan amax pass, or\nthe producer's kernel")
-    box(ax, 2, y, 11.5, "op", "power-of-two scale", "scale = 2^e, inv_scale = 1/scale\ne = ⌊log₂(max / amax)⌋ − margin\nmax = 57344 (E5M2)")
-    box(ax, 3, y, 11.5, "op", "fp8_cast_produced", "one cast+transpose\nkernel, into E5M2")
+    cast_row(ax, 44, "dY", "[N, out]", "SwiGLU and RoPE backward", 57344, "E5M2")
     box(ax, 4, 46.5, 4.2, "e5m2", "dY8  [N, out]")
     box(ax, 4, 30.5, 4.2, "e5m2", "dY8ᵀ  [out, N]")
     box(ax, 4, 23.5, 6, "saved", "X8ᵀ  [in, N]", "from the forward")
@@ -120,7 +121,6 @@ def backward(ax):
         "dW += dY8ᵀ · X8\nA = dY8ᵀ [out, N]\nB = X8ᵀ [in, N]\n× inv_scale of dY and X\nsplit accumulation")
     box(ax, 6, 44, 8, "bf16", "dX", "BF16\n[N, in]")
     box(ax, 6, 27, 10, "bf16", "dW", "FP32\n[out, in]\n→ AdamW")
-    chain(ax, y)
     arrow(ax, [(right(3), 46.5), (left(4), 46.5)])
     arrow(ax, [(right(3), 41.5), (ELBOW, 41.5), (ELBOW, 30.5), (left(4), 30.5)])
     arrow(ax, [(right(4), 46.5), (left(5), 46.5)], "A")
