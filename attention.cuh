@@ -118,14 +118,20 @@ __device__ inline void attention_load_b_kn(uint32_t* b, const bf16* tile, int k0
     attention_ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * AttnDims<HD>::LD + n0 + (lane / 16) * 8);
 }
 
+// Zero a strip of NB 8-column blocks of C fragments (an accumulator before its first product).
+template <int NB>
+__device__ __forceinline__ void attention_zero(float (*acc)[4]) {
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+}
+
 // acc = rows row0..row0+15 of A [64 x HD] times B^T, B [64 x HD], both shared: a 16 x 64 strip of C
 // fragments (8 blocks of 8 columns).
 template <int HD>
 __device__ inline void attention_strip_abt(float (*acc)[4], const bf16* a_tile, const bf16* b_tile, int row0, int lane) {
-#pragma unroll
-    for (int n = 0; n < ATTN_TILE / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+    attention_zero<ATTN_TILE / 8>(acc);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         uint32_t a[4];
@@ -139,10 +145,11 @@ __device__ inline void attention_strip_abt(float (*acc)[4], const bf16* a_tile, 
         }
     }
 }
-// A 16 x 64 strip of C fragments rounded to bf16, as the A fragments of its four 16-column blocks.
+// A 16 x COLS strip of C fragments rounded to bf16, as the A fragments of its 16-column blocks.
+template <int COLS = ATTN_TILE>
 __device__ inline void attention_pack_a(uint32_t (*pa)[4], const float (*c)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < ATTN_TILE / 16; kk++) {
+    for (int kk = 0; kk < COLS / 16; kk++) {
         pa[kk][0] = attention_pack_bf16(c[2 * kk][0], c[2 * kk][1]);
         pa[kk][1] = attention_pack_bf16(c[2 * kk][2], c[2 * kk][3]);
         pa[kk][2] = attention_pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
@@ -180,6 +187,33 @@ __device__ inline void attention_softmax_step(float (*s)[4], float* m, float* l,
             s[n][i] = attention_exp2(fmaf(s[n][i], scale_log2, -m_use[i / 2]));
             l[i / 2] += s[n][i];
         }
+}
+// The online softmax's O' = O alpha, rows g and g+8 of a strip of NB 8-column blocks, before P V is added.
+template <int NB>
+__device__ __forceinline__ void attention_rescale_rows(float (*o)[4], const float* alpha) {
+#pragma unroll
+    for (int n = 0; n < NB; n++) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+}
+// The online softmax's end for rows g and g+8 of a 16 x HD strip of O whose first row is row0: l summed over
+// the quad, O / l, and lse[row] = (m + log2 l) ln 2, the natural log of the softmax denominator of the scaled
+// scores, for rows below T.
+template <int HD>
+__device__ __forceinline__ void attention_finish_rows(float (*o)[4], const float* m, float* l, float* lse, int row0, int T,
+                                                      int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+        const float inv_l = 1.0f / l[hr];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
+        const int qi = row0 + g + 8 * hr;
+        if (t == 0 && qi < T) lse[qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
+    }
 }
 
 // acc (a 16 x HD strip: HD/8 blocks) += P (16 x 64, as A fragments) times X [64 x HD] in shared memory.
@@ -269,10 +303,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
     attention_cp_async_commit();
 
     float o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
+    attention_zero<HD / 8>(o);
     float m[2] = {-INFINITY, -INFINITY};             // running max of rows g and g+8 (base-2 units)
     float l[2] = {0.0f, 0.0f};                       // running sum over this lane's columns of those rows
 
@@ -294,26 +325,13 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
         }
         float alpha[2];
         attention_softmax_step<ATTN_TILE / 8>(s, m, l, alpha, scale_log2);
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-        }
+        attention_rescale_rows<HD / 8>(o, alpha);
         uint32_t pa[ATTN_TILE / 16][4];
         attention_pack_a(pa, s);
         attention_strip_px<HD>(o, pa, v_tile, lane);
         __syncthreads();                             // this buffer is refilled by the next iteration's prefetch
     }
-#pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-        float inv_l = 1.0f / l[hr];
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
-        int qi = q0 + row0 + g + 8 * hr;
-        if (t == 0 && qi < T) lse[((size_t)b * NH + h) * T + qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
-    }
+    attention_finish_rows<HD>(o, m, l, lse + ((size_t)b * NH + h) * T, q0 + row0, T, lane);
     attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, q0 + row0, T, o, 1.0f, lane);
 }
 
@@ -407,10 +425,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(b
     attention_load_tile_async<HD>(v_tile, rows + (NH + NKV + kvh) * HD, k0, T, C3);
     stage(0);                                        // one commit group: K, V and step 0
     float dk[HD / 8][4], dv[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
+    attention_zero<HD / 8>(dk);
+    attention_zero<HD / 8>(dv);
 
     for (int step = 0; step < steps; step++) {
         if (step + 1 < steps) {
@@ -486,10 +502,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
         delta_r[hr] = qi < T ? delta[at] : 0.0f;
     }
     float dq[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) dq[n][i] = 0.0f;
+    attention_zero<HD / 8>(dq);
 
     for (int kt = 0; kt <= qt; kt++) {
         const bf16* k_tile = kv_tiles + (kt % 2) * 2 * Dims::TILE_ELEMS;
@@ -936,10 +949,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         const int nkv_c = row_first >= T ? 1 : min(row_first + 63, T - 1) / BN + 1;
         const int qb = it % QB;
         const unsigned char* q_tile = smem + S::FWD_Q + qb * S::FWD_Q_BYTES + 64 * c * 128;   // this consumer's rows of chunk 0
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
+        attention_zero<HD / 8>(o);
         m[0] = m[1] = -INFINITY;
         l[0] = l[1] = 0.0f;
 
@@ -1018,8 +1028,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         hattn_fence_regs<BN / 2>(&sc[0][0]);
         hattn_bar_arrive(k_empty + kv_base % HATTN_FWD_STAGES);
         softmax(0);
-        attention_pack_a(pa, sc);
-        attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
+        attention_pack_a<BN>(pa, sc);
         // The pipeline keeps the tensor cores fed while the exponentials run: with P_j ready (bf16, registers),
         // S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs while P_j V_j
         // is still on the tensor cores. O is rescaled by alpha and P_{j+1} converted only after that product has
@@ -1036,13 +1045,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_wgmma_wait<0>();
             hattn_fence_regs<HD / 2>(&o[0][0]);
             hattn_bar_arrive(v_empty + (kv_base + j) % HATTN_FWD_STAGES);
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-                o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-            }
-            attention_pack_a(pa, sc);
-            attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
+            attention_rescale_rows<HD / 8>(o, alpha);
+            attention_pack_a<BN>(pa, sc);
         }
         if constexpr (!Q_IN_REGS) hattn_bar_arrive(q_empty + qb);   // every product reading Q has completed
         // The last product, O += P V of this consumer's last K/V tile.
@@ -1061,17 +1065,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_bar_arrive(v_empty + s);
             turn_end();
         }
-        // Store: O / l and lse = (m + log2 l) ln 2 of the consumer's rows.
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-            l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-            const float inv_l = 1.0f / l[hr];
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
-            const int qi = row_base + g + 8 * hr;
-            if (t == 0 && qi < T) lse[((size_t)b * NH + h) * T + qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
-        }
+        // Store: O / l and lse of the consumer's rows.
+        attention_finish_rows<HD>(o, m, l, lse + ((size_t)b * NH + h) * T, row_base, T, lane);
         attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, row_base, T, o, 1.0f, lane);
         kv_base += nkv;
     }
@@ -1226,10 +1221,8 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     const unsigned char* v_tile = smem + S::BWD_V;
 
     float dk[HD / 8][4], dv[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
+    attention_zero<HD / 8>(dk);
+    attention_zero<HD / 8>(dv);
     hattn_bar_wait(kv_full, 0);
 
     // S^T = K Q^T and dP^T = V dO^T of step i into st, dpt (issued and committed, not waited for).
