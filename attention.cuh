@@ -919,6 +919,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         return;
     }
+    // Consumers: warpgroup 1 + c owns query rows 64c..64c+63 of every work tile.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(NC)));
     const int c = wg - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -953,6 +954,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         m[0] = m[1] = -INFINITY;
         l[0] = l[1] = 0.0f;
 
+        // The phases of K/V tile j, as lambdas that the pipeline below orders: issue_scores(j) S = Q K^T,
+        // softmax(j) the mask and the online softmax (P and alpha), issue_pv(j) O += P V.
         // S = Q K^T of K/V tile j into sc (issued, not awaited).
         auto issue_scores = [&](int j) {
             const int u = kv_base + j;
@@ -1210,10 +1213,11 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         return;
     }
+    // Consumers: warpgroup 1 + w owns keys 64w..64w+63 of the tile.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(HATTN_CONSUMERS)));
     const int w = wg - 1;
-    // Consumers. The index math below stays after the setmaxnreg: computed before it, it slows the HD = 64
-    // kernel by 15% (cause unknown: the PTX is equal up to register names).
+    // The index math stays after the setmaxnreg: computed before it, it slows the HD = 64 kernel by 15% (cause
+    // unknown: the PTX is equal up to register names).
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int key_base = k0 + 64 * w + 16 * warp;            // this warp's first key row
     const float scale = rsqrtf((float)HD), scale_log2 = scale * ATTN_LOG2E;
@@ -1224,6 +1228,13 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     attention_zero<HD / 8>(dk);
     attention_zero<HD / 8>(dv);
     hattn_bar_wait(kv_full, 0);
+
+    // The phases of step i, as lambdas that the two schedules below (HD = 64, HD = 128) order:
+    //   issue_scores(i)      S^T = K Q^T, dP^T = V dO^T
+    //   grads_of_scores(i)   P^T, dS^T = P^T * (dP^T - D); dV += P^T dO, dK += dS^T Q; dS^T to shared memory
+    //   issue_dq(i)          dQ^T = K^T dS^T (HD = 64) or dQ = dS K (HD = 128), once both consumers' dS^T is in
+    //   stage_dq(i)          dQ into its staging tiles, for the writers
+    // Each issue_ only issues and commits its wgmmas; the schedule waits for them.
 
     // S^T = K Q^T and dP^T = V dO^T of step i into st, dpt (issued and committed, not waited for).
     float st[BM / 8][4], dpt[BM / 8][4];
@@ -1291,7 +1302,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
         const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
         const float* delta_q = lse_q + BM;
-        const bool diagonal = qt * BM < key_base - 16 * warp + 64;   // some query row of the step precedes a key
+        // P^T and dS^T in registers (the causal mask only where some query row of the step precedes a key), then
+        // as bf16 A operands for dV and dK.
+        const bool diagonal = qt * BM < key_base - 16 * warp + 64;
         float pt[BM / 8][4], dst[BM / 8][4];
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -1333,6 +1346,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             store_ds();
             hattn_arrive(HATTN_BWD_BAR_DS_STEP + i % 2, 128 * HATTN_CONSUMERS);
         }
+        // dV += P^T dO, dK += dS^T Q (issued and committed, not waited for).
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++) {   // 16 query rows per step
@@ -1553,6 +1567,23 @@ inline bool attention_use_hopper(AttentionPath path, const char* who) {
     return attention_hopper_available;
 }
 
+// The forward's persistent grid: *blocks, one an SM, and how many neighbouring query tiles of one (batch, head)
+// run side by side (qg, returned; tile_of). One wave of the blocks reads the K/V (kv_bytes a KV head) of about
+// blocks / (qg * group) KV heads, since the `group` query heads of one KV head are neighbours too. Where those
+// exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every tile would bring its K/V from memory; qg is the
+// smallest power of two that fits them in the L2, and 1 where they fit already (the 1b shape: 17 KV heads x
+// 0.5 MB), since groups make the tiles of one wave unequal in length. Host arithmetic only: every build has it
+// (the tests print it).
+template <int HD>
+inline int attention_fwd_query_group(int B, int T, int NH, int NKV, int* blocks) {
+    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), group = NH / NKV;
+    *blocks = std::min(ntiles * NH * B, device_sm_count());   // persistent: one block an SM (shared memory allows one)
+    const size_t kv_bytes = (size_t)T * HD * 2 * sizeof(bf16), l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
+    int qg = 1;
+    while (qg < ntiles && (size_t)ceil_div(*blocks, qg * group) * kv_bytes > l2) qg *= 2;
+    return qg;
+}
+
 #if defined(ATTENTION_HOPPER)
 // A [B, T, cols] bf16 tensor (row pitch `cols`) for the TMA: boxes of 64 columns x box_rows rows with the
 // 128-byte swizzle; rows past T are outside the tensor and arrive as zeros.
@@ -1576,22 +1607,6 @@ inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B
     if (r != CUDA_SUCCESS)
         fail("attention: cuTensorMapEncodeTiled refused a [%d, %d, %d] bf16 tensor at %p (CUresult %d)", B, T, cols, (const void*)base, (int)r);
     return map;
-}
-
-// The forward's persistent grid: *blocks, one an SM, and how many neighbouring query tiles of one (batch, head)
-// run side by side (qg, returned; tile_of). One wave of the blocks reads the K/V (kv_bytes a KV head) of about
-// blocks / (qg * group) KV heads, since the `group` query heads of one KV head are neighbours too. Where those
-// exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every tile would bring its K/V from memory; qg is the
-// smallest power of two that fits them in the L2, and 1 where they fit already (the 1b shape: 17 KV heads x
-// 0.5 MB), since groups make the tiles of one wave unequal in length.
-template <int HD>
-inline int attention_fwd_query_group(int B, int T, int NH, int NKV, int* blocks) {
-    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), group = NH / NKV;
-    *blocks = std::min(ntiles * NH * B, device_sm_count());   // persistent: one block an SM (shared memory allows one)
-    const size_t kv_bytes = (size_t)T * HD * 2 * sizeof(bf16), l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
-    int qg = 1;
-    while (qg < ntiles && (size_t)ceil_div(*blocks, qg * group) * kv_bytes > l2) qg *= 2;
-    return qg;
 }
 
 template <int HD>
