@@ -533,20 +533,20 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
 // ----------------------------------------------------------------------------------------------
 // Hopper (sm_90a): the same attention on warpgroup MMA, with tiles brought by the tensor memory accelerator.
 // PTX ISA: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (wgmma), "cp.async.bulk.tensor",
-// "mbarrier". A block has 3 warpgroups of 128 threads: warpgroup 0 is the producer (one thread issues the
-// TMA copies; the warpgroup gives most of its registers to the others with setmaxnreg), warpgroups 1 and 2
-// are consumers, each owning 64 rows of every product. Tiles wait in shared memory in the layout that the
-// TMA's 128-byte swizzle writes and wgmma reads: rows of 64 bf16 (128 bytes), 16-byte chunk c of row r
-// stored at chunk c ^ (r % 8), so that 8 rows x 128 bytes form one 1024-byte swizzle atom. A head of 128
-// columns is two such tiles side by side ("chunks" of 64 columns). Stages are handed over by mbarriers:
-// `full` completes when the TMA bytes have landed, `empty` when every consumer thread is done reading.
+// "mbarrier". A block has warpgroups of 128 threads: warpgroup 0 is the producer (one thread issues the TMA
+// copies; the warpgroup gives most of its registers to the others with setmaxnreg), warpgroups 1, 2 (and 3 in
+// the forward at HD = 64) are consumers, each owning 64 rows of every product. Tiles wait in shared memory in
+// the layout that the TMA's 128-byte swizzle writes and wgmma reads: rows of 64 bf16 (128 bytes), 16-byte
+// chunk c of row r stored at chunk c ^ (r % 8), so that 8 rows x 128 bytes form one 1024-byte swizzle atom. A
+// head of 128 columns is two such tiles side by side ("chunks" of 64 columns). Stages are handed over by
+// mbarriers: `full` completes when the TMA bytes have landed, `empty` when every consumer thread is done reading.
 
 // Register layouts (PTX: "Matrix fragments for wgmma .m64nNk16"): in warp w (0-3) of a warpgroup, lane with
 // g = lane / 4, t = lane % 4 holds, of an accumulator D [64 x N] (floats), for every 8-column block j,
 // D[16w + g][8j + 2t, +1] and D[16w + g + 8][8j + 2t, +1]: the m16n8 C fragment of mma.sync, once per
 // block - so float acc[N/8][4] here is laid out exactly as the strips of the mma.sync kernels above, and the
 // same helpers pack, rescale and store it. An A operand from registers (16 x 16 per warp) is the mma.sync A
-// fragment: attention_pack_a turns a 64-column accumulator into the A operands of 4 k-steps.
+// fragment: attention_pack_a<N> turns an N-column accumulator into the A operands of N / 16 k-steps.
 
 constexpr int HATTN_CONSUMERS = 2;                               // backward: consumer warpgroups per block
 constexpr int HATTN_THREADS = 128 * (1 + HATTN_CONSUMERS);
@@ -1368,7 +1368,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     // (step i's barrier has completed before either consumer comes to step i + 2's: each waits at the one between).
     auto issue_dq = [&](int i) {
         const unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
-        hattn_sync(ROWS ? HATTN_BWD_BAR_DS_STEP + i % 2 : HATTN_BWD_BAR_DS, 128 * HATTN_CONSUMERS);   // both halves of dS^T are written
+        hattn_sync(ROWS ? HATTN_BWD_BAR_DS_STEP + i % 2 : HATTN_BWD_BAR_DS, 128 * HATTN_CONSUMERS);   // all of dS^T written
         hattn_wgmma_fence();
         if constexpr (ROWS) {
 #pragma unroll
