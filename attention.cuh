@@ -10,13 +10,10 @@
 //             over key tiles in a fixed order (turn counters between blocks).
 //   mma.sync (any other GPU, and tested on Hopper too): 4 warps on 64-row tiles, cp.async double
 //             buffering; the backward recomputes S and dP in a separate dQ kernel (7 products) to avoid atomics.
-// Layouts (README.md, "Parameter layout"): qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a
-// block occupies HD columns. out and dout [B*T, NH*HD]; lse [B, NH, T] float; the backward's scratch is sized
-// by attention_backward_scratch_floats. Query head h reads K/V head h / (NH/NKV).
-// mma.sync kernels: a block has 4 warps and works on 64-row tiles; warp w owns rows 16w..16w+15 of every
-// tile-sized result. Tiles travel global -> shared memory by cp.async (the next tile loads while the current
-// one is used); the products run on mma.sync m16n8k16 (BF16 in, FP32 accumulate) with operands from ldmatrix,
-// and every intermediate (scores, probabilities, accumulators) stays in registers.
+
+// Layouts: qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a block occupies HD
+// columns. out and dout [B*T, NH*HD]; lse [B, NH, T] float; the backward's scratch is sized by
+// attention_backward_scratch_floats. Query head h reads K/V head h / (NH/NKV).
 #pragma once
 #include "fp8_kernels.cuh"
 #include <atomic>
@@ -24,6 +21,10 @@
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
 #include <cudaTypedefs.h>    // PFN_cuTensorMapEncodeTiled
 
+// mma.sync kernels: a block has 4 warps and works on 64-row tiles; warp w owns rows 16w..16w+15 of every
+// tile-sized result. Tiles travel global -> shared memory by cp.async (the next tile loads while the current
+// one is used); the products run on mma.sync m16n8k16 (BF16 in, FP32 accumulate) with operands from ldmatrix,
+// and every intermediate (scores, probabilities, accumulators) stays in registers.
 constexpr int ATTN_TILE = 64;                        // query rows / key rows per tile
 constexpr int ATTN_WARPS = 4;
 constexpr int ATTN_THREADS = ATTN_WARPS * 32;
@@ -117,14 +118,20 @@ __device__ inline void attention_load_b_kn(uint32_t* b, const bf16* tile, int k0
     attention_ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * AttnDims<HD>::LD + n0 + (lane / 16) * 8);
 }
 
+// Zero a strip of NB 8-column blocks of C fragments (an accumulator before its first product).
+template <int NB>
+__device__ __forceinline__ void attention_zero(float (*acc)[4]) {
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+}
+
 // acc = rows row0..row0+15 of A [64 x HD] times B^T, B [64 x HD], both shared: a 16 x 64 strip of C
 // fragments (8 blocks of 8 columns).
 template <int HD>
 __device__ inline void attention_strip_abt(float (*acc)[4], const bf16* a_tile, const bf16* b_tile, int row0, int lane) {
-#pragma unroll
-    for (int n = 0; n < ATTN_TILE / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+    attention_zero<ATTN_TILE / 8>(acc);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         uint32_t a[4];
@@ -138,10 +145,11 @@ __device__ inline void attention_strip_abt(float (*acc)[4], const bf16* a_tile, 
         }
     }
 }
-// A 16 x 64 strip of C fragments rounded to bf16, as the A fragments of its four 16-column blocks.
+// A 16 x COLS strip of C fragments rounded to bf16, as the A fragments of its 16-column blocks.
+template <int COLS = ATTN_TILE>
 __device__ inline void attention_pack_a(uint32_t (*pa)[4], const float (*c)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < ATTN_TILE / 16; kk++) {
+    for (int kk = 0; kk < COLS / 16; kk++) {
         pa[kk][0] = attention_pack_bf16(c[2 * kk][0], c[2 * kk][1]);
         pa[kk][1] = attention_pack_bf16(c[2 * kk][2], c[2 * kk][3]);
         pa[kk][2] = attention_pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
@@ -179,6 +187,33 @@ __device__ inline void attention_softmax_step(float (*s)[4], float* m, float* l,
             s[n][i] = attention_exp2(fmaf(s[n][i], scale_log2, -m_use[i / 2]));
             l[i / 2] += s[n][i];
         }
+}
+// The online softmax's O' = O alpha, rows g and g+8 of a strip of NB 8-column blocks, before P V is added.
+template <int NB>
+__device__ __forceinline__ void attention_rescale_rows(float (*o)[4], const float* alpha) {
+#pragma unroll
+    for (int n = 0; n < NB; n++) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+}
+// The online softmax's end for rows g and g+8 of a 16 x HD strip of O whose first row is row0: l summed over
+// the quad, O / l, and lse[row] = (m + log2 l) ln 2, the natural log of the softmax denominator of the scaled
+// scores, for rows below T.
+template <int HD>
+__device__ __forceinline__ void attention_finish_rows(float (*o)[4], const float* m, float* l, float* lse, int row0, int T,
+                                                      int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+        const float inv_l = 1.0f / l[hr];
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
+        const int qi = row0 + g + 8 * hr;
+        if (t == 0 && qi < T) lse[qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
+    }
 }
 
 // acc (a 16 x HD strip: HD/8 blocks) += P (16 x 64, as A fragments) times X [64 x HD] in shared memory.
@@ -268,10 +303,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
     attention_cp_async_commit();
 
     float o[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
+    attention_zero<HD / 8>(o);
     float m[2] = {-INFINITY, -INFINITY};             // running max of rows g and g+8 (base-2 units)
     float l[2] = {0.0f, 0.0f};                       // running sum over this lane's columns of those rows
 
@@ -293,26 +325,13 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_forward_kernel(bf16* o
         }
         float alpha[2];
         attention_softmax_step<ATTN_TILE / 8>(s, m, l, alpha, scale_log2);
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-        }
+        attention_rescale_rows<HD / 8>(o, alpha);
         uint32_t pa[ATTN_TILE / 16][4];
         attention_pack_a(pa, s);
         attention_strip_px<HD>(o, pa, v_tile, lane);
         __syncthreads();                             // this buffer is refilled by the next iteration's prefetch
     }
-#pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-        float inv_l = 1.0f / l[hr];
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
-        int qi = q0 + row0 + g + 8 * hr;
-        if (t == 0 && qi < T) lse[((size_t)b * NH + h) * T + qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
-    }
+    attention_finish_rows<HD>(o, m, l, lse + ((size_t)b * NH + h) * T, q0 + row0, T, lane);
     attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, q0 + row0, T, o, 1.0f, lane);
 }
 
@@ -406,10 +425,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dkdv_kernel(b
     attention_load_tile_async<HD>(v_tile, rows + (NH + NKV + kvh) * HD, k0, T, C3);
     stage(0);                                        // one commit group: K, V and step 0
     float dk[HD / 8][4], dv[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
+    attention_zero<HD / 8>(dk);
+    attention_zero<HD / 8>(dv);
 
     for (int step = 0; step < steps; step++) {
         if (step + 1 < steps) {
@@ -485,10 +502,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
         delta_r[hr] = qi < T ? delta[at] : 0.0f;
     }
     float dq[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) dq[n][i] = 0.0f;
+    attention_zero<HD / 8>(dq);
 
     for (int kt = 0; kt <= qt; kt++) {
         const bf16* k_tile = kv_tiles + (kt % 2) * 2 * Dims::TILE_ELEMS;
@@ -519,20 +533,20 @@ __global__ void __launch_bounds__(ATTN_THREADS) attention_backward_dq_kernel(bf1
 // ----------------------------------------------------------------------------------------------
 // Hopper (sm_90a): the same attention on warpgroup MMA, with tiles brought by the tensor memory accelerator.
 // PTX ISA: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (wgmma), "cp.async.bulk.tensor",
-// "mbarrier". A block has 3 warpgroups of 128 threads: warpgroup 0 is the producer (one thread issues the
-// TMA copies; the warpgroup gives most of its registers to the others with setmaxnreg), warpgroups 1 and 2
-// are consumers, each owning 64 rows of every product. Tiles wait in shared memory in the layout that the
-// TMA's 128-byte swizzle writes and wgmma reads: rows of 64 bf16 (128 bytes), 16-byte chunk c of row r
-// stored at chunk c ^ (r % 8), so that 8 rows x 128 bytes form one 1024-byte swizzle atom. A head of 128
-// columns is two such tiles side by side ("chunks" of 64 columns). Stages are handed over by mbarriers:
-// `full` completes when the TMA bytes have landed, `empty` when every consumer thread is done reading.
-//
+// "mbarrier". A block has warpgroups of 128 threads: warpgroup 0 is the producer (one thread issues the TMA
+// copies; the warpgroup gives most of its registers to the others with setmaxnreg), warpgroups 1, 2 (and 3 in
+// the forward at HD = 64) are consumers, each owning 64 rows of every product. Tiles wait in shared memory in
+// the layout that the TMA's 128-byte swizzle writes and wgmma reads: rows of 64 bf16 (128 bytes), 16-byte
+// chunk c of row r stored at chunk c ^ (r % 8), so that 8 rows x 128 bytes form one 1024-byte swizzle atom. A
+// head of 128 columns is two such tiles side by side ("chunks" of 64 columns). Stages are handed over by
+// mbarriers: `full` completes when the TMA bytes have landed, `empty` when every consumer thread is done reading.
+
 // Register layouts (PTX: "Matrix fragments for wgmma .m64nNk16"): in warp w (0-3) of a warpgroup, lane with
 // g = lane / 4, t = lane % 4 holds, of an accumulator D [64 x N] (floats), for every 8-column block j,
 // D[16w + g][8j + 2t, +1] and D[16w + g + 8][8j + 2t, +1]: the m16n8 C fragment of mma.sync, once per
 // block - so float acc[N/8][4] here is laid out exactly as the strips of the mma.sync kernels above, and the
 // same helpers pack, rescale and store it. An A operand from registers (16 x 16 per warp) is the mma.sync A
-// fragment: attention_pack_a turns a 64-column accumulator into the A operands of 4 k-steps.
+// fragment: attention_pack_a<N> turns an N-column accumulator into the A operands of N / 16 k-steps.
 
 constexpr int HATTN_CONSUMERS = 2;                               // backward: consumer warpgroups per block
 constexpr int HATTN_THREADS = 128 * (1 + HATTN_CONSUMERS);
@@ -540,13 +554,10 @@ constexpr int HATTN_PRODUCER_REGS = 24;
 // Registers of a consumer thread when nc consumer warpgroups share the SM's 65536 with the producer's 128 x 24
 // (setmaxnreg takes multiples of 8): 2 -> 240, 3 -> 160.
 constexpr int hattn_consumer_regs(int nc) { return (65536 / 128 - HATTN_PRODUCER_REGS) / nc / 8 * 8; }
-// mbarrier stages of K/V (forward) and of Q/dO (backward). H200, forward at D = 128, T = 2048: 2 -> 3 stages
-// 402 -> 417 TFLOP/s; the backward at the same shape ran slower with 3 (274 -> 265), and at the 1b shape
-// (D = 64, next scores overlapping dQ^T) no faster (295 -> 289-293).
+// mbarrier stages of K/V (forward) and of Q/dO (backward): a third stage speeds up the forward, not the backward.
 constexpr int HATTN_FWD_STAGES = 3, HATTN_BWD_STAGES = 2;
 // Forward consumer warpgroups (64 query rows each): at HD = 64 three fit in registers (O 32 + S 64 + P 32 floats
-// a thread under 160), so a K/V tile serves 192 rows; at HD = 128 two (O alone is 64 floats). H200, 1b shape:
-// two 340-343 TFLOP/s, three 353-356; the d12 shape (T = 512: three 192-row tiles, 89% of them rows) 149 -> 144.
+// a thread under 160), so a K/V tile serves 192 rows; at HD = 128 two (O alone is 64 floats).
 template <int HD> constexpr int hattn_fwd_consumers() { return HD == 64 ? 3 : 2; }
 // Forward Q buffers of the persistent blocks: two at HD = 64 (the next tile's Q loads while this one's is read);
 // at HD = 128 the three K/V stages leave room for one.
@@ -555,27 +566,21 @@ constexpr int HATTN_FWD_BN = 128;                                // forward: key
 constexpr int HATTN_BWD_BM = 64;                                 // backward: query rows per step
 constexpr int HATTN_BWD_BN = 64 * HATTN_CONSUMERS;               // backward: keys per block
 constexpr int HATTN_BWD_DQ_COLS = HATTN_BWD_BM / HATTN_CONSUMERS;  // backward: query columns of a consumer's dQ^T
-// Backward: neighbouring key tiles of one (batch, KV head) side by side (hattn_bwd_block). The FP32 dQ
-// accumulator tile of a (query tile, head) gets one add per key tile: the adds of one group come within a few
-// steps of each other and find the tile in the L2, while between groups waves of other heads pass and the tile
-// goes back to memory (at the d128 shape a wave's accumulator and Q/dO tiles exceed the 50 MB L2; ncu measured
-// 2.0 TB/s from memory with pairs, call 43). H100, backward TFLOP/s (call 45), groups of 2 / 4 / 8 / 16: d128
-// 324 / 375 / 370 / 341, d128 long 363-366 / 433-445 / 423-454 / 404-437, 1b 307 / 321-324 / 310-313 / 291-293;
-// call 48, groups of 3 / 4 / 6: 1b 312-316 / 325 / 313, d128 359-363 / 373-375 / 376, d12 147 / 140-141 / 141.
-// Larger groups lose, we think, to the turns: each block of a group adds a step after the one below it, so
-// its consumers wait longer for free staging tiles (not profiled).
+// Backward: neighbouring key tiles of one (batch, KV head) run side by side, in groups of this many
+// (hattn_bwd_block). The FP32 dQ accumulator tile of a (query tile, head) gets one add per key tile: the adds of
+// one group come within a few steps of each other and find the tile in the L2, while between groups waves of
+// other heads pass and the tile goes back to memory (at D = 128 a wave's accumulator and Q/dO tiles exceed the
+// L2). Larger groups lose to the turns: each block of a group adds a step after the one below it, so its
+// consumers wait longer for free staging tiles.
 constexpr int HATTN_BWD_KEY_GROUP = 4;
-// How a step's dQ (64 queries x HD) is formed, in "dQ tiles" of 64 x 64 FP32 (the units of the accumulator and
-// its writers): at HD = 64 each consumer forms dQ^T = K^T dS^T for its 32 queries, all 64 head rows (m64n32, K
-// as the A operand): dQ tile w is consumer w's. At HD = 128 ("rows") one consumer forms the whole dQ = dS K,
-// 64 queries x 128 head columns (m64n128 over the block's 128 keys, dS as the A operand), the two consumers
-// taking turns by step (consumer i % 2 at step i, the other going straight on to the next step's scores): dQ
-// tile j is columns 64j..64j+63. Operands all from shared memory (~128 bytes a clock an SM): m64n128 reads 48 KB
-// for a step's dQ where two m64n64 halves (one a consumer, both every step) read 64 KB. H100, backward TFLOP/s,
-// three alternated runs (call 55): d128 375.6 / 377.2 / 375.6 against 373.2 / 373.6 / 372.1 with the halves,
-// d128 long 438.4 / 433.2 / 429.6 against 440.1 / 421.8 / 427.2. The dQ^T formulation at HD = 128 (m64n32, 48 KB
-// a consumer and step; call 45): d128 375 against 374-376 with the halves, d128 long 433-435 against 444-445.
-// At HD = 64 dQ^T and dQ halves both read 24 KB.
+// How a step's dQ (64 queries x HD) is formed, as two FP32 "dQ tiles" (the units of the accumulator and its
+// writers): at HD = 64 each consumer forms dQ^T = K^T dS^T for its 32 queries, all 64 head rows (m64n32, K as
+// the A operand): dQ tile w, [64 head rows x 32 queries], is consumer w's. At HD = 128 ("rows") one consumer
+// forms the whole dQ = dS K, 64 queries x 128 head columns (m64n128 over the block's 128 keys, dS as the A
+// operand), the two consumers taking turns by step (consumer i % 2 at step i, the other going straight on to
+// the next step's scores): dQ tile j is columns 64j..64j+63. The operands all come from shared memory (~128
+// bytes a clock an SM), whose reads m64n128 keeps lowest: 48 KB for a step's dQ, where two m64n64 halves (one
+// a consumer) read 64 KB.
 template <int HD> constexpr bool hattn_dq_rows() { return HD == 128; }
 
 // Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
@@ -690,13 +695,13 @@ __device__ inline void hattn_bulk_load(void* dst, const void* src, uint32_t byte
 }
 // The dynamic shared memory from its first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes).
 // An offset from the array, not an integer round trip: the compiler then still knows the pointer is shared
-// memory and accesses through it are LDS/STS (through an integer they were generic loads and stores, with
-// 64-bit addresses: the D = 64 backward spilled 28 bytes). With hattn_desc_at below, H200, 1b shape: backward
-// 311-312 -> 326-330 TFLOP/s, forward unchanged (393-401).
+// memory and accesses through it are LDS/STS (through an integer they become generic loads and stores with
+// 64-bit addresses, and the D = 64 backward spills).
 __device__ inline unsigned char* hattn_smem_base(unsigned char* raw) {
     return raw + ((1024 - (attention_smem_addr(raw) & 1023)) & 1023);
 }
-// Named barrier over `count` threads (id 0 is __syncthreads).
+// Named barrier `id` over `count` threads: hattn_sync arrives and waits, hattn_arrive only arrives. Id 0 is
+// __syncthreads; the ids of each kernel are named in HattnFwdBarrier and HattnBwdBarrier.
 __device__ inline void hattn_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ inline void hattn_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
@@ -778,8 +783,7 @@ __device__ inline void hattn_fence_regs(float* d) {
 // d[64 x N] (+)= A[64 x 16] B[16 x N], BF16 in, FP32 accumulate; A and B from shared memory (descriptors).
 // TA / TB: 0 = K-major (rows of the operand run along K), 1 = MN-major (transposed). accumulate = 0 overwrites d.
 // accumulate is a constant in every caller's unrolled loop: with 0 the accumulators are outputs only ("=f"), so
-// the compiler need not keep their old values live up to the product that overwrites them (H100, call 45: the
-// forward at d128 long 572-575 -> 584-588 TFLOP/s).
+// the compiler need not keep their old values live up to the product that overwrites them.
 #define HATTN_WGMMA_SS(SHAPE, REGS, OUTS, OPERANDS)                                                                 \
     if (accumulate)                                                                                                \
         asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
@@ -830,6 +834,12 @@ __device__ inline void hattn_wgmma_rs(float* d, const uint32_t* a, uint64_t b, i
 // Consumer c owns query rows 64c..64c+63 of a tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major),
 // online softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then
 // O += P V (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
+
+// Named barriers of the Hopper forward (ids for hattn_sync / hattn_arrive; 0 is __syncthreads).
+enum HattnFwdBarrier : int {
+    HATTN_FWD_BAR_TURN = 4,   // + c: consumer c waits for its turn at the tensor cores; consumer c - 1 (mod NC) arrives
+};
+static_assert(HATTN_FWD_BAR_TURN + hattn_fwd_consumers<64>() <= 16, "a block has 16 named barriers");
 template <int HD>
 __global__ void __launch_bounds__(128 * (1 + hattn_fwd_consumers<HD>()), 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
@@ -876,7 +886,9 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 
     // Buffers and stages are used in turn across the block's tiles: use u of a ring of R slots is slot u % R,
     // and its full barrier completes phase (u / R) & 1; use u >= R first waits for the release of use u - R.
-    if (wg == 0) {   // producer
+    // Producer: one thread loads, for each work tile, its Q into the next Q buffer, then its K/V tiles into the
+    // ring of stages (K and V of a stage on barriers of their own, so that S = Q K^T can start before V lands).
+    if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(HATTN_PRODUCER_REGS));
         if (threadIdx.x == 0) {
             int kv_use = 0;
@@ -907,6 +919,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         return;
     }
+    // Consumers: warpgroup 1 + c owns query rows 64c..64c+63 of every work tile.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(NC)));
     const int c = wg - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -919,10 +932,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     uint32_t pa[BN / 16][4];
     // At HD = 128 each warp keeps its 16 rows of Q in registers (32 a thread), the A operand of S = Q K^T: the
     // product then reads only K from shared memory, and the block's one Q buffer is released as soon as the
-    // fragments are loaded, so the next work tile's Q loads under this tile's products (H100, call 48: d128
-    // forward 487-495 -> 500-503 TFLOP/s, d128 long 584-590 -> 589-593). At HD = 64 three consumers have 160
-    // registers a thread and this spilled (96 bytes); there the two Q buffers already overlap the loads. (P V as
-    // one m64n128 product over both chunks of V, instead of two m64n64, measured slower: d128 481-485.)
+    // fragments are loaded, so the next work tile's Q loads under this tile's products. At HD = 64 three
+    // consumers have 160 registers a thread and this spills; there the two Q buffers already overlap the loads.
     constexpr bool Q_IN_REGS = HD == 128;
     uint32_t qa[Q_IN_REGS ? HD / 16 : 1][4];
     int kv_base = 0;                                          // this block's K/V tiles before the current work tile
@@ -932,20 +943,19 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         const int row_base = qt * BM + 64 * c + 16 * warp;   // this warp's first query row
         // The block loads the nkv K/V tiles its last rows see; this consumer's rows see only the first nkv_c. Its
         // products and softmax stop there (the rest would be wholly masked); it still waits for each later load,
-        // releases it and keeps its turns (below). At D = 64 (192 query rows against 128 keys a tile) that skips
-        // 10% of the 1b shape's products and 26% of the d12 shape's. A consumer whose rows all lie past T still
-        // scores tile 0 (nothing of it is stored), so that every consumer has a first tile.
+        // releases it and keeps its turns (below). At D = 64 (192 query rows against 128 keys a tile) that skips a
+        // tenth or more of the products. A consumer whose rows all lie past T still scores tile 0 (nothing of it
+        // is stored), so that every consumer has a first tile.
         const int row_first = qt * BM + 64 * c;
         const int nkv_c = row_first >= T ? 1 : min(row_first + 63, T - 1) / BN + 1;
         const int qb = it % QB;
         const unsigned char* q_tile = smem + S::FWD_Q + qb * S::FWD_Q_BYTES + 64 * c * 128;   // this consumer's rows of chunk 0
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
+        attention_zero<HD / 8>(o);
         m[0] = m[1] = -INFINITY;
         l[0] = l[1] = 0.0f;
 
+        // The phases of K/V tile j, as lambdas that the pipeline below orders: issue_scores(j) S = Q K^T,
+        // softmax(j) the mask and the online softmax (P and alpha), issue_pv(j) O += P V.
         // S = Q K^T of K/V tile j into sc (issued, not awaited).
         auto issue_scores = [&](int j) {
             const int u = kv_base + j;
@@ -975,7 +985,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             }
             attention_softmax_step<BN / 8>(sc, m, l, alpha, scale_log2);
         };
-        // O += P_j V_j (issued, not awaited).
+        // O += P_j V_j (issued, not awaited), a m64n64 product per 64-column chunk of V (one m64n128 over both
+        // chunks is slower).
         auto issue_pv = [&](int j) {
             const int u = kv_base + j, s = u % HATTN_FWD_STAGES;
             const unsigned char* v_tile = smem + S::FWD_V + s * S::FWD_KV_BYTES;
@@ -989,21 +1000,18 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_wgmma_commit();
         };
 
-        // The loop keeps the tensor cores fed while the exponentials run: for K/V tile j, P_j (bf16, registers)
-        // is ready, S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs
-        // while P_j V_j is still on the tensor cores. O is rescaled and P_{j+1} converted only after that product
-        // has finished: no register of an unfinished wgmma is written (ptxas would serialize them, C7515).
-        // The consumers take turns at the tensor cores, in a ring (consumer c waits at named barrier 4 + c, where
-        // its predecessor arrives): one issues its products while the others run their softmax. Each has nkv + 1
-        // issue points in a tile; the last consumer opens the tile with an arrival for consumer 0 and skips its
-        // last one, so every bar.sync (256 threads: the waiter and its predecessor) meets exactly one matching
-        // arrival, tile by tile. (H200, two consumers: 1b shape 268 -> 301 TFLOP/s, D = 128 T = 2048 375 -> 395.)
+        // The consumers take turns at the tensor cores, in a ring (HATTN_FWD_BAR_TURN): one issues its products
+        // while the others run their softmax. Each has nkv + 1 issue points in a tile; the last consumer opens the
+        // tile with an arrival for consumer 0 and skips its last one, so every bar.sync (256 threads: the waiter
+        // and its predecessor) meets exactly one matching arrival, tile by tile.
         int turns_left = nkv + 1;
-        auto turn_begin = [&] { hattn_sync(4 + c, 256); };
+        auto turn_begin = [&] { hattn_sync(HATTN_FWD_BAR_TURN + c, 256); };
         auto turn_end = [&] {
-            if (--turns_left > 0 || c < NC - 1) hattn_arrive(4 + (c + 1) % NC, 256);
+            if (--turns_left > 0 || c < NC - 1) hattn_arrive(HATTN_FWD_BAR_TURN + (c + 1) % NC, 256);
         };
-        if (c == NC - 1) hattn_arrive(4, 256);
+        if (c == NC - 1) hattn_arrive(HATTN_FWD_BAR_TURN + 0, 256);
+
+        // Load: this tile's Q (at HD = 128 into registers, and its buffer released).
         hattn_bar_wait(q_full + qb, (it / QB) & 1);
         if constexpr (Q_IN_REGS) {   // qa[kk][j]: row 16 warp + g (+ 8 for odd j), columns 16 kk + 2t (+ 8 for j >= 2)
 #pragma unroll
@@ -1015,6 +1023,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
                 }
             hattn_bar_arrive(q_empty + qb);             // Q is in registers: the next tile's may load
         }
+        // Scores and softmax of K/V tile 0, the pipeline's first stage.
         turn_begin();
         issue_scores(0);
         turn_end();
@@ -1022,8 +1031,11 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         hattn_fence_regs<BN / 2>(&sc[0][0]);
         hattn_bar_arrive(k_empty + kv_base % HATTN_FWD_STAGES);
         softmax(0);
-        attention_pack_a(pa, sc);
-        attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
+        attention_pack_a<BN>(pa, sc);
+        // The pipeline keeps the tensor cores fed while the exponentials run: with P_j ready (bf16, registers),
+        // S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs while P_j V_j
+        // is still on the tensor cores. O is rescaled by alpha and P_{j+1} converted only after that product has
+        // finished: ptxas serializes every wgmma when a register of an unfinished one is written (C7515).
         for (int j = 0; j + 1 < nkv_c; j++) {
             turn_begin();
             issue_scores(j + 1);
@@ -1036,15 +1048,11 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_wgmma_wait<0>();
             hattn_fence_regs<HD / 2>(&o[0][0]);
             hattn_bar_arrive(v_empty + (kv_base + j) % HATTN_FWD_STAGES);
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-                o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-            }
-            attention_pack_a(pa, sc);
-            attention_pack_a(pa + ATTN_TILE / 16, sc + ATTN_TILE / 8);
+            attention_rescale_rows<HD / 8>(o, alpha);
+            attention_pack_a<BN>(pa, sc);
         }
         if constexpr (!Q_IN_REGS) hattn_bar_arrive(q_empty + qb);   // every product reading Q has completed
+        // The last product, O += P V of this consumer's last K/V tile.
         turn_begin();
         issue_pv(nkv_c - 1);
         turn_end();
@@ -1060,16 +1068,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_bar_arrive(v_empty + s);
             turn_end();
         }
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
-            l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
-            const float inv_l = 1.0f / l[hr];
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) { o[n][2 * hr] *= inv_l; o[n][2 * hr + 1] *= inv_l; }
-            const int qi = row_base + g + 8 * hr;
-            if (t == 0 && qi < T) lse[((size_t)b * NH + h) * T + qi] = (m[hr] + log2f(l[hr])) * ATTN_LN2;
-        }
+        // Store: O / l and lse of the consumer's rows.
+        attention_finish_rows<HD>(o, m, l, lse + ((size_t)b * NH + h) * T, row_base, T, lane);
         attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, row_base, T, o, 1.0f, lane);
         kv_base += nkv;
     }
@@ -1085,29 +1085,35 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 //   dV += P^T dO, dK += dS^T Q                (A from registers, B MN-major)
 //   dS^T -> shared memory; dQ (hattn_dq_rows; both operands MN-major): at HD = 64 consumer w's
 //     dQ^T = K^T dS^T for the step's queries 32w..32w+31, at HD = 128 consumer i % 2's dQ = dS K, all of it
-// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 the products of consecutive steps overlap
-// (below).
-//
+// That is the 5-GEMM algorithm: nothing is recomputed. At HD = 64 consecutive steps overlap (below).
+
 // dQ is summed over key tiles in a fixed order, so two runs give the same bits: the FP32 accumulator tile of
 // (query tile, head, j) receives key tile 0's dQ tile j as a copy, then key tile 1's as an add, and so on.
 // Each tile has a turn counter. A consumer stages the dQ tiles it formed in shared memory (two of each, by
 // step parity) and goes on; the writer of tile j, one thread of the producer warpgroup, waits until the
-// counter reads kt, hands the tile to the TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes the turn on once that has completed - at
-// the next step, so neither the consumer nor the writer waits for the TMA. A block waits only for blocks of
-// lower key tiles, which never wait for it and have lower block indices: the GPU starts blocks in index
-// order, so those have an SM or are done. (CUDA does not document that order; deterministic split-K GEMMs
-// rely on it the same way. If it changed, a block could wait for one that never starts.) Every block of a
-// (batch, KV head) visits the (query tile, head) pairs in the same order, starting from the same pair, so a
-// block finds its turn ready or one step away; visiting the heads in the outer loop instead (each block's
-// query tiles of a head, then the next head) let key tile kt fall 2 kt steps further behind at every head.
-// attention_backward_dq_kernel_hopper turns the accumulator into the BF16 dQ. The alternatives measured on
-// this kernel cost more (H200, 1b shape, backward 282 TFLOP/s with this scheme): a dQ^T tile of each step in
-// its own slot, summed in key-tile order by a later kernel (1.1 GB written and read back for the 1b preset,
-// 251); the consumer thread waiting for the turn itself (203); FP32 atomics from registers, or from a
-// dQ-writer warp (bound by L2 atomics); recomputing S and dP in a separate dQ kernel (7 products instead of 5,
-// the mma.sync path). The writer freeing its staging tile as soon as the TMA has read it and passing the turn
-// at once, instead of at its next tile, was slower too (H100, call 54: 1b 283-285 against 321-323 TFLOP/s, d128
-// 362-368 against 368-373).
+// counter reads kt, hands the tile to the TMA (a bulk copy, or a bulk FP32 add performed in L2) and passes
+// the turn on once that has completed, at its next step, so that neither the consumer nor the writer waits
+// for the TMA (a writer that waits for its own add to pass the turn at once is much slower).
+// attention_backward_dq_kernel_hopper then turns the accumulator into the BF16 dQ. The other deterministic
+// sums cost more: a dQ slot per step summed by a later kernel moves a gigabyte more at the 1b preset, and a
+// consumer waiting for the turn itself stalls its products.
+
+// A block waits only for blocks of lower key tiles, which never wait for it and have lower block indices:
+// the GPU starts blocks in index order, so those have an SM or are done. (CUDA does not document that order;
+// deterministic split-K GEMMs rely on it the same way. If it changed, a block could wait for one that never
+// starts.) Every block of a (batch, KV head) visits the (query tile, head) pairs in the same order, starting
+// from the same pair, so a block finds its turn ready or one step away; visiting the heads in the outer loop
+// instead (each block's query tiles of a head, then the next head) lets key tile kt fall 2 kt steps further
+// behind at every head.
+
+// Named barriers of the Hopper backward (ids for hattn_sync / hattn_arrive; 0 is __syncthreads).
+enum HattnBwdBarrier : int {
+    HATTN_BWD_BAR_DS = 1,        // HD = 64: both consumers wait until both halves of the step's dS^T are written
+    HATTN_BWD_BAR_STORE = 2,     // + w: consumer w's 128 threads wait, around its TMA store of dV / dK rows
+    HATTN_BWD_BAR_DS_STEP = 4,   // + i % 2, HD = 128: step i's dQ consumer waits; the other arrives, its dS^T written
+};
+static_assert(HATTN_BWD_BAR_STORE + HATTN_CONSUMERS <= HATTN_BWD_BAR_DS_STEP && HATTN_BWD_BAR_DS_STEP + 2 <= 16,
+              "the backward's named barrier ids are distinct and below 16");
 template <int HD>
 __global__ void __launch_bounds__(HATTN_THREADS, 1)
 attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2, const float* delta,
@@ -1153,7 +1159,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     }
     __syncthreads();
 
-    if (wg == 0) {   // producer: K and V once, then (Q, dO, lse2, D) of every step; and the dQ writers
+    // Producer warpgroup: thread 0 loads K and V once, then the (Q, dO, lse2, D) stage of every step; the first
+    // thread of warp 1 + w writes dQ tile w of every step into the accumulator, in its turn.
+    if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(HATTN_PRODUCER_REGS));
         if (threadIdx.x == 0) {
             hattn_bar_expect(kv_full, 2 * S::BWD_KV_BYTES);
@@ -1205,10 +1213,11 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         }
         return;
     }
+    // Consumers: warpgroup 1 + w owns keys 64w..64w+63 of the tile.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(HATTN_CONSUMERS)));
     const int w = wg - 1;
-    // Computed after the setmaxnreg: with these three computed before it (call 60; the HD = 64 PTX otherwise
-    // equal up to register names) the 1b backward ran at 274-276 TFLOP/s against 321-326. We did not find why.
+    // The index math stays after the setmaxnreg: computed before it, it slows the HD = 64 kernel by 15% (cause
+    // unknown: the PTX is equal up to register names).
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int key_base = k0 + 64 * w + 16 * warp;            // this warp's first key row
     const float scale = rsqrtf((float)HD), scale_log2 = scale * ATTN_LOG2E;
@@ -1216,11 +1225,16 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     const unsigned char* v_tile = smem + S::BWD_V;
 
     float dk[HD / 8][4], dv[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) { dk[n][i] = 0.0f; dv[n][i] = 0.0f; }
+    attention_zero<HD / 8>(dk);
+    attention_zero<HD / 8>(dv);
     hattn_bar_wait(kv_full, 0);
+
+    // The phases of step i, as lambdas that the two schedules below (HD = 64, HD = 128) order:
+    //   issue_scores(i)      S^T = K Q^T, dP^T = V dO^T
+    //   grads_of_scores(i)   P^T, dS^T = P^T * (dP^T - D); dV += P^T dO, dK += dS^T Q; dS^T to shared memory
+    //   issue_dq(i)          dQ^T = K^T dS^T (HD = 64) or dQ = dS K (HD = 128), once both consumers' dS^T is in
+    //   stage_dq(i)          dQ into its staging tiles, for the writers
+    // Each issue_ only issues and commits its wgmmas; the schedule waits for them.
 
     // S^T = K Q^T and dP^T = V dO^T of step i into st, dpt (issued and committed, not waited for).
     float st[BM / 8][4], dpt[BM / 8][4];
@@ -1277,8 +1291,7 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     // issues and commits dV += P^T dO, dK += dS^T Q (not waited for: pa and dsa stay untouched until then) and
     // writes dS^T to shared memory for the dQ product, under those products; or, with arrive_first (a consumer
     // that only arrives at the step's dQ barrier), first dS^T and the arrival, so that the consumer waiting
-    // there goes on sooner (H100, call 58, backward TFLOP/s: d128 375.3-376.5 against 371.3-374.6, d128 long
-    // 433-448 against 435-437).
+    // there goes on sooner.
     uint32_t pa[BM / 16][4], dsa[BM / 16][4];
     auto grads_of_scores = [&](int i, auto arrive_first) {
         const int s = i % HATTN_BWD_STAGES;
@@ -1289,7 +1302,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         const unsigned char* do_tile = stage + S::BWD_Q_BYTES;
         const float* lse_q = reinterpret_cast<const float*>(smem + S::BWD_ROWS + s * S::BWD_ROWS_BYTES);
         const float* delta_q = lse_q + BM;
-        const bool diagonal = qt * BM < key_base - 16 * warp + 64;   // some query row of the step precedes a key
+        // P^T and dS^T in registers (the causal mask only where some query row of the step precedes a key), then
+        // as bf16 A operands for dV and dK.
+        const bool diagonal = qt * BM < key_base - 16 * warp + 64;
         float pt[BM / 8][4], dst[BM / 8][4];
 #pragma unroll
         for (int n = 0; n < BM / 8; n++) {
@@ -1329,8 +1344,9 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         };
         if constexpr (decltype(arrive_first)::value) {   // HD = 128, the consumer not forming this step's dQ
             store_ds();
-            hattn_arrive(4 + i % 2, 128 * HATTN_CONSUMERS);
+            hattn_arrive(HATTN_BWD_BAR_DS_STEP + i % 2, 128 * HATTN_CONSUMERS);
         }
+        // dV += P^T dO, dK += dS^T Q (issued and committed, not waited for).
         hattn_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++) {   // 16 query rows per step
@@ -1348,11 +1364,11 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     // Once both consumers have written step i's dS^T: this consumer's part of the step's dQ into dq (issued and
     // committed, not waited for). Rows: A = dS (the dS^T tile read MN-major), B = K (MN-major, both 64-column
     // chunks: the leading offset steps from one to the other); dQ^T: A = K^T (K MN-major), B = its 32 columns of
-    // dS^T (MN-major). Rows takes named barrier 4 + i % 2, which the other consumer only arrives at (step i's
-    // barrier has completed before either consumer comes to step i + 2's: each waits at the one between).
+    // dS^T (MN-major). Rows waits at HATTN_BWD_BAR_DS_STEP + i % 2, which the other consumer only arrives at
+    // (step i's barrier has completed before either consumer comes to step i + 2's: each waits at the one between).
     auto issue_dq = [&](int i) {
         const unsigned char* ds = smem + S::BWD_DS + (i % 2) * S::BWD_DS_BYTES;
-        hattn_sync(ROWS ? 4 + i % 2 : 1, 128 * HATTN_CONSUMERS);   // both halves of dS^T are written
+        hattn_sync(ROWS ? HATTN_BWD_BAR_DS_STEP + i % 2 : HATTN_BWD_BAR_DS, 128 * HATTN_CONSUMERS);   // all of dS^T written
         hattn_wgmma_fence();
         if constexpr (ROWS) {
 #pragma unroll
@@ -1379,23 +1395,12 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
     if constexpr (HD == 64) {
         // The products of consecutive steps overlap: step i's dV and dK run while this consumer writes dS^T and
         // meets the other at the barrier; step i's dQ^T and step i + 1's S^T and dP^T queue behind them, and dQ^T
-        // is staged while the scores run. wait<N> waits until at most the N newest committed groups are pending;
-        // ptxas tracks these counts only for groups committed in the same loop iteration (a wait<1> at the top of
-        // the loop for groups of the previous iteration made it serialize every wgmma: C7514), so an iteration
-        // begins where one group, step i's dV and dK, is pending. H200, 1b shape: backward 290 -> 313-315 TFLOP/s
-        // (the dK and dV waited for before the barrier, dQ^T then the next scores). The next scores queued before
-        // dQ^T instead, so that dQ^T would run while this consumer computes the next P^T and dS^T, measured 284-286
-        // against 291-294: dQ^T, which the next key tile's block waits for (turns), comes later. At HD = 128 the
-        // registers do not hold this (dK and dV alone take 128 a thread); three partial overlaps there measured no
-        // faster: dQ^T queued behind dV and dK, and S^T and dP^T committed apart so that P^T is computed under
-        // dP^T and dS^T under dV (d128 backward 283-288 TFLOP/s either way); dQ^T behind dV and dK with the next
-        // S^T under dQ^T and its staging (76 bytes spilled; H100, d128 310 against 320-322, d128 long 349-350
-        // against 361-362); dQ^T a step late behind the next dV and dK, the consumers meeting through dS^T
-        // mbarriers so that one could run half a step ahead (20-68 bytes spilled; H100, key tiles in pairs,
-        // d128 310 against 321, d128 long 340-347 against 362). Also slower (H100, call 48, against 373-375 at d128
-        // and 325 at 1b): K and V in registers as the A operands of S^T and dP^T, halving their shared-memory reads
-        // (1b 290-293: ptxas serialized the wgmmas for want of registers, C7512, even with K alone; HD = 128 spills,
-        // d128 267-269; half of K's k-steps, 363-365); dV, dK as m64n128 over both column chunks (d128 364-372).
+        // is staged while the scores run (dQ^T first: the next key tile's block waits for it). wait<N> waits until
+        // at most the N newest committed groups are pending; ptxas tracks these counts only for groups committed
+        // in the same loop iteration (a wait at the top of the loop for groups of the previous iteration makes it
+        // serialize every wgmma, C7514), so an iteration begins where one group, step i's dV and dK, is pending.
+        // K and V stay in shared memory: as register A operands of S^T and dP^T they leave ptxas too few
+        // registers, and it serializes the wgmmas (C7512).
         fence_grads();                                           // dK, dV = 0 written before the wgmma fences
         issue_scores(0);
         hattn_wgmma_wait<0>();
@@ -1423,22 +1428,10 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
         // HD = 128: each consumer's products in turn, and the step's dQ (all 128 keys, both dS^T halves) by
         // consumer i % 2 alone, after its dV and dK (dq's 64 registers fit beside dK and dV only once pa and dsa,
         // their A operands, are free); the other consumer arrives at the dQ barrier and goes on to step i + 1, so
-        // that its scores run under this dQ. Measured slower (H100, call 53, backward TFLOP/s, against 371-374 at
-        // d128 and 430-441 at d128 long with both consumers forming a 64-column half of every step's dQ): each
-        // consumer a partial over its own 64 keys (m64n128, no barrier between the consumers), the partials
-        // summed in the staging tile (344-347, 386-410: a third more shared-memory traffic); no faster: the
-        // halves with dQ issued before dV and dK are waited for (368-369, 444). The consumer doing dQ waits for
-        // the other at the barrier (ncu, call 55: 14% of the consumers' stall samples): the other did the last
-        // step's dQ. Taking dQ off the consumers does not fit the registers: a fourth warpgroup for it would need
+        // that its scores run under this dQ. The registers do not hold the HD = 64 overlap (dK and dV alone take
+        // 128 a thread); partial overlaps spill. A dQ warpgroup of its own does not fit the register file either:
         // 24 + 48 + 2 x 224 > 512 a thread slot (ptxas ignores a setmaxnreg under 48 in a region that issues
-        // wgmma, C7507; the consumers need 224, at 216 they spilled 672 bytes and serialized their wgmmas). dQ
-        // formed by the producer warpgroup at 48 (m64n32 quarters, dS^T handed over by mbarriers, its thread 0
-        // also loading and waiting for the turns; consumers at 232) ran far slower (call 60: d128 224-231
-        // against 373-375, d128 long 247-257 against 430-446). The S^T of a consumer's dQ step issued under its
-        // previous step's dV and dK (32 registers beside them) gained too little to keep (calls 61-62: d128
-        // 375.5-380.8 against 373.2-377.4, d128 long no gain; 16 bytes spilled, and ptxas injected wgmma
-        // fences, C7519); as a loop over the dQ steps without the spill, 371.7-376.3; with P^T also computed
-        // under dP^T, 345-347 (112 bytes spilled).
+        // wgmma, C7507, and the consumers below 224 spill and serialize their wgmmas).
         auto step = [&](int i, auto with_dq) {
             issue_scores(i);
             hattn_wgmma_wait<0>();
@@ -1460,10 +1453,10 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
             else step(i, std::false_type());
         }
     }
-    // dV, then dK, out through this consumer's 64 rows of the V tile, which no product reads any more (only
-    // its own dP^T read them): BF16, 128-byte swizzled as the TMA loaded them, then one TMA store a 64-column
-    // chunk (rows past T are not written). Plain 4-byte stores from the fragments were 7.4% of the D = 128
-    // consumers' stall samples (call 37). One thread waits until the store has read the rows before dK.
+    // Store: dV, then dK, out through this consumer's 64 rows of the V tile, which no product reads any more
+    // (only its own dP^T read them): BF16, 128-byte swizzled as the TMA loaded them, then one TMA store a
+    // 64-column chunk (rows past T are not written), cheaper for the consumers than plain 4-byte stores from
+    // the fragments. One thread waits until the store has read the rows before dK.
     unsigned char* rows_out = smem + S::BWD_V + 64 * w * 128;
     auto store_rows = [&](const float (*acc)[4], float mul, int col0) {
 #pragma unroll
@@ -1475,13 +1468,13 @@ attention_backward_hopper_kernel(float* dq_acc, int* dq_turn, const float* lse2,
                     __floats2bfloat162_rn(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
             }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // make the stores visible to the TMA
-        hattn_sync(2 + w, 128);
+        hattn_sync(HATTN_BWD_BAR_STORE + w, 128);
         if (threadIdx.x % 128 == 0) {
             for (int ch = 0; ch < CH; ch++) hattn_tma_store(&dkv_map, rows_out + ch * S::chunk(BN), col0 + 64 * ch, k0 + 64 * w, b);
             hattn_bulk_commit();
             hattn_bulk_wait_read();
         }
-        hattn_sync(2 + w, 128);
+        hattn_sync(HATTN_BWD_BAR_STORE + w, 128);
     };
     store_rows(dv, 1.0f, (NH + NKV + kvh) * HD);
     store_rows(dk, scale, (NH + kvh) * HD);
@@ -1574,6 +1567,23 @@ inline bool attention_use_hopper(AttentionPath path, const char* who) {
     return attention_hopper_available;
 }
 
+// The forward's persistent grid: *blocks, one an SM, and how many neighbouring query tiles of one (batch, head)
+// run side by side (qg, returned; tile_of). One wave of the blocks reads the K/V (kv_bytes a KV head) of about
+// blocks / (qg * group) KV heads, since the `group` query heads of one KV head are neighbours too. Where those
+// exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every tile would bring its K/V from memory; qg is the
+// smallest power of two that fits them in the L2, and 1 where they fit already (the 1b shape: 17 KV heads x
+// 0.5 MB), since groups make the tiles of one wave unequal in length. Host arithmetic only: every build has it
+// (the tests print it).
+template <int HD>
+inline int attention_fwd_query_group(int B, int T, int NH, int NKV, int* blocks) {
+    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), group = NH / NKV;
+    *blocks = std::min(ntiles * NH * B, device_sm_count());   // persistent: one block an SM (shared memory allows one)
+    const size_t kv_bytes = (size_t)T * HD * 2 * sizeof(bf16), l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
+    int qg = 1;
+    while (qg < ntiles && (size_t)ceil_div(*blocks, qg * group) * kv_bytes > l2) qg *= 2;
+    return qg;
+}
+
 #if defined(ATTENTION_HOPPER)
 // A [B, T, cols] bf16 tensor (row pitch `cols`) for the TMA: boxes of 64 columns x box_rows rows with the
 // 128-byte swizzle; rows past T are outside the tensor and arrive as zeros.
@@ -1597,22 +1607,6 @@ inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B
     if (r != CUDA_SUCCESS)
         fail("attention: cuTensorMapEncodeTiled refused a [%d, %d, %d] bf16 tensor at %p (CUresult %d)", B, T, cols, (const void*)base, (int)r);
     return map;
-}
-
-// The forward's persistent grid: *blocks, one an SM, and how many neighbouring query tiles of one (batch, head)
-// run side by side (qg, returned; tile_of). One wave of the blocks reads the K/V (kv_bytes a KV head) of about
-// blocks / (qg * group) KV heads, since the `group` query heads of one KV head are neighbours too. Where those
-// exceed the L2 (the D = 128 shapes: 132 blocks x 1 MB), every tile would bring its K/V from memory; qg is the
-// smallest power of two that fits them in the L2, and 1 where they fit already (the 1b shape: 17 KV heads x
-// 0.5 MB), since groups make the tiles of one wave unequal in length.
-template <int HD>
-inline int attention_fwd_query_group(int B, int T, int NH, int NKV, int* blocks) {
-    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), group = NH / NKV;
-    *blocks = std::min(ntiles * NH * B, device_sm_count());   // persistent: one block an SM (shared memory allows one)
-    const size_t kv_bytes = (size_t)T * HD * 2 * sizeof(bf16), l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
-    int qg = 1;
-    while (qg < ntiles && (size_t)ceil_div(*blocks, qg * group) * kv_bytes > l2) qg *= 2;
-    return qg;
 }
 
 template <int HD>
