@@ -52,7 +52,7 @@ NVCCFLAGS += -DATTENTION_HOPPER
 endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
+HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
 STAMP := .build-settings
 $(shell echo "$(PRECISION) $(GPU_ARCH)" | cmp -s - $(STAMP) || echo "$(PRECISION) $(GPU_ARCH)" > $(STAMP))
