@@ -99,7 +99,7 @@ __device__ inline uint16_t fp8x2_encode(float lo, float hi) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 2. The scale rule (DESIGN.md): scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
+// 2. The scale rule: scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
 // and the GEMM dequantizes with 1/scale. Powers of two make scaling exact: it only moves the exponent.
 // amax is clamped to AMAX_FLOOR so that an all-zero tensor gets a finite scale (2^108 for E4M3), and a
 // non-finite amax (inf or NaN somewhere in the tensor) keeps the previous scale.
@@ -133,7 +133,7 @@ struct alignas(16) Fp8Meta {
     unsigned int blocks_done;    // blocks of a current-scaling cast that have finished (section 3); 0 between casts
     unsigned int warmup_amax;    // --amax-warmup: bits of the MAX of this step's cast amaxes, for the step's record; 0 between steps
 };
-// Checkpoints hold Fp8Meta as it is: blocks_done and warmup_amax went into what was padding (zero in older files).
+// Checkpoints hold Fp8Meta as it is, so its layout is part of the checkpoint format (blocks_done and warmup_amax are 0 there).
 static_assert(offsetof(Fp8Meta, history) == 24 && sizeof(Fp8Meta) == 4128, "Fp8Meta's layout is in checkpoints");
 struct Fp8Recipe {
     int margin = 0;           // scale = 2^(floor(log2(max/amax)) - margin)
