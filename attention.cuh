@@ -18,7 +18,7 @@
 // one is used); the products run on mma.sync m16n8k16 (BF16 in, FP32 accumulate) with operands from ldmatrix,
 // and every intermediate (scores, probabilities, accumulators) stays in registers.
 #pragma once
-#include "fp8_kernels.cuh"
+#include "common.cuh"
 #include <atomic>
 #include <type_traits>
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
