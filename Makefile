@@ -52,7 +52,7 @@ NVCCFLAGS += -DATTENTION_HOPPER
 endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
+HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
 STAMP := .build-settings
 $(shell echo "$(PRECISION) $(GPU_ARCH)" | cmp -s - $(STAMP) || echo "$(PRECISION) $(GPU_ARCH)" > $(STAMP))
@@ -80,7 +80,7 @@ test: test_fp8 train_fp8
 SANITIZER ?= $(firstword $(wildcard $(CUDA_HOME)/bin/compute-sanitizer $(CUDA_HOME)/compute-sanitizer/compute-sanitizer) \
                          $(shell command -v compute-sanitizer 2>/dev/null))
 # API errors are not reported: NCCL's communicator set-up probes its kernels with cudaFuncGetAttributes and handles
-# the "no kernel image" answers itself (memcheck counted 48 of them as errors), and every call of ours is checked
+# the "no kernel image" answers itself (memcheck would count them as errors), and every call of ours is checked
 # by cudaCheck anyway. TESTS (default: all) narrows memcheck to the tests whose names contain one of its words.
 TESTS ?=
 RACECHECK_TESTS ?= attention embedding rmsnorm cross_entropy fp8_amax fp8_quantize fp8_cast_transpose adamw model_tiny

@@ -15,7 +15,7 @@
 // columns. out and dout [B*T, NH*HD]; lse [B, NH, T] float; the backward's scratch is sized by
 // attention_backward_scratch_floats. Query head h reads K/V head h / (NH/NKV).
 #pragma once
-#include "fp8_kernels.cuh"
+#include "common.cuh"
 #include <atomic>
 #include <type_traits>
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)

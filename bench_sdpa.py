@@ -1,5 +1,5 @@
 """Time PyTorch's scaled_dot_product_attention backends on this GPU, for the shapes of our
-`./test_fp8 --bench attention`, so the README can compare our attention kernels with ratios from one GPU session.
+`./test_fp8 --bench attention`, so the README can compare our attention kernels with ratios measured on the same GPU.
 
 Causal BF16, forward and backward timed apart, per SDPA backend (cudnn and flash by default; "efficient" if
 asked). FLOPs as ours: forward 2 B H T^2 D (causal halves 4 B H T^2 D), backward 2.5x forward. GQA shapes

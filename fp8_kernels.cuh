@@ -1,34 +1,20 @@
-// fp8_kernels.cuh: everything FP8, and everything every kernel shares.
-//   1. error checks          cudaCheck / cublasCheck / ncclCheck, with file, line, call and message
-//   2. types and packed loads bf16, fp8 bytes, 16-byte vectors
-//   3. the step profile      NVTX ranges, and the CUDA-event timing of a step's phases (--profile)
-//   4. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
-//   5. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
-//   6. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
-//   7. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
-//   8. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs,
+// fp8_kernels.cuh: everything FP8 (common.cuh holds what every file shares: error checks, types, the step profile).
+//   1. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
+//   2. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
+//   3. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
+//   4. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
+//   5. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs,
 //                            the weight re-quantization after each optimizer step
 #pragma once
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 #include <cuda_fp8.h>
-#include <cublasLt.h>
-#include <nccl.h>
-#include <climits>
-#include <nvtx3/nvToolsExt.h>
 #include <cstddef>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <cfloat>
 #include <map>
 #include <tuple>
-#include <string>
-#include <vector>
 #include <algorithm>
-#include <atomic>
 
 // The build's precision (make PRECISION=FP8, or BF16: the baseline, every layer BF16). The one place that reads the
 // macro: code for both builds branches on BUILD_FP8 (if constexpr), and every FP8 type exists in both.
@@ -39,237 +25,13 @@ constexpr bool BUILD_FP8 = false;
 #endif
 
 // ----------------------------------------------------------------------------------------------
-// 1. Error checks: every CUDA, cuBLASLt and NCCL call goes through one of these.
-
-inline void cuda_check(cudaError_t err, const char* call, const char* file, int line) {
-    if (err != cudaSuccess) {
-        fprintf(stderr, "CUDA error at %s:%d\n  %s\n  -> %s (%s)\n", file, line, call,
-                cudaGetErrorString(err), cudaGetErrorName(err));
-        exit(EXIT_FAILURE);
-    }
-}
-inline void cublas_check(cublasStatus_t status, const char* call, const char* file, int line) {
-    if (status != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "cuBLASLt error at %s:%d\n  %s\n  -> %s (set CUBLASLT_LOG_LEVEL=5 to see why)\n",
-                file, line, call, cublasLtGetStatusString(status));
-        exit(EXIT_FAILURE);
-    }
-}
-inline void nccl_check(ncclResult_t result, const char* call, const char* file, int line) {
-    if (result != ncclSuccess) {
-        fprintf(stderr, "NCCL error at %s:%d\n  %s\n  -> %s (set NCCL_DEBUG=WARN for details)\n",
-                file, line, call, ncclGetErrorString(result));
-        exit(EXIT_FAILURE);
-    }
-}
-#define cudaCheck(call) cuda_check((call), #call, __FILE__, __LINE__)
-#define cublasCheck(call) cublas_check((call), #call, __FILE__, __LINE__)
-#define ncclCheck(call) nccl_check((call), #call, __FILE__, __LINE__)
-// After every kernel launch: catches bad launch configurations at the launch site.
-#define cudaCheckLaunch() cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
-
-// A clear fatal error for bad arguments: names the value and what to do.
-#define fail(...) do { fprintf(stderr, "error: " __VA_ARGS__); fputc('\n', stderr); exit(EXIT_FAILURE); } while (0)
-
-// ----------------------------------------------------------------------------------------------
-// 2. Types and packed 16-byte loads/stores.
-
-typedef __nv_bfloat16 bf16;
-typedef uint8_t fp8;   // one FP8 code; the format (E4M3 or E5M2) travels beside it
-
-// ceil(a / b) as an int (a grid size, a tile count): computed in 64 bits; a result beyond int is an error, never wrapped.
-inline int ceil_div(long a, long b) {
-    const long q = (a + b - 1) / b;
-    if (q > INT_MAX) fail("ceil_div(%ld, %ld) = %ld exceeds the int range of a grid or tile count: sizes too large", a, b, q);
-    return (int)q;
-}
-
-// 16 bytes of T: what one thread moves in one instruction (LDG.128 / STG.128).
-template <class T>
-struct alignas(16) Packed128 {
-    static constexpr int size = 16 / sizeof(T);
-    T v[size];
-};
-template <class T> __device__ inline Packed128<T> load128(const T* p) { return *reinterpret_cast<const Packed128<T>*>(p); }
-constexpr int BF16_PER_16B = Packed128<bf16>::size;   // 8
-template <class T> __device__ inline void store128(T* p, Packed128<T> x) { *reinterpret_cast<Packed128<T>*>(p) = x; }
-inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-// One named tensor inside a flat allocation (parameters, gradients, optimizer state, activations):
-// the table of these is what init, the optimizer, checkpoints and TP sharding walk. 1-D: cols = 1.
-struct TensorSpec {
-    std::string name;
-    size_t offset;     // in elements, from the start of the allocation
-    size_t numel;
-    int rows, cols;
-    bool is_matrix() const { return rows > 1 && cols > 1; }
-};
-
-// A tensor-parallel group as the code that needs one sees it: this rank, the group size, and an in-place
-// all-reduce on a stream with ncclAllReduce's types and ops. train_fp8.cu's is NCCL (tp_nccl_all_reduce); the
-// one-GPU shard test's sums on the host. Every rank ends with the same bits (NCCL's all-reduce guarantees it).
-struct TpGroup {
-    int size = 1, rank = 0;
-    ncclComm_t comm = nullptr;   // the NCCL group's communicator
-    void* host = nullptr;        // the host simulation's shared state
-    void (*all_reduce)(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) = nullptr;
-};
-inline void tp_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDataType_t type, ncclRedOp_t op, cudaStream_t s) {
-    g->all_reduce(g, buf, count, type, op, s);
-}
-
-__host__ __device__ inline float to_float(float x) { return x; }
-__host__ __device__ inline float to_float(bf16 x) { return __bfloat162float(x); }
-
-// ----------------------------------------------------------------------------------------------
-// 3. The step profile. Every launch site of a training step sits in a ProfileRange naming its phase. A range
-// is always an NVTX range, so Nsight Systems shows the step's structure (step > micro-batch > forward or
-// backward > layer > phase), and while a StepProfile records the range's stream (train_fp8 --profile N) it is
-// also a pair of CUDA events. Afterwards a phase's time is the sum of its ranges: GPU time from the range's
-// first launch to the end of its last, idle moments between the launches of one range included. "Idle" is
-// the step's GPU span minus every range: the GPU waiting for the host between ranges (launch overhead, host
-// synchronizations, host work). Ranges do not nest: one opened inside another is NVTX only and its time
-// counts in the outer one's phase.
-
-enum ProfilePhase {
-    PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_FP8_CAST, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE,
-    PHASE_SWIGLU, PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_TP_COMM, PHASE_DATA, PHASE_OPTIMIZER,
-    PHASE_WEIGHT_QUANT, PHASE_OTHER, PHASE_COUNT
-};
-inline const char* profile_phase_name(ProfilePhase p) {
-    static const char* names[PHASE_COUNT] = {
-        "forward GEMMs (decoder linears)", "backward GEMMs (decoder linears)", "FP8 casts, amax, scales",
-        "attention forward", "attention backward", "RMSNorm (+ residual add)", "RoPE", "SwiGLU", "embedding",
-        "lm_head GEMMs", "cross-entropy, loss", "tensor-parallel all-reduces", "input copies to the GPU",
-        "optimizer (zero grads, grad norm, AdamW)", "weight re-quantization (W8, W8^T)", "other (memsets)"};
-    return names[p];
-}
-
-struct StepProfile {
-    cudaStream_t stream = nullptr;          // the stream timed (one GPU's: rank 0's under --tp)
-    cudaEvent_t step_begin = nullptr, step_end = nullptr;
-    std::vector<cudaEvent_t> events;        // a pool; range i of this step recorded events[2i] and events[2i+1]
-    std::vector<ProfilePhase> phases;       // the phase of range i
-    size_t used = 0;                        // events recorded this step
-    bool in_range = false;
-};
-// The profile recording now, or nullptr. Set and cleared between steps by the thread that runs the loop.
-inline StepProfile* g_step_profile = nullptr;
-
-struct NvtxRange {
-    explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
-    explicit NvtxRange(const std::string& name) { nvtxRangePushA(name.c_str()); }
-    ~NvtxRange() { nvtxRangePop(); }
-    NvtxRange(const NvtxRange&) = delete;
-    NvtxRange& operator=(const NvtxRange&) = delete;
-};
-
-inline cudaEvent_t profile_next_event(StepProfile* p) {
-    if (p->used == p->events.size()) {
-        cudaEvent_t e;
-        cudaCheck(cudaEventCreate(&e));
-        p->events.push_back(e);
-    }
-    return p->events[p->used++];
-}
-
-// The work launched on `stream` while it lives belongs to `phase`; `name` (default: the phase's) is its NVTX name.
-struct ProfileRange {
-    StepProfile* profile = nullptr;
-    cudaStream_t stream;
-    NvtxRange nvtx;
-    ProfileRange(ProfilePhase phase, cudaStream_t s, const char* name = nullptr) : stream(s), nvtx(name ? name : profile_phase_name(phase)) {
-        StepProfile* p = g_step_profile;
-        if (!p || p->stream != s || p->in_range) return;
-        profile = p;
-        p->in_range = true;
-        p->phases.push_back(phase);
-        cudaCheck(cudaEventRecord(profile_next_event(p), s));
-    }
-    ~ProfileRange() {
-        if (!profile) return;
-        cudaCheck(cudaEventRecord(profile_next_event(profile), stream));
-        profile->in_range = false;
-    }
-    ProfileRange(const ProfileRange&) = delete;
-    ProfileRange& operator=(const ProfileRange&) = delete;
-};
-
-// Start recording the ranges launched on `stream` (events for `expected_ranges` made beforehand, so that
-// creating them does not slow the step); the current device must be the stream's.
-inline void profile_begin(StepProfile* p, cudaStream_t stream, size_t expected_ranges) {
-    if (!p->step_begin) {
-        cudaCheck(cudaEventCreate(&p->step_begin));
-        cudaCheck(cudaEventCreate(&p->step_end));
-    }
-    while (p->events.size() < 2 * expected_ranges) {
-        cudaEvent_t e;
-        cudaCheck(cudaEventCreate(&e));
-        p->events.push_back(e);
-    }
-    p->stream = stream;
-    p->used = 0;
-    p->phases.clear();
-    p->in_range = false;
-    cudaCheck(cudaEventRecord(p->step_begin, stream));
-    g_step_profile = p;
-}
-inline void profile_end(StepProfile* p) {
-    cudaCheck(cudaEventRecord(p->step_end, p->stream));
-    g_step_profile = nullptr;
-}
-inline void profile_destroy(StepProfile* p) {
-    for (cudaEvent_t e : p->events) cudaCheck(cudaEventDestroy(e));
-    if (p->step_begin) {
-        cudaCheck(cudaEventDestroy(p->step_begin));
-        cudaCheck(cudaEventDestroy(p->step_end));
-    }
-    *p = StepProfile();
-}
-
-// The recorded step, per phase: milliseconds and number of ranges; span: step_begin to step_end.
-struct ProfileReport {
-    double ms[PHASE_COUNT] = {};
-    int ranges[PHASE_COUNT] = {};
-    double span_ms = 0, busy_ms = 0;
-    double idle_ms() const { return span_ms - busy_ms; }
-};
-// Waits for the step's events.
-inline ProfileReport profile_report(const StepProfile* p) {
-    ProfileReport r;
-    cudaCheck(cudaEventSynchronize(p->step_end));
-    float span;
-    cudaCheck(cudaEventElapsedTime(&span, p->step_begin, p->step_end));
-    r.span_ms = span;
-    for (size_t i = 0; i < p->phases.size(); i++) {
-        float t0, t1;   // from step_begin: one rounding per event, none accumulated
-        cudaCheck(cudaEventElapsedTime(&t0, p->step_begin, p->events[2 * i]));
-        cudaCheck(cudaEventElapsedTime(&t1, p->step_begin, p->events[2 * i + 1]));
-        r.ms[p->phases[i]] += t1 - t0;
-        r.ranges[p->phases[i]] += 1;
-        r.busy_ms += t1 - t0;
-    }
-    return r;
-}
-inline void profile_print(const ProfileReport& r, const char* title) {
-    printf("%s\n", title);
-    printf("  %-42s %9s %7s %7s\n", "phase", "ms", "%", "ranges");
-    for (int p = 0; p < PHASE_COUNT; p++) {
-        if (r.ranges[p] == 0) continue;
-        printf("  %-42s %9.3f %6.1f%% %7d\n", profile_phase_name((ProfilePhase)p), r.ms[p], 100.0 * r.ms[p] / r.span_ms, r.ranges[p]);
-    }
-    printf("  %-42s %9.3f %6.1f%%\n", "idle (GPU span - all ranges)", r.idle_ms(), 100.0 * r.idle_ms() / r.span_ms);
-    printf("  %-42s %9.3f %6.1f%%\n", "GPU span of the step", r.span_ms, 100.0);
-    const double gemm_attn = r.ms[PHASE_GEMM_FWD] + r.ms[PHASE_GEMM_BWD] + r.ms[PHASE_LM_HEAD] + r.ms[PHASE_ATTN_FWD] + r.ms[PHASE_ATTN_BWD];
-    printf("  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
-}
-
-// ----------------------------------------------------------------------------------------------
-// 4. The two FP8 formats.
+// 1. The two FP8 formats.
 // E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa; no infinity; S.1111.111 is NaN; max 448.
 // E5M2: 1 sign, 5 exponent (bias 15), 2 mantissa; IEEE-like (inf and NaNs); max 57344.
 // Every cast in this project saturates: a finite value beyond the max becomes +-max, as does +-inf;
 // NaN stays NaN (a NaN anywhere must stay visible, never turn into a number).
+
+typedef uint8_t fp8;   // one FP8 code; the format (E4M3 or E5M2) travels beside it
 
 enum Fp8Format { E4M3 = 0, E5M2 = 1 };
 constexpr float E4M3_MAX = 448.0f;
@@ -337,7 +99,7 @@ __device__ inline uint16_t fp8x2_encode(float lo, float hi) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 5. The scale rule (DESIGN.md): scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
+// 2. The scale rule: scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),
 // and the GEMM dequantizes with 1/scale. Powers of two make scaling exact: it only moves the exponent.
 // amax is clamped to AMAX_FLOOR so that an all-zero tensor gets a finite scale (2^108 for E4M3), and a
 // non-finite amax (inf or NaN somewhere in the tensor) keeps the previous scale.
@@ -368,10 +130,10 @@ struct alignas(16) Fp8Meta {
     unsigned int uses;        // amaxes recorded so far (delayed scaling counts these)
     unsigned int amax_pending;   // bits of the amax being gathered by a kernel (atomicMax on |x| bits)
     float history[FP8_MAX_HISTORY];   // ring buffer of amaxes (delayed scaling)
-    unsigned int blocks_done;    // blocks of a current-scaling cast that have finished (section 6); 0 between casts
+    unsigned int blocks_done;    // blocks of a current-scaling cast that have finished (section 3); 0 between casts
     unsigned int warmup_amax;    // --amax-warmup: bits of the MAX of this step's cast amaxes, for the step's record; 0 between steps
 };
-// Checkpoints hold Fp8Meta as it is: blocks_done and warmup_amax went into what was padding (zero in older files).
+// Checkpoints hold Fp8Meta as it is, so its layout is part of the checkpoint format (blocks_done and warmup_amax are 0 there).
 static_assert(offsetof(Fp8Meta, history) == 24 && sizeof(Fp8Meta) == 4128, "Fp8Meta's layout is in checkpoints");
 struct Fp8Recipe {
     int margin = 0;           // scale = 2^(floor(log2(max/amax)) - margin)
@@ -433,7 +195,7 @@ __host__ __device__ inline void fp8_meta_record_step(Fp8Meta* m, Fp8Format f, co
 }
 
 // ----------------------------------------------------------------------------------------------
-// 6. FP8 kernels: amax, quantize, cast+transpose, dequantize.
+// 3. FP8 kernels: amax, quantize, cast+transpose, dequantize.
 // Each thread moves 16 elements: one 16-byte FP8 store, and 16 * sizeof(T) bytes of input in 16-byte
 // loads. Tails (n not a multiple of 16, tiles at the edges) take a scalar path.
 // The amax is gathered with atomicMax on the bits of |x|: for non-negative floats the unsigned order of
@@ -703,22 +465,6 @@ __global__ void fp8_update_scales_kernel(Fp8Meta* metas, const int* ids, int n, 
 }
 
 // ---- launchers
-// An attribute of the current device (cudaDeviceGetAttribute), queried once per device.
-template <cudaDeviceAttr ATTR>
-inline int device_attribute() {
-    constexpr int MAX_DEVICES = 64;
-    static std::atomic<int> values[MAX_DEVICES];   // 0: not yet known
-    int dev;
-    cudaCheck(cudaGetDevice(&dev));
-    if (dev >= MAX_DEVICES) fail("device %d: this program handles devices 0..%d", dev, MAX_DEVICES - 1);
-    int v = values[dev].load();
-    if (v == 0) {
-        cudaCheck(cudaDeviceGetAttribute(&v, ATTR, dev));
-        values[dev].store(v);
-    }
-    return v;
-}
-inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
 // Grid for the element-wise kernels: enough blocks to fill the GPU several times; the loops stride.
 inline int cast_grid(size_t n) {
     long max_blocks = device_sm_count() * 8L;
@@ -822,7 +568,7 @@ void fp8_dequantize(T* out, const fp8* x, size_t n, Fp8Format f, const Fp8Meta* 
 }
 
 // ----------------------------------------------------------------------------------------------
-// 7. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
+// 4. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
 //   D[M,N] (+)= op(A)[M,K] * op(B)[N,K]^T        (row-major; a linear layer is X * W^T with W [out,in])
 // An operand is stored K-contiguous ([M,K] / [N,K], "transposed = false") or, for BF16 only, as
 // [K,M] / [K,N] ("transposed = true"). Hopper FP8 GEMMs accept only the K-contiguous ("TN") form:
@@ -988,7 +734,7 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
 }
 
 // ----------------------------------------------------------------------------------------------
-// 8. The FP8 linear layer (PRECISION=FP8): Y[N,out] = X[N,in] W^T in E4M3; backward with dY in E5M2.
+// 5. The FP8 linear layer (PRECISION=FP8): Y[N,out] = X[N,in] W^T in E4M3; backward with dY in E5M2.
 //   forward   X8, X8^T = cast_transpose(X)             (E4M3; X8^T is what backward keeps)
 //             Y = X8 * W8^T                            A = X8 [N,in],     B = W8 [out,in]
 //   backward  dY8, dY8^T = cast_transpose(dY)          (E5M2)

@@ -1330,7 +1330,7 @@ inline int model_local_qkv_dim(const Model* m) { return (m->n_heads + 2 * m->n_k
 // ----------------------------------------------------------------------------------------------
 // 5. The linear layer: out[N,out] = inp[N,in] W^T, W = parameter p ([out,in]: its TensorSpec's rows, cols).
 // Every decoder projection (wqkv, wo, w_gate_up, w_down) calls linear_forward / linear_backward, which run
-// the FP8 layer (fp8_kernels.cuh, section 8) in the FP8 build's FP8 layers and BF16 GEMMs everywhere else:
+// the FP8 layer (fp8_kernels.cuh, section 5) in the FP8 build's FP8 layers and BF16 GEMMs everywhere else:
 //   forward   Y = X W^T           A = X [N,in], B = W [out,in]
 //   backward  dX = dY W           A = dY [N,out], B = W stored [K=out, in] (transposed)
 //             dW += dY^T X        A = dY stored [K=N, out], B = X stored [K=N, in] (both transposed), FP32 grads

@@ -177,7 +177,7 @@ def print_table(study_dir):
         print("\nRuns not counted:")
         for name, r in problems:
             print(f"- {name} seed {r.seed}: {r.problem} ({r.folder})")
-    print("\nTargets (issue 14):")
+    print("\nTargets (the FP8 recipe's claims):")
     recipe, m_fp32 = by_name.get(RECIPE), by_name.get(M_FP32)
     print(f"- FP8 recipe ({RECIPE}) vs BF16 build ({BASELINE}), final val loss: {target_recipe(recipe, baseline)}")
     print(f"- FP8 first moment ({RECIPE}) vs --m-dtype fp32 ({M_FP32}), final val loss: {target_moment(recipe, m_fp32)}")

@@ -17,14 +17,14 @@
 # their last validation losses mix memorisation into an FP8-vs-BF16 comparison. Here a run sees at most one epoch:
 # 240 steps of 32 x 512 tokens (the corpus holds 241 such batches), so no training window is seen twice and the
 # validation loss is still falling at the end. The model is smaller than d12 (dim 512, 8 layers, 8 heads, FFN 1536:
-# 27.4M parameters, 190 MFLOP a token against d12's 567), so that 18 configurations x 3 seeds fit in one 10-minute
-# GPU call with both binaries built (the estimate below). Warm-up 10% of the steps and the cosine schedule of the
+# 27.4M parameters, 190 MFLOP a token against d12's 567), so that 18 configurations x 3 seeds fit in about 10 minutes
+# of one GPU with both binaries built (the estimate below). Warm-up 10% of the steps and the cosine schedule of the
 # default run; validation on the whole validation split (26 batches) every steps/6 steps.
 #
 # The GPU. Processes on one GPU without MPS take turns on it (time slices; their kernels do not overlap), so running
 # several at once does not add up their speeds: it keeps the GPU busy while each process starts, loads its data,
 # evaluates, writes its checkpoint and waits on the host between steps. 8 at a time should leave no gap; memory is no
-# limit (a run of this model needs a few GB of the 141: estimated, not yet measured).
+# limit (a run of this model needs a few GB).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -33,10 +33,10 @@ VAL_DATA=data/kjv_val.bin
 MODEL_FLAGS="--model d12 --dim 512 --layers 8 --heads 8 --kv-heads 8 --ffn 1536"
 BATCH=32
 SEQ=512
-# The estimate. The d12 model trains at 701.6k tokens/s alone on an H200 in the FP8 build (README, "Speed") = 398
-# model TFLOP/s; a model of a third of its FLOPs has smaller GEMMs and relatively more non-GEMM work, and turns
-# between processes cost a little, so the estimate assumes half that over all runs together. Each run also spends
-# ~5 s on the host (start-up, data, checkpoint), hidden by the other runs but for 1/PARALLEL of it.
+# The estimate. The FP8 build trains the d12 model at about 400 model TFLOP/s alone on an H200 (README, "Speed"); a
+# model of a third of its FLOPs has smaller GEMMs and relatively more non-GEMM work, and turns between processes cost
+# a little, so the estimate assumes half that over all runs together. Each run also spends ~5 s on the host
+# (start-up, data, checkpoint), hidden by the other runs but for 1/PARALLEL of it.
 ASSUMED_TFLOPS=200
 HOST_SECONDS_PER_RUN=5
 DEADLINE_GRACE=60   # --deadline: runs still going this many seconds after it are stopped
@@ -166,7 +166,7 @@ Runs not counted:
 - qk-norm seed 3: not finished (no exit.txt: never ran to its end) ($s/qk-norm/seed-3)
 - update-clip seed 1: exit 139 ($s/update-clip/seed-1)
 
-Targets (issue 14):
+Targets (the FP8 recipe's claims):
 - FP8 recipe (fp8) vs BF16 build (bf16), final val loss: +1.32% (within 0.5%: NO), +1.00 BF16 std (within 2: yes)
 - FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -0.32% (within 0.5%: yes)
 EOF

@@ -9,14 +9,14 @@
 //                             buffers, temporary folders
 //   2. the spec               the float64 host reference of LLaMA-2: each layer's forward/backward and the whole
 //                             model, checked by finite differences; every GPU kernel and the GPU model answer to it
-//   3. the two FP8 formats    fp8_kernels.cuh 4: the host codec, all 256 codes, ties, saturation; the device casts
-//   4. the scale rule         fp8_kernels.cuh 5: power-of-two scales, delayed scaling, the amax warm-up (host)
-//   5. FP8 kernels            fp8_kernels.cuh 6: amax, quantize, cast+transpose, dequantize, the scale records
-//   6. the matmul             fp8_kernels.cuh 7: the argument rules, the GEMM against float64, the plan cache
+//   3. the two FP8 formats    fp8_kernels.cuh 1: the host codec, all 256 codes, ties, saturation; the device casts
+//   4. the scale rule         fp8_kernels.cuh 2: power-of-two scales, delayed scaling, the amax warm-up (host)
+//   5. FP8 kernels            fp8_kernels.cuh 3: amax, quantize, cast+transpose, dequantize, the scale records
+//   6. the matmul             fp8_kernels.cuh 4: the argument rules, the GEMM against float64, the plan cache
 //   7. attention              attention.cuh: forward, backward, determinism, both kernel paths
 //   8. AdamW                  adamw_fp8.cuh: against a float64 AdamW and a host replay of its float32 arithmetic
 //   9. the model              llama2.cuh: config, layout, init; each layer's kernels; the whole model
-//  10. the FP8 linear layer   fp8_kernels.cuh 8, llama2.cuh 4-5: the FP8 linear against the host, fused casts, the FP8
+//  10. the FP8 linear layer   fp8_kernels.cuh 5, llama2.cuh 4-5: the FP8 linear against the host, fused casts, the FP8
 //                             model, SmoothQuant
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
@@ -984,7 +984,7 @@ HOST_TEST(ref_model_gradients_vs_finite_differences) {
 }
 
 // ==============================================================================================
-// 3. The two FP8 formats (fp8_kernels.cuh 4): the host codec against the bit layouts, over all 256 codes, at rounding
+// 3. The two FP8 formats (fp8_kernels.cuh 1): the host codec against the bit layouts, over all 256 codes, at rounding
 // ties, saturation, subnormals and specials; then the device casts bit for bit against it.
 
 // Every finite value of a format, positive codes only (0x00 .. max_code).
@@ -1118,7 +1118,7 @@ GPU_TEST(fp8_device_conversions_bitexact) {
 }
 
 // ==============================================================================================
-// 4. The scale rule (fp8_kernels.cuh 5): power-of-two per-tensor scales from amax, current and delayed (amax
+// 4. The scale rule (fp8_kernels.cuh 2): power-of-two per-tensor scales from amax, current and delayed (amax
 // history, warm-up), on the host.
 
 HOST_TEST(fp8_scale_rule) {
@@ -1235,7 +1235,7 @@ HOST_TEST(fp8_amax_warmup_scale_sequence) {
 }
 
 // ==============================================================================================
-// 5. FP8 kernels (fp8_kernels.cuh 6): amax, quantize, cast+transpose and dequantize bit for bit against the host
+// 5. FP8 kernels (fp8_kernels.cuh 3): amax, quantize, cast+transpose and dequantize bit for bit against the host
 // codec, and the scale records they update (current, delayed once per optimizer step, the warm-up).
 
 template <class T>
@@ -1526,7 +1526,7 @@ GPU_TEST(fp8_amax_warmup_casts_current_then_delayed) {
 }
 
 // ==============================================================================================
-// 6. The matmul (fp8_kernels.cuh 7): the argument rules on the host, then the GEMM on the GPU.
+// 6. The matmul (fp8_kernels.cuh 4): the argument rules on the host, then the GEMM on the GPU.
 
 HOST_TEST(matmul_argument_rules) {
     // Each rule of a legal call is a clear error that names the shape and types (checked before any GPU work).

@@ -506,7 +506,7 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
 // ---- XXH64, the checksum (xxHash's 64-bit hash, written from its specification): four 64-bit lanes eat 32-byte
 // stripes (lane = rotl(lane + input * P2, 31) * P1), then the lanes are merged, the tail of fewer than 32 bytes
 // mixed in, and the result avalanched. Streaming: update() any number of times, then digest(). A flipped bit
-// anywhere changes the result; 3 GB/s on one core of the 2-core development machine (a 45 GB 7B checkpoint: ~15 s).
+// anywhere changes the result; about 3 GB/s on one CPU core (a 45 GB 7B checkpoint: ~15 s).
 constexpr uint64_t XXH_P1 = 0x9E3779B185EBCA87ull, XXH_P2 = 0xC2B2AE3D27D4EB4Full, XXH_P3 = 0x165667B19E3779F9ull,
                    XXH_P4 = 0x85EBCA77C2B2AE63ull, XXH_P5 = 0x27D4EB2F165667C5ull;
 struct Xxh64 {
