@@ -6,7 +6,8 @@
 #   make sanitize           the GPU tests under compute-sanitizer: memcheck, and racecheck for shared-memory kernels
 #   make bench              GEMM and cast-kernel throughput tables (needs a GPU)
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
-#   make train              build, prepare data, train the default preset
+#   make train              build, prepare data, train the default preset into out/default (refused if it holds a run
+#                           already: the message gives the command that continues it)
 #   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab")
 #   make clean
 PRECISION ?= FP8
@@ -42,6 +43,15 @@ $(error libnccl.so not found (nccl.h is at $(NCCL_H)). Install libnccl-dev or se
 endif
 
 ARCH_NUM := $(patsubst sm_%,%,$(GPU_ARCH))
+ifeq ($(shell echo '$(GPU_ARCH)' | grep -xE 'sm_[0-9]+a?'),)
+$(error GPU_ARCH must be sm_NN (nvcc's name of a GPU architecture, e.g. sm_90a for the H100/H200, sm_89 for the L40S), not '$(GPU_ARCH)')
+endif
+# The FP8 GEMMs (cuBLASLt's E4M3/E5M2 matmuls) need Ada or Hopper; the BF16 build runs on Ampere (sm_80) too.
+ifeq ($(PRECISION),FP8)
+ifeq ($(shell test $(subst a,,$(ARCH_NUM)) -ge 89 && echo yes),)
+$(error GPU_ARCH=$(GPU_ARCH) with PRECISION=FP8: the FP8 matmuls need sm_89 or newer (Ada, Hopper: sm_90a); for an older GPU build the BF16 baseline: make PRECISION=BF16 GPU_ARCH=$(GPU_ARCH))
+endif
+endif
 NVCCFLAGS := -O3 -std=c++17 -lineinfo --expt-relaxed-constexpr \
 	-gencode arch=compute_$(ARCH_NUM),code=$(GPU_ARCH) \
 	-Xcompiler -Wall,-Wextra,-Wno-unused-parameter -Werror all-warnings \
@@ -53,9 +63,15 @@ endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
 HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
-# A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings.
+# A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings, and is rewritten (by its
+# recipe, so that make -n only shows it) when they differ.
 STAMP := .build-settings
-$(shell echo "$(PRECISION) $(GPU_ARCH)" | cmp -s - $(STAMP) || echo "$(PRECISION) $(GPU_ARCH)" > $(STAMP))
+BUILD_SETTINGS := $(PRECISION) $(GPU_ARCH)
+ifneq ($(shell cat $(STAMP) 2>/dev/null),$(BUILD_SETTINGS))
+.PHONY: $(STAMP)
+endif
+$(STAMP):
+	echo "$(BUILD_SETTINGS)" > $@
 
 all: train_fp8 test_fp8
 
@@ -92,7 +108,9 @@ sanitize: test_fp8 train_fp8
 data: train_fp8
 	./data.sh
 
-# The default run: the default preset on the King James Bible (TRAIN_FLAGS adds or overrides flags).
+# The default run: the default preset on the King James Bible (TRAIN_FLAGS adds or overrides flags). Into a folder that
+# holds a run already, train_fp8 refuses to start and prints the command that resumes it (make train
+# TRAIN_FLAGS="--resume out/default" does the same); remove the folder to start over.
 TRAIN_FLAGS ?=
 train: train_fp8 data
 	./train_fp8 --out out/default $(TRAIN_FLAGS)

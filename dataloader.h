@@ -163,6 +163,11 @@ inline std::string shard_open(DataShard* sh, const char* path) {
     int32_t header[SHARD_HEADER_INTS];
     if (fstat(sh->fd, &st) != 0) {
         err = strprintf("cannot stat '%s': %s", path, strerror(errno));
+    } else if (S_ISDIR(st.st_mode)) {
+        std::string folder = path;
+        if (folder.size() > 1 && folder.back() == '/') folder.pop_back();
+        err = strprintf("'%s' is a folder, not a token shard: pass a shard file, or a glob of shard files such as "
+                        "'%s/*_train.bin' (quoted, so that the shell leaves it to the loader)", path, folder.c_str());
     } else if ((uint64_t)st.st_size < SHARD_HEADER_BYTES || !read_exact(sh->fd, header, SHARD_HEADER_BYTES, 0)) {
         err = strprintf("'%s' has %lld bytes, less than the %zu-byte shard header: it is not a token shard; %s",
                         path, (long long)st.st_size, SHARD_HEADER_BYTES, fix);
@@ -175,6 +180,9 @@ inline std::string shard_open(DataShard* sh, const char* path) {
     } else if (header[2] < 0 || header[3] < 0) {
         err = strprintf("'%s': corrupt header: token count %d and vocab hint %d must not be negative; %s",
                         path, header[2], header[3], fix);
+    } else if (header[3] > 65536) {
+        err = strprintf("'%s': corrupt header: vocab hint %d, more than uint16 tokens can take (65536); %s", path,
+                        header[3], fix);
     } else if ((uint64_t)st.st_size != SHARD_HEADER_BYTES + 2 * (uint64_t)header[2]) {
         err = strprintf("'%s': wrong file size: its header says %d tokens, so expected %llu bytes (1024 + 2 per token), "
                         "found %lld; the file is truncated or damaged: %s", path, header[2],
@@ -320,10 +328,12 @@ inline std::string dataloader_open(DataLoader* dl, const char* pattern, int B, i
     }
     for (const DataShard& sh : dl->shards) {
         if (sh.largest_token >= dl->vocab_size) {
-            std::string err = strprintf("'%s': token %d at position %llu is >= the vocab size %d (%s); the shard is "
-                                        "damaged or was made for a larger vocab: pass a vocab size of at least %d",
+            std::string err = strprintf("'%s': token %d at position %llu is >= the vocab size %d %s",
                                         sh.path.c_str(), sh.largest_token, (unsigned long long)sh.largest_token_pos,
-                                        dl->vocab_size, dl->vocab_source.c_str(), largest + 1);
+                                        dl->vocab_size, vocab_size > 0
+                                            ? "given to the loader: the shard comes from another tokenizer (a larger vocab), or is damaged"
+                                            : "of the shard header: the shard is damaged, or the shards come from different "
+                                              "tokenizers; re-create them");
             dataloader_free(dl);
             return err;
         }

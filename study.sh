@@ -225,6 +225,7 @@ SEEDS=3 PARALLEL=8 STEPS=240 DIR=out/study DEADLINE=0 SKIP_DONE=0 KEEP_CKPT=0 DR
 FP8_BIN=./train_fp8 BF16_BIN=./train_fp8_bf16
 ONLY=() SKIP=() ADDED=() EXTRA=()
 positive() { [[ $2 =~ ^[0-9]+$ && $2 -ge 1 ]] || fail "$1 $2: must be a whole number >= 1"; }
+OPTIONS=$(usage | sed -n 's/^  \(--[a-z0-9-]*\).*/\1/p' | tr '\n' ' ')
 while [[ $# -gt 0 ]]; do
     flag=$1
     case $flag in
@@ -233,8 +234,10 @@ while [[ $# -gt 0 ]]; do
         --keep-checkpoints) KEEP_CKPT=1; shift; continue ;;
         --dry-run) DRY_RUN=1; shift; continue ;;
         --list) LIST=1; shift; continue ;;
+        --seeds|--parallel|--steps|--deadline|--only|--skip|--add|--extra|--dir|--fp8-bin|--bf16-bin)
+            [[ $# -ge 2 ]] || fail "$flag needs a value (./study.sh --help)" ;;
+        *) fail "unknown option $flag; the options are: ${OPTIONS% } (./study.sh --help says what each does)" ;;
     esac
-    [[ $# -ge 2 ]] || { [[ $flag == -* ]] && fail "$flag needs a value (./study.sh --help)" || fail "unknown argument $flag (./study.sh --help)"; }
     value=$2
     case $flag in
         --seeds) positive "$flag" "$value"; SEEDS=$value ;;
@@ -250,7 +253,6 @@ while [[ $# -gt 0 ]]; do
         --dir) DIR=$value ;;
         --fp8-bin) FP8_BIN=$value ;;
         --bf16-bin) BF16_BIN=$value ;;
-        *) fail "unknown argument $flag (./study.sh --help)" ;;
     esac
     shift 2
 done
@@ -282,9 +284,8 @@ for name in "${ALL_NAMES[@]}"; do
 done
 [[ ${#NAMES[@]} -gt 0 ]] || fail "--only/--skip leave no configuration"
 
-# ---- check everything before any GPU work: binaries and their builds, every flag, the data
+# ---- check everything before any GPU work: binaries and their builds, the data, every run's flags
 binary_of() { [[ ${CONFIG_BUILD[$1]} == fp8 ]] && echo "$FP8_BIN" || echo "$BF16_BIN"; }
-declare -A HELP=()
 for build in fp8 bf16; do
     bin=$FP8_BIN make_target=train_fp8 want=e4m3
     [[ $build == bf16 ]] && bin=$BF16_BIN make_target=train_fp8_bf16 want=fp32
@@ -292,34 +293,33 @@ for build in fp8 bf16; do
     for name in "${NAMES[@]}"; do [[ ${CONFIG_BUILD[$name]} == "$build" ]] && needed=1; done
     [[ $needed == 1 ]] || continue
     [[ -x $bin ]] || fail "$bin (the ${build^^} build) is missing: build it with 'make $make_target' (or make study), or name it with --$build-bin"
-    HELP[$build]=$("$bin" --help) || fail "$bin --help failed (see above)"
+    help=$("$bin" --help) || fail "$bin --help failed (see above)"
     # the build shows in the default first moment: e4m3 in the FP8 build, fp32 in the BF16 build
-    m_default=$(sed -n 's/^  --m-dtype TYPE .*\[\([a-z0-9]*\)\]$/\1/p' <<< "${HELP[$build]}")
+    m_default=$(sed -n 's/^  --m-dtype TYPE .*\[\([a-z0-9]*\)\]$/\1/p' <<< "$help")
     [[ $m_default == "$want" ]] || fail "$bin is not the ${build^^} build: its --help gives --m-dtype's default as '$m_default'," \
                                         "the ${build^^} build's is $want (rebuild it: make $make_target)"
 done
-COMMON=($MODEL_FLAGS --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --data "$TRAIN_DATA"
-        --val-data "$VAL_DATA" --eval-every "$EVAL_EVERY" --sample-every 0 --checkpoint-every 0 --keep-checkpoints 1 --tp 0)
-bad=()
-for name in "${NAMES[@]}"; do
-    build=${CONFIG_BUILD[$name]}
-    read -r -a words <<< "${CONFIG_FLAGS[$name]}"
-    for word in "${words[@]+"${words[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}"; do
-        [[ $word == --* ]] || continue
-        grep -qE -- "^  $word( |$)" <<< "${HELP[$build]}" || bad+=("$name: $(binary_of "$name") has no flag $word")
-    done
-done
-if [[ ${#bad[@]} -gt 0 ]]; then
-    printf 'error: %s\n' "${bad[@]}" >&2
-    fail "the binaries lack flags of the configurations above (built before the flags existed? rebuild; or leave those out: --skip)"
-fi
 for f in "$TRAIN_DATA" "$VAL_DATA"; do [[ -f $f ]] || fail "$f is missing: prepare the default corpus with make data"; done
 tokens_of() { echo $(( ($(stat -c %s "$1") - 1024) / 2 )); }   # llm.c shard: 256 x int32 header, uint16 tokens
 batches_of() { echo $(( ($(tokens_of "$1") - 1) / SEQ / BATCH )); }   # windows of T+1 tokens with stride T, B a batch
 EPOCH_BATCHES=$(batches_of "$TRAIN_DATA")
 VAL_BATCHES=$(batches_of "$VAL_DATA")
 [[ $VAL_BATCHES -ge 1 ]] || fail "$VAL_DATA holds less than one batch of $BATCH x $SEQ tokens"
-COMMON+=(--eval-batches "$VAL_BATCHES")
+COMMON=($MODEL_FLAGS --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --data "$TRAIN_DATA"
+        --val-data "$VAL_DATA" --eval-every "$EVAL_EVERY" --eval-batches "$VAL_BATCHES" --sample-every 0
+        --checkpoint-every 0 --keep-checkpoints 1 --tp 0)
+# every configuration's command line through its binary's own checks (train_fp8 --dry-run: the flags, their values
+# and how they go together, the data), so that a bad flag or value stops the study here and not in its runs
+bad=()
+for name in "${NAMES[@]}"; do
+    read -r -a flags <<< "${CONFIG_FLAGS[$name]}"
+    refusal=$("$(binary_of "$name")" "${COMMON[@]}" "${flags[@]+"${flags[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" --seed 1 \
+              --dry-run 2>&1 > /dev/null) || bad+=("$name: $(binary_of "$name") refuses its flags: ${refusal#error: }")
+done
+if [[ ${#bad[@]} -gt 0 ]]; then
+    printf 'error: %s\n' "${bad[@]}" >&2
+    fail "the runs above would fail at their start: mend --extra/--add, or leave those configurations out (--skip)"
+fi
 
 # ---- the study folder: configs.tsv (one line a configuration) and setup.txt (the flags of every run)
 SETUP="${COMMON[*]} ${EXTRA[*]+"${EXTRA[*]}"}"

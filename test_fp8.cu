@@ -4080,9 +4080,12 @@ HOST_TEST(dataloader_rejects_bad_input) {
     std::vector<uint16_t> big = good;
     big[5] = 300;
     write_shard_or_die(p, big, BYTE_VOCAB);
-    expect_open_error("token >= hint vocab", p, B, T, 0, 1, 0, {p, "token 300 at position 5", "vocab size 256", "at least 301"});
+    expect_open_error("token >= hint vocab", p, B, T, 0, 1, 0, {p, "token 300 at position 5", "vocab size 256 of the shard header"});
     write_shard_or_die(p, good, 0);
-    expect_open_error("token >= given vocab", p, B, T, 0, 1, 8, {p, "token 8 at position 8", "vocab size 8"});
+    expect_open_error("token >= given vocab", p, B, T, 0, 1, 8, {p, "token 8 at position 8", "vocab size 8 given", "another tokenizer"});
+    write_shard_or_die(p, good, 70000);   // more than uint16 tokens can need: refused by this shard's loader, naming it
+    expect_open_error("vocab hint > 65536", p, B, T, 0, 1, 0, {p, "vocab hint 70000", "65536"});
+    expect_open_error("a folder", dir.path + "/", B, T, 0, 1, 0, {dir.path, "is a folder", "glob", dir.path + "/*_train.bin"});
 
     std::vector<uint16_t> short_data = counting_tokens(B * T, 0);   // one token short of a batch
     write_shard_or_die(p, short_data, 0);
@@ -4157,7 +4160,17 @@ HOST_TEST(train_parse_defaults) {
     err = parse_list({"prepare", "a.txt", "data/a"}, &o);
     expect(err.empty() && o.prepare && o.prepare_text == "a.txt" && o.prepare_prefix == "data/a", "prepare not parsed: %s", err.c_str());
     err = parse_list({"--batch", "2", "--help"}, &o);
-    expect(err.empty() && o.help, "--help not seen");
+    expect(err.empty() && o.help && !o.prepare && !o.do_export, "--help not seen");
+    // each subcommand's --help (or -h) asks for its own usage, whatever else the line holds
+    err = parse_list({"export", "--help"}, &o);
+    expect(err.empty() && o.help && o.do_export, "export --help: %s", err.c_str());
+    err = parse_list({"prepare", "-h"}, &o);
+    expect(err.empty() && o.help && o.prepare, "prepare -h: %s", err.c_str());
+    err = parse_list({"export", "ckpt.bin", "out", "--format", "llama2c", "--help"}, &o);
+    expect(err.empty() && o.help && o.do_export, "export CKPT OUT --format llama2c --help: %s", err.c_str());
+    err = parse_list({"--model", "tiny", "--dry-run"}, &o);
+    expect(err.empty() && o.dry_run && o.model == "tiny" && o.command.size() == 4 && o.command[3] == "--dry-run",
+           "--dry-run not seen, or the command line not kept: %s", err.c_str());
     // --help's table: every flag once, each with help text
     std::vector<TrainFlag> flags = train_flags(&o);
     for (size_t i = 0; i < flags.size(); i++) {
@@ -4193,6 +4206,8 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--stop-after", "20", "--steps", "10", "--warmup", "0"}, {"--stop-after", "20", "--steps 10"}},
         {{"--profile", "20", "--steps", "10", "--warmup", "0"}, {"--profile", "20", "--steps 10"}},
         {{"--profile", "-1"}, {"--profile", "-1"}},
+        {{"--profile", "8", "--stop-after", "5", "--steps", "10", "--warmup", "0"}, {"--profile 8", "--stop-after 5"}},
+        {{"export", "a.bin", "out", "--dry-run"}, {"--dry-run"}},
         {{"--model", "13b"}, {"--model", "13b", "preset"}},
         {{"--dim", "100"}, {"--dim", "100", "multiple of 16"}},
         {{"--heads", "5"}, {"--heads", "5"}},
@@ -4391,11 +4406,15 @@ static void write_synthetic_corpus(const TempDir& dir) {
     write_shard_or_die(dir.file("train.bin"), train, BYTE_VOCAB);
     write_shard_or_die(dir.file("val.bin"), val, BYTE_VOCAB);
 }
-static TrainOptions tiny_run_options(const TempDir& data, std::vector<std::string> more) {
+static std::vector<std::string> tiny_run_args(const TempDir& data, const std::vector<std::string>& more) {
     std::vector<std::string> args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data", data.file("val.bin"),
                                      "--batch", "4", "--seq", "32", "--total-batch", "256", "--eval-every", "0",
                                      "--eval-batches", "2", "--sample-every", "0", "--seed", "42"};
     args.insert(args.end(), more.begin(), more.end());
+    return args;
+}
+static TrainOptions tiny_run_options(const TempDir& data, std::vector<std::string> more) {
+    const std::vector<std::string> args = tiny_run_args(data, more);
     TrainOptions o;
     std::string err = parse_list(args, &o);
     if (!err.empty()) fail("tiny run options rejected: %s", err.c_str());
@@ -4413,7 +4432,7 @@ HOST_TEST(train_flags_in_help_and_readme) {
     if (saved < 0 || fd < 0) return;
     dup2(fd, 1);
     close(fd);
-    print_help("train_fp8");
+    print_help("train_fp8", TrainOptions());
     fflush(stdout);
     dup2(saved, 1);
     close(saved);
@@ -4440,7 +4459,7 @@ HOST_TEST(train_flags_in_help_and_readme) {
     };
     const std::set<std::string> in_help = names_in(help), in_readme = names_in(table);
     TrainOptions o;
-    std::set<std::string> flags = {"--help"};
+    std::set<std::string> flags = {"--help", "--dry-run"};
     for (const TrainFlag& f : train_flags(&o)) {
         flags.insert(f.name);
         expect(in_help.count(f.name) == 1, "%s is not in --help", f.name);
@@ -4627,6 +4646,15 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         {"version 3", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->version = 3; }); },
          {"version 3", "reads version 2"}},
         {"short file", [&](const std::string& p) { expect(truncate(p.c_str(), 100) == 0, "truncate"); }, {"100 bytes", "header"}},
+        // valid checksums over invalid fields: each field named with its value
+        {"header size", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->header_bytes = 300; }); },
+         {"valid checksum", "header size 300, not 256"}},
+        {"precision", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->precision = 7; }); },
+         {"valid checksum", "build precision 7, not 8 (FP8) or 16 (BF16)"}},
+        {"tp size 0", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->tp_size = 0; }); },
+         {"valid checksum", "tensor-parallel size 0"}},
+        {"dim", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->dim = 100; }); },
+         {"valid checksum", "model: "}},
     };
     for (const Case& k : cases) {
         const std::string copy = dir.file("damaged.bin");
@@ -4637,6 +4665,10 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         printf("    %-12s -> %s\n", k.what, err.c_str());
         expect(!err.empty() && err.find(copy) != std::string::npos && missing.empty(),
                "%s: should be refused naming the file and %s", k.what, missing.c_str());
+        expect(err.find("(;") == std::string::npos && err.find("; ;") == std::string::npos, "%s: a list with an empty item", k.what);
+        const size_t stored = err.find("stored "), computed = err.find("computed ");
+        expect(stored == std::string::npos || computed == std::string::npos || err.substr(stored + 7, 16) != err.substr(computed + 9, 16),
+               "%s: a checksum 'mismatch' of two equal values", k.what);
     }
     err = checkpoint_verify(dir.file("missing.bin"), &back);
     expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
@@ -4711,21 +4743,75 @@ HOST_TEST(train_csv_resume_drops_later_rows) {
     expect(folder_snapshot(dir.path).size() == 2, "temporary files left behind");
 }
 
-// ./train_fp8 (built next to this test binary) with `args`: its exit status, and its stderr in *err_text.
-static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
+// ./train_fp8, built next to this test binary.
+static std::string train_fp8_binary() {
     char exe[4096];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     exe[std::max<ssize_t>(n, 0)] = '\0';
     const std::string bin = path_folder(exe) + "/train_fp8";
     if (access(bin.c_str(), X_OK) != 0) fail("%s is missing: build it first (make)", bin.c_str());
-    std::string cmd = "'" + bin + "'";
-    for (const std::string& a : args) cmd += " '" + a + "'";
-    cmd += " > /dev/null 2> '" + err_file + "'";
+    return bin;
+}
+// Starts `program` (found on PATH) with `args`, its stdout into out_file and its stderr into err_file ("": /dev/null;
+// the same file for both: the two in the order they are written). Returns its process id.
+static pid_t spawn_program(const std::string& program, const std::vector<std::string>& args, const std::string& out_file,
+                           const std::string& err_file) {
+    std::vector<std::string> words = {program};
+    words.insert(words.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& w : words) argv.push_back(&w[0]);
+    argv.push_back(nullptr);
+    const std::string out = out_file.empty() ? "/dev/null" : out_file, err = err_file.empty() ? "/dev/null" : err_file;
     fflush(stdout);
-    int status = system(cmd.c_str());
-    std::vector<char> err = read_whole_file(err_file);
-    *err_text = std::string(err.begin(), err.end());
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    fflush(stderr);
+    const pid_t pid = fork();
+    if (pid < 0) fail("fork: %s", strerror(errno));
+    if (pid == 0) {   // the child: only what is safe between fork and exec
+        const int fo = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        const int fe = err == out ? fo : open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fo < 0 || fe < 0 || dup2(fo, 1) < 0 || dup2(fe, 2) < 0) _exit(126);
+        execvp(argv[0], argv.data());
+        _exit(127);
+    }
+    return pid;
+}
+// Waits for process `pid`: its exit status, or 128 + the number of the signal that ended it (as a shell has it).
+static int wait_status(pid_t pid) {
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR) fail("waitpid: %s", strerror(errno));
+    return WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
+}
+static std::string read_text(const std::string& path) {
+    const std::vector<char> bytes = read_whole_file(path);
+    return std::string(bytes.begin(), bytes.end());
+}
+// Runs `program` with `args` to its end: its status (wait_status), its stdout in *out_text and its stderr in
+// *err_text (files `scratch`.out and .err; either text pointer may be null).
+static int run_program(const std::string& program, const std::vector<std::string>& args, const std::string& scratch,
+                       std::string* out_text, std::string* err_text) {
+    const int status = wait_status(spawn_program(program, args, scratch + ".out", scratch + ".err"));
+    if (out_text) *out_text = read_text(scratch + ".out");
+    if (err_text) *err_text = read_text(scratch + ".err");
+    return status;
+}
+// ./train_fp8 with `args`: its exit status, and its stderr in *err_text (by way of the file err_file).
+static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
+    const int status = wait_status(spawn_program(train_fp8_binary(), args, "", err_file));
+    *err_text = read_text(err_file);
+    return status;
+}
+// ./train_fp8 with `args` must refuse them: a non-zero exit, and a message holding every one of `pieces` (printed with
+// `what`). err_file holds its stderr. Returns the message.
+static std::string expect_train_fp8_refuses(const char* what, const std::vector<std::string>& args,
+                                            const std::vector<std::string>& pieces, const std::string& err_file) {
+    std::string err;
+    const int status = run_train_fp8(args, err_file, &err);
+    const std::string missing = error_pieces_missing(err, pieces);
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    %-24s exit %d: %s\n", what, status, err.c_str());
+    expect(status != 0 && missing.empty(), "%s: should exit non-zero with a message holding %s", what, missing.c_str());
+    return err;
 }
 
 // Each bad checkpoint is refused by the training program itself: a non-zero exit, a message of its own, and nothing
@@ -4779,12 +4865,7 @@ HOST_TEST(train_resume_refuses_bad_checkpoints) {
         const auto before = folder_snapshot(run.path);
         std::vector<std::string> args = run_args;
         args.insert(args.end(), {"--resume", run.path});
-        std::string err;
-        const int status = run_train_fp8(args, data.file("stderr.txt"), &err);
-        const std::string missing = error_pieces_missing(err, k.pieces);
-        err.erase(err.find_last_not_of('\n') + 1);
-        printf("    %-18s exit %d: %s\n", k.what, status, err.c_str());
-        expect(status != 0 && missing.empty(), "%s: should exit non-zero with a message holding %s", k.what, missing.c_str());
+        expect_train_fp8_refuses(k.what, args, k.pieces, data.file("stderr.txt"));
         expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.what);
     }
     // a folder that does not exist: refused, and not created
@@ -4798,6 +4879,300 @@ HOST_TEST(train_resume_refuses_bad_checkpoints) {
     printf("    %-18s exit %d: %s\n", "missing folder", status, err.c_str());
     expect(status != 0 && err.find("no such checkpoint file or run folder") != std::string::npos && stat(nowhere.c_str(), &st) != 0,
            "a missing folder should be refused by name, and not created");
+}
+
+// A run folder is never taken over, and every refusal comes before any GPU work (so these run without a GPU): a new run
+// into a folder that holds a run (checkpoints, `latest`, a log.csv of trained steps) is refused with the command that
+// resumes it; --out must be a folder, or possible as one; a resumed run writes only into its own folder or one that
+// holds no run. Each refusal leaves the folder byte for byte as it was. --dry-run accepts the good cases without
+// writing anything.
+HOST_TEST(train_out_folder_never_taken_over) {
+    TempDir data, run, other, logged;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> run_args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data",
+                                               data.file("val.bin"), "--batch", "4", "--seq", "32", "--steps", "20", "--warmup", "2"};
+    std::vector<float> master;
+    CheckpointHeader h = host_checkpoint_header(run_args, 8, &master);
+    write_host_checkpoint(run.path, h, master, 2);   // a run stopped at step 8: ckpt-00000008.bin, latest and its log
+    write_host_checkpoint(other.path, h, master, 2);
+    for (const TempDir* d : {&run, &other}) {
+        FILE* f = fopen(d->file("log.csv").c_str(), "wb");
+        fputs("step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent\n0,,5.5,,,,,,,\n8,5.1,,,,,,,0,\n", f);
+        fclose(f);
+    }
+    FILE* f = fopen(logged.file("log.csv").c_str(), "wb");   // a run without a checkpoint yet: its log alone
+    fputs("step,loss\n1,5.4\n2,5.3\n3,5.2\n", f);
+    fclose(f);
+    const std::string a_file = data.file("train.bin");
+    struct Case { const char* what; std::vector<std::string> more; std::vector<std::string> pieces; };
+    const Case refused[] = {
+        {"new run, run folder", {"--out", run.path},
+         {"--out " + run.path + " holds a run already", "the newest at step 8", "latest", "log.csv up to step 8",
+          "--out " + run.path + " --resume " + run.path, "rm -r " + run.path, "another --out"}},
+        {"new run, a log only", {"--out", logged.path}, {"--out " + logged.path, "log.csv up to step 3", "no checkpoint", "rm -r"}},
+        {"--out is a file", {"--out", a_file}, {"--out " + a_file + " is a file, not a folder"}},
+        {"--out under a file", {"--out", a_file + "/run"}, {"--out " + a_file + "/run", a_file + " is a file, not a folder"}},
+        {"resume into another run", {"--resume", run.path, "--out", other.path},
+         {"--out " + other.path + " holds another run", run.path + "/ckpt-00000008.bin", "drop --out"}},
+    };
+    for (const Case& k : refused) {
+        std::vector<std::string> args = run_args;
+        args.insert(args.end(), k.more.begin(), k.more.end());
+        const auto before_run = folder_snapshot(run.path), before_other = folder_snapshot(other.path), before_logged = folder_snapshot(logged.path);
+        expect_train_fp8_refuses(k.what, args, k.pieces, data.file("stderr.txt"));
+        expect(folder_snapshot(run.path) == before_run && folder_snapshot(other.path) == before_other &&
+               folder_snapshot(logged.path) == before_logged, "%s: a run folder changed", k.what);
+    }
+    // accepted (checked with --dry-run, which writes nothing): a folder to be made, an empty one, one whose log holds
+    // only the step-0 evaluation of a run stopped in its setup, and a resume into its own folder (named or not)
+    TempDir empty, setup_only;
+    f = fopen(setup_only.file("log.csv").c_str(), "wb");
+    fputs("step,loss,val_loss\n0,,5.5\n", f);
+    fclose(f);
+    const std::string to_make = empty.path + "/a/b";
+    const Case accepted[] = {
+        {"a folder to make", {"--out", to_make}, {}},
+        {"an empty folder", {"--out", empty.path}, {}},
+        {"a log of step 0 only", {"--out", setup_only.path}, {}},
+        {"resume in its folder", {"--resume", run.path, "--out", run.path}, {}},
+        {"resume a file", {"--resume", run.file("ckpt-00000008.bin")}, {}},
+    };
+    for (const Case& k : accepted) {
+        std::vector<std::string> args = run_args;
+        args.insert(args.end(), k.more.begin(), k.more.end());
+        args.push_back("--dry-run");
+        const auto before = folder_snapshot(run.path);
+        std::string err;
+        const int status = run_train_fp8(args, data.file("stderr.txt"), &err);
+        printf("    %-24s exit %d%s\n", k.what, status, err.c_str());
+        expect(status == 0 && err.empty(), "%s: --dry-run should accept it: %s", k.what, err.c_str());
+        expect(folder_snapshot(run.path) == before, "%s: --dry-run changed the run folder", k.what);
+    }
+    struct stat st;
+    expect(stat((empty.path + "/a").c_str(), &st) != 0, "--dry-run made the folder %s", to_make.c_str());
+}
+
+// A resumed run must have steps left: --steps, --stop-after and --profile at or before the checkpoint's step are refused,
+// naming the step the run is at and the fix, before any GPU work (once: "nothing to do" and exit 0 after the set-up).
+HOST_TEST(train_resume_needs_steps_left) {
+    TempDir data, run;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> run_args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data",
+                                               data.file("val.bin"), "--batch", "4", "--seq", "32", "--warmup", "2",
+                                               "--resume", run.path};
+    std::vector<float> master;
+    write_host_checkpoint(run.path, host_checkpoint_header(run_args, 8, &master), master, 2);
+    struct Case { const char* what; std::vector<std::string> more; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"--steps = its step", {"--steps", "8"}, {"already at step 8", "--steps 8", "Raise --steps above 8"}},
+        {"--steps below it", {"--steps", "6"}, {"already at step 8", "--steps 6"}},
+        {"--stop-after = its step", {"--steps", "20", "--stop-after", "8"}, {"--stop-after 8", "already at step 8", "from 9 to --steps 20"}},
+        {"--profile before it", {"--steps", "20", "--profile", "5"}, {"--profile 5", "resumes at step 9", "from 9 to 20"}},
+    };
+    const auto before = folder_snapshot(run.path);
+    for (const Case& k : cases) {
+        std::vector<std::string> args = run_args;
+        args.insert(args.end(), k.more.begin(), k.more.end());
+        std::vector<std::string> pieces = k.pieces;
+        pieces.push_back("--resume " + run.path);
+        expect_train_fp8_refuses(k.what, args, pieces, data.file("stderr.txt"));
+    }
+    std::vector<std::string> args = run_args;
+    args.insert(args.end(), {"--steps", "20", "--stop-after", "9", "--profile", "9", "--dry-run"});
+    std::string out;
+    const int status = run_program(train_fp8_binary(), args, data.file("dry"), &out, nullptr);
+    expect(status == 0 && out.find("would train steps 9 to 9") != std::string::npos, "one step left should be accepted (exit %d): %s",
+           status, out.c_str());
+    expect(folder_snapshot(run.path) == before, "the run folder changed");
+}
+
+// Data refused naming the flag and file at fault and the true cause: a folder given as --data; validation tokens beyond the
+// training data's vocab (the two must come from one tokenizer; there is no vocab flag to raise); a training shard whose
+// header's vocab no uint16 token needs (refused as --data's, not later as the validation loader's).
+HOST_TEST(train_data_refusals_name_the_cause) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    std::vector<uint16_t> val(3000, 'a');
+    val[1234] = 300;
+    write_shard_or_die(data.file("val300.bin"), val, 0);
+    std::vector<uint16_t> train(5000, 'a');
+    write_shard_or_die(data.file("train70k.bin"), train, 70000);
+    struct Case { const char* what; std::string train, val; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"--data a folder", data.path + "/", data.file("val.bin"), {"error: --data " + data.path + "/", "is a folder", "glob"}},
+        {"val token > vocab", data.file("train.bin"), data.file("val300.bin"),
+         {"error: --val-data", "token 300 at position 1234", "vocab size 256", "--data " + data.file("train.bin"), "same tokenizer"}},
+        {"train hint 70000", data.file("train70k.bin"), data.file("val.bin"), {"error: --data " + data.file("train70k.bin"), "vocab hint 70000"}},
+    };
+    for (const Case& k : cases) {
+        const std::string err = expect_train_fp8_refuses(k.what, {"--model", "tiny", "--batch", "4", "--seq", "32", "--data", k.train,
+                                                                  "--val-data", k.val}, k.pieces, data.file("stderr.txt"));
+        expect(err.find("pass a vocab size") == std::string::npos, "%s: there is no vocab flag to pass", k.what);
+    }
+}
+
+// What a person sees: stdout is line-buffered, so a line printed before an error comes before it in one file (| tee);
+// --help of each subcommand prints its usage and exits 0; without a GPU, after every other check, the refusal says so.
+HOST_TEST(train_output_a_person_can_follow) {
+    TempDir data, run;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> base = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data", data.file("val.bin"),
+                                           "--batch", "4", "--seq", "32", "--warmup", "2"};
+    std::vector<float> master;
+    write_host_checkpoint(run.path, host_checkpoint_header(base, 8, &master), master, 2);
+    std::vector<std::string> args = base;
+    args.insert(args.end(), {"--steps", "8", "--resume", run.path});   // the data line on stdout, then the refusal on stderr
+    const std::string both = data.file("both.txt");
+    const int status = wait_status(spawn_program(train_fp8_binary(), args, both, both));
+    const std::string text = read_text(both);
+    const size_t data_line = text.find("data: "), error_line = text.find("error: ");
+    printf("    stdout and stderr in one file:\n%s", text.c_str());
+    expect(status != 0 && data_line != std::string::npos && error_line != std::string::npos && data_line < error_line,
+           "the data line (stdout) should come before the error (stderr)");
+    struct Help { std::vector<std::string> args; std::vector<std::string> pieces; };
+    const Help helps[] = {
+        {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32"}},
+        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX", "_train.bin"}},
+        {{"--help"}, {"usage: ", "--dry-run", "SIGINT"}},
+    };
+    for (const Help& h : helps) {
+        std::string out, err;
+        const int s = run_program(train_fp8_binary(), h.args, data.file("help"), &out, &err);
+        const std::string missing = error_pieces_missing(out, h.pieces);
+        printf("    %-14s exit %d, %zu bytes of usage%s\n", h.args[0].c_str(), s, out.size(), missing.empty() ? "" : (", lacking " + missing).c_str());
+        expect(s == 0 && err.empty() && missing.empty(), "%s %s: want its usage and exit 0 (exit %d, lacking %s, stderr '%s')",
+               h.args[0].c_str(), h.args.size() > 1 ? h.args[1].c_str() : "", s, missing.c_str(), err.c_str());
+    }
+    if (g_have_gpu) return;   // the rest needs a machine without one
+    std::string err;
+    const int s = run_train_fp8(base, data.file("stderr.txt"), &err);
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    no GPU: exit %d: %s\n", s, err.c_str());
+    expect(s != 0 && err.rfind("error: no CUDA GPU found", 0) == 0 && err.find("nvidia-smi") != std::string::npos,
+           "without a GPU the run should say 'no CUDA GPU found' and what to check: '%s'", err.c_str());
+}
+
+// The signal plumbing on the host (in child processes: a second signal ends the process): the first SIGINT or SIGTERM
+// is recorded and the process goes on, with SIGPIPE ignored from then on; a second ends it by that signal at once;
+// after the run the dispositions from before are back. And the resume command: this command line with --resume OUT.
+HOST_TEST(train_stop_signal_and_resume_command) {
+    struct Case { const char* what; std::function<int()> child; int want; };
+    const Case cases[] = {
+        {"one SIGTERM", [] {
+             StopSignalHandlers handlers;
+             raise(SIGTERM);
+             struct sigaction pipe;
+             sigaction(SIGPIPE, nullptr, &pipe);
+             return g_stop_signal == SIGTERM && pipe.sa_handler == SIG_IGN ? 0 : 1;
+         }, 0},
+        {"two SIGINTs", [] {
+             StopSignalHandlers handlers;
+             raise(SIGINT);
+             raise(SIGINT);
+             return 3;   // not reached
+         }, 128 + SIGINT},
+        {"restored after", [] {
+             signal(SIGINT, SIG_IGN);
+             { StopSignalHandlers handlers; }
+             struct sigaction now;
+             sigaction(SIGINT, nullptr, &now);
+             return now.sa_handler == SIG_IGN && g_stop_signal == 0 ? 0 : 1;
+         }, 0},
+    };
+    for (const Case& k : cases) {
+        fflush(stdout);
+        const pid_t pid = fork();
+        if (pid == 0) _exit(k.child());
+        const int status = wait_status(pid);
+        printf("    %-16s -> status %d (want %d)\n", k.what, status, k.want);
+        expect(status == k.want, "%s: status %d, want %d", k.what, status, k.want);
+    }
+    TempDir run;   // a checkpoint file given to --resume: the run goes on in its folder
+    const std::string ckpt = run.file("ckpt-00000300.bin");
+    fclose(fopen(ckpt.c_str(), "wb"));
+    struct Command { std::vector<std::string> args; std::string want; };
+    const Command commands[] = {
+        {{"--model", "tiny", "--out", "out/run"}, "train_fp8 --model tiny --out out/run --resume out/run"},
+        {{"--out", "my run", "--lr", "3e-4"}, "train_fp8 --out 'my run' --lr 3e-4 --resume 'my run'"},
+        {{"--resume", ckpt, "--steps", "900"}, "train_fp8 --resume " + run.path + " --steps 900"},
+        {{"--out", "it's"}, "train_fp8 --out 'it'\\''s' --resume 'it'\\''s'"},
+    };
+    for (const Command& c : commands) {
+        TrainOptions o;
+        const std::string err = parse_list(c.args, &o), got = train_resume_command(o);
+        printf("    %s\n", got.c_str());
+        expect(err.empty() && got == c.want, "resume command '%s', want '%s' (%s)", got.c_str(), c.want.c_str(), err.c_str());
+    }
+}
+
+// study.sh's refusals (run from the repository, as the README tests are): an unknown option named as such with the
+// list of options; a flag of --extra that the binary refuses (checked by train_fp8 --dry-run on every configuration's
+// command line), in a copy of study.sh beside a small corpus, where the same command without the bad flag passes.
+HOST_TEST(study_sh_refuses_unknown_options_and_bad_flags) {
+    TempDir lab, data_dir;
+    const std::string study = read_text("study.sh");
+    expect(!study.empty(), "study.sh not found: run ./test_fp8 in the repository's folder");
+    if (study.empty()) return;
+    std::string err;
+    int status = run_program("bash", {"study.sh", "--bogus"}, lab.file("bogus"), nullptr, &err);
+    printf("    --bogus: exit %d: %s", status, err.c_str());
+    expect(status != 0 && err.find("unknown option --bogus") != std::string::npos && err.find("--seeds") != std::string::npos &&
+           err.find("needs a value") == std::string::npos, "--bogus should be refused as an unknown option, listing the options");
+    // the copy: study.sh and data/kjv_{train,val}.bin of the synthetic text (one batch of 32 x 512 tokens each, and more)
+    const std::string copy = lab.file("study.sh"), data = lab.path + "/data";
+    FILE* f = fopen(copy.c_str(), "wb");
+    expect(f && fwrite(study.data(), 1, study.size(), f) == study.size(), "cannot write %s", copy.c_str());
+    if (f) fclose(f);
+    expect(mkdir(data.c_str(), 0755) == 0, "cannot make %s", data.c_str());
+    const std::string text = synthetic_text(60000, TEST_SEED);
+    write_shard_or_die(data + "/kjv_train.bin", std::vector<uint16_t>(text.begin(), text.begin() + 40000), BYTE_VOCAB);
+    write_shard_or_die(data + "/kjv_val.bin", std::vector<uint16_t>(text.begin() + 40000, text.end()), BYTE_VOCAB);
+    const std::vector<std::string> own_build = BUILD_FP8 ? std::vector<std::string>{"--only", "fp8", "--fp8-bin", train_fp8_binary()}
+                                                         : std::vector<std::string>{"--only", "bf16", "--bf16-bin", train_fp8_binary()};
+    std::vector<std::string> args = {copy, "--dry-run"};
+    args.insert(args.end(), own_build.begin(), own_build.end());
+    std::string out;
+    status = run_program("bash", args, data_dir.file("good"), &out, &err);
+    printf("    --dry-run %s: exit %d%s\n", own_build[1].c_str(), status, err.c_str());
+    expect(status == 0 && out.find("dry run: nothing started") != std::string::npos, "the good dry run failed: %s", err.c_str());
+    args.insert(args.end(), {"--extra", "--lr abc"});
+    status = run_program("bash", args, data_dir.file("bad"), nullptr, &err);
+    printf("    --dry-run %s --extra \"--lr abc\": exit %d: %s", own_build[1].c_str(), status, err.c_str());
+    expect(status != 0 && err.find("--lr abc: not a number") != std::string::npos, "--extra \"--lr abc\" should be refused naming it");
+    for (const char* name : {"study.sh", "data/kjv_train.bin", "data/kjv_val.bin"}) remove(lab.file(name).c_str());
+    rmdir(data.c_str());
+}
+
+// The Makefile (run from the repository, make -n: nothing is built): GPU_ARCH=sm_80 refused for the FP8 build (its
+// matmuls need sm_89+) and accepted for the BF16 build; make -n leaves the build-settings stamp as it was, whatever
+// settings it is given.
+HOST_TEST(makefile_arch_rule_and_dry_make) {
+    TempDir scratch;
+    if (access("Makefile", R_OK) != 0) { expect(false, "Makefile not found: run ./test_fp8 in the repository's folder"); return; }
+    const std::string stamp_before = read_text(".build-settings");
+    struct Case { std::vector<std::string> vars; bool ok; std::string piece; };
+    const Case cases[] = {
+        {{"GPU_ARCH=sm_80"}, false, "sm_89 or newer"},
+        {{"PRECISION=FP8", "GPU_ARCH=sm_86"}, false, "sm_89 or newer"},
+        {{"GPU_ARCH=90"}, false, "GPU_ARCH must be sm_NN"},
+        {{"PRECISION=BF16", "GPU_ARCH=sm_80"}, true, ""},
+        {{"PRECISION=FP8", "GPU_ARCH=sm_89"}, true, ""},
+        {{BUILD_FP8 ? "PRECISION=BF16" : "PRECISION=FP8"}, true, ""},
+    };
+    for (const Case& c : cases) {
+        // from a clean environment: make test's own MAKEFLAGS (its jobserver) is not this make's
+        std::vector<std::string> args = {"-u", "MAKEFLAGS", "-u", "MFLAGS", "-u", "MAKELEVEL", "make", "-n"};
+        args.insert(args.end(), c.vars.begin(), c.vars.end());
+        args.push_back("train_fp8");
+        std::string out, err;
+        const int status = run_program("env", args, scratch.file("make"), &out, &err);
+        std::string line = c.vars[0] + (c.vars.size() > 1 ? " " + c.vars[1] : "");
+        printf("    make -n %-32s exit %d %s\n", line.c_str(), status, err.substr(0, err.find('\n')).c_str());
+        if (c.ok) expect(status == 0 && out.find("nvcc") != std::string::npos, "make -n %s should be accepted: %s", line.c_str(), err.c_str());
+        else expect(status != 0 && err.find(c.piece) != std::string::npos, "make -n %s should be refused with '%s'", line.c_str(), c.piece.c_str());
+        expect(read_text(".build-settings") == stamp_before, "make -n %s rewrote .build-settings ('%s', was '%s')", line.c_str(),
+               read_text(".build-settings").c_str(), stamp_before.c_str());
+    }
 }
 
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
@@ -5381,6 +5756,78 @@ GPU_TEST(train_resume_is_bit_identical) {
     expect(straight.val_losses.size() == 3 && first.val_losses.size() == 3 && second.val_losses.size() == 1 &&
            memcmp(&straight.val_losses[2].second, &second.val_losses[0].second, 4) == 0,
            "validation losses at steps 0, 3, 6: the resumed run's at step 6 should equal the straight run's");
+}
+
+// SIGINT and SIGTERM on a real run (./train_fp8 in a child process): the run finishes its step, writes its checkpoint,
+// says how to resume and exits 128 + the signal; resumed from that checkpoint it equals an uninterrupted run bit for bit
+// (the final checkpoints byte for byte). Two SIGINTs in a row, on a run checkpointing every step: whatever the second
+// cut short, `latest` names a whole checkpoint (NAME.tmp is never one). With 2 GPUs, the same first stop under --tp 2.
+// Each child waits for a few rows of log.csv before its signal (up to 5 minutes for its start-up).
+static int signal_run_after_rows(const std::vector<std::string>& args, const TempDir& out, int rows, std::vector<int> signals,
+                                 std::string* err_text) {
+    const pid_t pid = spawn_program(train_fp8_binary(), args, out.file("stdout.txt"), out.file("stderr.txt"));
+    long last = 0;
+    for (int waited_ms = 0; last < rows && waited_ms < 300000; waited_ms += 5) {
+        const std::vector<std::string> log = log_rows_without_timing(out.file("log.csv"));
+        last = log.size() > 1 ? strtol(log.back().c_str(), nullptr, 10) : 0;
+        if (waitpid(pid, nullptr, WNOHANG) == pid) { *err_text = read_text(out.file("stderr.txt")); return -1; }
+        usleep(5000);
+    }
+    for (int sig : signals) kill(pid, sig);
+    const int status = wait_status(pid);
+    *err_text = read_text(out.file("stderr.txt"));
+    return status;
+}
+GPU_TEST(train_signal_stops_with_a_checkpoint) {
+    TempDir data, stopped, straight, twice;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "100000", "--warmup", "2", "--lr", "3e-3", "--checkpoint-every", "0"};
+    std::vector<std::string> args = common;
+    args.insert(args.end(), {"--out", stopped.path});
+    std::string err;
+    int status = signal_run_after_rows(tiny_run_args(data, args), stopped, 3, {SIGINT}, &err);
+    int step = -1;
+    const size_t at = err.find("stopped by SIGINT after step ");
+    if (at != std::string::npos) step = atoi(err.c_str() + at + strlen("stopped by SIGINT after step "));
+    printf("    SIGINT: exit %d, %s", status, err.c_str());
+    expect(status == 128 + SIGINT && step >= 3 && err.find("--resume " + stopped.path) != std::string::npos,
+           "SIGINT: want exit 130 after step >= 3 and the resume command, got exit %d", status);
+    if (step < 3) return;
+    CheckpointHeader h;
+    const std::string ckpt = latest_checkpoint(stopped.path);
+    const std::vector<std::string> log = log_rows_without_timing(stopped.file("log.csv"));
+    expect(ckpt == stopped.file(checkpoint_file_name(step).c_str()) && checkpoint_verify(ckpt, &h).empty() && (int)h.step == step &&
+           strtol(log.back().c_str(), nullptr, 10) == step, "the stop should leave a whole checkpoint of step %d, named by latest, "
+           "and log.csv up to it (latest: %s)", step, ckpt.c_str());
+    // resumed to step + 2, against a run that goes there at once
+    std::vector<std::string> a = common, b = common;
+    a.insert(a.end(), {"--stop-after", std::to_string(step + 2), "--out", straight.path});
+    b.insert(b.end(), {"--stop-after", std::to_string(step + 2), "--resume", stopped.path});
+    TrainResult r_straight = train(tiny_run_options(data, a)), r_resumed = train(tiny_run_options(data, b));
+    const std::vector<char> c_straight = read_whole_file(latest_checkpoint(straight.path)), c_resumed = read_whole_file(latest_checkpoint(stopped.path));
+    printf("    resumed at step %d: final checkpoints %zu and %zu bytes\n", r_resumed.first_step, c_straight.size(), c_resumed.size());
+    expect(r_resumed.first_step == step + 1 && !c_straight.empty() && c_straight == c_resumed,
+           "the run stopped by SIGINT and resumed should equal the uninterrupted run byte for byte");
+    // two SIGINTs at once, a checkpoint at every step
+    args = common;
+    args.insert(args.end(), {"--checkpoint-every", "1", "--keep-checkpoints", "3", "--out", twice.path});
+    status = signal_run_after_rows(tiny_run_args(data, args), twice, 3, {SIGINT, SIGINT}, &err);
+    std::string latest;
+    const std::string resolve = checkpoint_resolve(twice.path, &latest);
+    const std::string verify = resolve.empty() ? checkpoint_verify(latest, &h) : resolve;
+    printf("    two SIGINTs: exit %d; latest %s: %s\n", status, latest.c_str(), verify.empty() ? "whole" : verify.c_str());
+    expect(status == 128 + SIGINT && verify.empty() && h.step >= 3, "after two SIGINTs latest should name a whole checkpoint");
+    int devices = 0;
+    cudaCheck(cudaGetDeviceCount(&devices));
+    if (devices < 2) return;
+    TempDir tp2;
+    args = common;
+    args.insert(args.end(), {"--tp", "2", "--kv-heads", "2", "--out", tp2.path});
+    status = signal_run_after_rows(tiny_run_args(data, args), tp2, 2, {SIGTERM}, &err);
+    printf("    --tp 2, SIGTERM: exit %d, %s", status, err.c_str());
+    expect(status == 128 + SIGTERM && err.find("stopped by SIGTERM after step") != std::string::npos &&
+           checkpoint_verify(latest_checkpoint(tp2.path), &h).empty() && h.tp_size == 2,
+           "--tp 2: SIGTERM should stop the run with a whole checkpoint of both ranks (exit %d)", status);
 }
 
 // A micro-batch replayed from its CUDA graph equals the eager one bit for bit: 4 steps of 2 micro-batches with
@@ -6466,6 +6913,7 @@ static void run_benchmarks(const std::vector<std::string>& which) {
 // 17. main
 
 int main(int argc, char** argv) {
+    setvbuf(stdout, nullptr, _IOLBF, 0);   // each line as it comes, into a pipe too (| tee), in order with stderr's
     std::vector<std::string> filters;
     bool bench = false;
     for (int i = 1; i < argc; i++) {

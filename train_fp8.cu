@@ -1,7 +1,8 @@
 // train_fp8.cu: the training program. LLaMA-2 pretraining on one GPU or tensor-parallel over the GPUs of one
 // machine (--tp N: one host thread per GPU, NCCL), FP8 or BF16 by build.
 //   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%)
-//   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults)
+//   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults;
+//                                            --dry-run makes every check that needs no GPU, and stops there)
 //   ./train_fp8 export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]   the model for transformers / llama2.c
 // Sections:
 //   1. the command line        TrainOptions, a table of flags, parse_args, print_help, the size limits
@@ -10,8 +11,9 @@
 //                              kept, verified before they are read; the run's CSV logs
 //   4. export                  HF safetensors + config.json, llama2.c model.bin + tokenizer.bin (host only)
 //   5. evaluation, sampling
-//   6. the run                 the NCCL groups of tensor parallelism; train(): data, the ranks (model and AdamW
-//                              per GPU), the loop, logging, checkpoints
+//   6. the run                 the NCCL groups of tensor parallelism; the run folder and resume checks; train():
+//                              data, the ranks (model and AdamW per GPU), the loop, logging, checkpoints, the stop
+//                              on SIGINT or SIGTERM
 //   7. main
 // test_fp8.cu includes this file with TESTING defined (no main), and calls parse_args, the checkpoint
 // functions and train() directly.
@@ -28,6 +30,7 @@
 #include <cctype>
 #include <cerrno>
 #include <climits>
+#include <csignal>
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -102,7 +105,9 @@ struct TrainOptions {
     std::string export_ckpt, export_dir;
     std::string export_format = "hf";        // hf or llama2c
     std::string export_dtype;                // bf16 or fp32; empty = the format's default (hf bf16, llama2c fp32)
-    bool help = false;
+    bool help = false;                       // --help: training's flags, or the usage of prepare or export
+    bool dry_run = false;                    // --dry-run: every check before the GPU work, then exit
+    std::vector<std::string> command;        // the command line's words, for the line that says how to resume
 };
 
 enum TrainFlagKind { FLAG_INT, FLAG_LONG, FLAG_FLOAT, FLAG_DOUBLE, FLAG_STRING, FLAG_SWITCH /* no value: sets a bool */ };
@@ -193,20 +198,40 @@ inline std::string flag_value_string(const TrainFlag& f) {
     return "";
 }
 
-inline void print_help(const char* argv0) {
+// --help: training's flags; prepare --help and export --help: the usage of the subcommand.
+inline void print_help(const char* argv0, const TrainOptions& o) {
+    if (o.prepare) {
+        printf("usage: %s prepare TEXT OUT_PREFIX\n"
+               "  any file TEXT as bytes (vocab 256): the first 90%% to OUT_PREFIX_train.bin, the last 10%% to OUT_PREFIX_val.bin\n"
+               "  (token shards for --data and --val-data)\n", argv0);
+        return;
+    }
+    if (o.do_export) {
+        printf("usage: %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]\n"
+               "  the model of checkpoint CKPT (a file, or a run's folder: its newest checkpoint), into folder OUT_DIR\n", argv0);
+        TrainOptions defaults;
+        for (const TrainFlag& f : train_flags(&defaults))
+            if (strcmp(f.name, "--format") == 0 || strcmp(f.name, "--dtype") == 0)
+                printf("  %-22s %s\n", (std::string(f.name) + " " + f.value_name).c_str(), f.help);
+        return;
+    }
     TrainOptions defaults;
     printf("usage: %s [flags]                   train (defaults: the King James Bible, bytes, preset %s)\n", argv0, defaults.model.c_str());
     printf("       %s prepare TEXT OUT_PREFIX   write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (bytes, last 10%% val)\n", argv0);
     printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]\n"
            "                                        the model of checkpoint CKPT (a file, or a run's folder: its newest)\n"
            "                                        for transformers (hf) or llama2.c's run (llama2c), into OUT_DIR\n", argv0);
+    printf("       (prepare --help, export --help: the usage of each)\n");
     printf("flags (default in brackets):\n");
     for (const TrainFlag& f : train_flags(&defaults)) {
         std::string lhs = f.kind == FLAG_SWITCH ? f.name : std::string(f.name) + " " + f.value_name;
         std::string def = flag_value_string(f);
         printf("  %-22s %s [%s]\n", lhs.c_str(), f.help, def.empty() ? "none" : def.c_str());
     }
+    printf("  %-22s check the flags, the data, --out and --resume (all that can be checked before the GPU), then exit\n", "--dry-run");
     printf("  %-22s this text\n", "--help");
+    printf("A run stops on SIGINT (Ctrl-C) or SIGTERM after its current step, writes a checkpoint (with --out) and prints\n"
+           "the command that resumes it; a second signal stops it at once.\n");
 }
 
 inline int grad_accum_steps(const TrainOptions& o) { return (int)(o.total_batch / ((long)o.batch * o.seq)); }
@@ -301,29 +326,38 @@ inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& 
 //   prepare TEXT OUT_PREFIX                      two words, no flags
 //   export CKPT OUT_DIR [--format F] [--dtype T]  two words, then only those two flags
 //   [flags]                                      training: every flag but --format and --dtype
+// --help (or -h) anywhere asks for the usage: of prepare or export after their names, else of training.
 inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     *o = TrainOptions();
+    o->command.assign(argv, argv + argc);
+    auto is_help = [](const char* a) { return strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0; };
+    const bool help = std::any_of(argv + 1, argv + argc, is_help);
     if (argc >= 2 && strcmp(argv[1], "prepare") == 0) {
-        if (argc != 4) return "usage: prepare TEXT OUT_PREFIX (two arguments)";
         o->prepare = true;
+        o->help = help;
+        if (help) return "";
+        if (argc != 4) return "usage: prepare TEXT OUT_PREFIX (two arguments; prepare --help says more)";
         o->prepare_text = argv[2];
         o->prepare_prefix = argv[3];
         return "";
     }
     int first = 1;
     if (argc >= 2 && strcmp(argv[1], "export") == 0) {
+        o->do_export = true;
+        o->help = help;
+        if (help) return "";
         if (argc < 4 || argv[2][0] == '-' || argv[3][0] == '-')
             return "usage: export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] (a checkpoint file or a run's "
-                   "folder, and the folder to write)";
-        o->do_export = true;
+                   "folder, and the folder to write; export --help says more)";
         o->export_ckpt = argv[2];
         o->export_dir = argv[3];
         first = 4;
     }
+    if (help) { o->help = true; return ""; }
     std::vector<TrainFlag> flags = train_flags(o);
     std::vector<std::string> given;
     for (int i = first; i < argc; i++) {
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { o->help = true; return ""; }
+        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export) { o->dry_run = true; continue; }
         const TrainFlag* f = nullptr;
         for (const TrainFlag& g : flags) if (strcmp(argv[i], g.name) == 0) f = &g;
         if (!f) return strprintf("unknown argument %s (see --help)", argv[i]);
@@ -384,6 +418,8 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (o->warmup > o->steps) return strprintf("--warmup %d: exceeds --steps %d", o->warmup, o->steps);
     if (o->stop_after > o->steps) return strprintf("--stop-after %d: exceeds --steps %d", o->stop_after, o->steps);
     if (o->profile > o->steps) return strprintf("--profile %d: exceeds --steps %d (the step to profile must be run)", o->profile, o->steps);
+    if (o->stop_after > 0 && o->profile > o->stop_after)
+        return strprintf("--profile %d: after --stop-after %d (the step to profile must be run)", o->profile, o->stop_after);
     if (o->seq % 16 != 0) return strprintf("--seq %d: must be a multiple of 16 (the GEMM rule; sampling runs 1 x T tokens)", o->seq);
     std::string problem = model_config_problem(model_config_from_options(*o, BYTE_VOCAB));
     if (!problem.empty()) {
@@ -832,17 +868,29 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
         return strprintf("%s: checkpoint format version %u, this build reads version %u (a newer train_fp8 wrote it?)", p,
                          h->version, CKPT_VERSION);
     const uint64_t header_sum = checkpoint_header_xxh64(*h);
-    if (h->header_bytes != sizeof(CheckpointHeader) || header_sum != h->header_xxh64)
+    if (header_sum != h->header_xxh64)
         return strprintf("%s: bytes 0 to %zu (the header) do not match their checksum (stored %016llx, computed %016llx): the "
                          "file is damaged; use another checkpoint", p, offsetof(CheckpointHeader, header_xxh64) - 1,
                          (unsigned long long)h->header_xxh64, (unsigned long long)header_sum);
+    // a valid checksum over invalid fields: each one that is wrong, named with its value
+    std::vector<std::string> problems;
+    if (h->header_bytes != sizeof(CheckpointHeader))
+        problems.push_back(strprintf("header size %u, not %zu", h->header_bytes, sizeof(CheckpointHeader)));
+    if (h->precision != 8 && h->precision != 16)
+        problems.push_back(strprintf("build precision %u, not 8 (FP8) or 16 (BF16)", h->precision));
+    if (h->tp_size < 1) problems.push_back("tensor-parallel size 0");
     const ModelConfig c = checkpoint_model_config(*h);
-    std::string problem = model_config_problem(c);
-    if (problem.empty() && h->tp_size >= 1) problem = model_tp_problem(c, (int)h->tp_size);
-    if (problem.empty() && h->num_params != model_num_params(c)) problem = "its parameter count does not fit its model";
-    if (!problem.empty() || (h->precision != 8 && h->precision != 16) || h->tp_size < 1)
-        return strprintf("%s: a header with a valid checksum but invalid contents (%s; precision %u, tp %u): written by a "
-                         "defective build", p, problem.c_str(), h->precision, h->tp_size);
+    std::string model_problem = model_config_problem(c);
+    if (model_problem.empty() && h->tp_size >= 1) model_problem = model_tp_problem(c, (int)h->tp_size);
+    if (!model_problem.empty()) problems.push_back("model: " + model_problem);
+    else if (h->num_params != model_num_params(c))
+        problems.push_back(strprintf("%llu parameters, its model has %zu", (unsigned long long)h->num_params, model_num_params(c)));
+    if (!problems.empty()) {
+        std::string list;
+        for (const std::string& q : problems) list += (list.empty() ? "" : "; ") + q;
+        return strprintf("%s: a header with a valid checksum but invalid contents (%s): not a checkpoint this program wrote, "
+                         "or written by a defective build; use another checkpoint", p, list.c_str());
+    }
     struct stat st;
     if (stat(p, &st) != 0) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
     const uint64_t size = (uint64_t)st.st_size, want = sizeof(CheckpointHeader) + h->payload_bytes;
@@ -1287,13 +1335,31 @@ inline void tp_nccl_all_reduce(const TpGroup* g, void* buf, size_t count, ncclDa
     ncclCheck(ncclAllReduce(buf, buf, count, type, op, g->comm, s));
 }
 
+// The number of GPUs; where CUDA finds none, a refusal that says so (rather than the runtime's own words: with no
+// driver at all, "CUDA driver version is insufficient"). Called once every check that needs no GPU has passed.
+inline int cuda_device_count_or_fail() {
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    if (e == cudaSuccess && count > 0) return count;
+    const char* visible = getenv("CUDA_VISIBLE_DEVICES");
+    const std::string hidden = visible ? strprintf(" (CUDA_VISIBLE_DEVICES=%s may hide them)", visible) : "";
+    if (e == cudaSuccess || e == cudaErrorNoDevice)
+        fail("no CUDA GPU found: the NVIDIA driver lists none%s. Training runs on NVIDIA GPUs; nvidia-smi shows what the "
+             "driver sees", hidden.c_str());
+    if (e == cudaErrorInsufficientDriver)
+        fail("no CUDA GPU found: no NVIDIA driver is loaded, or it is older than the CUDA %d.%d this program was built with "
+             "(%s). Training runs on NVIDIA GPUs; nvidia-smi shows the driver and its GPUs", CUDART_VERSION / 1000,
+             CUDART_VERSION % 1000 / 10, cudaGetErrorName(e));
+    fail("no CUDA GPU found: cudaGetDeviceCount says \"%s\" (%s)%s; nvidia-smi shows what the driver sees",
+         cudaGetErrorString(e), cudaGetErrorName(e), hidden.c_str());
+}
+
 // The groups of GPUs 0..n-1 (group r on GPU r), after the start-up checks: n GPUs present; every pair able to
 // reach each other directly (peer access over NVLink or PCIe). Without peer access NCCL still works, through
 // host memory (its SHM transport) at a fraction of the bandwidth: a warning, not an error, because such a
 // machine trains correctly, only slower, and some PCIe topologies (GPUs on two CPU sockets) have nothing better.
 inline std::vector<TpGroup> tp_groups_create(int n) {
-    int count = 0;
-    cudaCheck(cudaGetDeviceCount(&count));
+    const int count = cuda_device_count_or_fail();
     if (n > count) fail("--tp %d needs %d GPUs; this machine has %d: lower --tp (CUDA_VISIBLE_DEVICES may hide some)", n, n, count);
     for (int a = 0; a < n; a++)
         for (int b = 0; b < n; b++) {
@@ -1405,6 +1471,7 @@ struct TrainResult {
     bool stopped_on_bad_steps = false;    // --max-bad-steps non-finite steps in a row ended the run
     double tokens_per_s = 0;              // mean over the steps after the first
     long graph_launches = 0;              // micro-batches replayed from a CUDA graph
+    int stop_signal = 0;                  // SIGINT or SIGTERM stopped the run after last_step (0: not stopped)
     bool profiled = false;                // --profile: the step ran in this call, and its table is `profile`
     ProfileReport profile;
 };
@@ -1449,7 +1516,134 @@ struct StepStats {
     Fp8StatsSummary fp8_summary = {0, 0, "", ""};
 };
 
-// Setup, part 1: everything that can be wrong with the data or the checkpoint, before any GPU work.
+// ---- The run folder (--out), and what a resumed run may still do; both checked before any GPU work.
+
+// A word of a command line as the shell reads it back: as it is if it is plain, else in single quotes.
+inline std::string shell_quote(const std::string& word) {
+    const bool plain = !word.empty() && std::all_of(word.begin(), word.end(), [](char ch) {
+        return isalnum((unsigned char)ch) || strchr("_-./=:,+@%", ch) != nullptr;
+    });
+    if (plain) return word;
+    std::string q = "'";
+    for (char ch : word) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+    return q + "'";
+}
+
+// The command that continues this run from its folder --out: this command line with --resume OUT (in place of the
+// value of its --resume, else added), so that every flag stays the one the checkpoint was written with.
+inline std::string train_resume_command(const TrainOptions& o) {
+    std::vector<std::string> words = o.command;
+    bool replaced = false;
+    for (size_t i = 1; i + 1 < words.size(); i++)
+        if (words[i] == "--resume") { words[i + 1] = o.out; replaced = true; }
+    if (!replaced) words.insert(words.end(), {"--resume", o.out});
+    std::string line;
+    for (const std::string& w : words) line += (line.empty() ? "" : " ") + shell_quote(w);
+    return line;
+}
+
+// What of a run a folder holds: its checkpoint files (by step), DIR/latest, and the rows of trained steps in its
+// log.csv (a log of only its header and the step-0 evaluation is what a run stopped during its setup leaves).
+struct RunFolderContents {
+    std::vector<long> checkpoint_steps;   // ascending
+    bool latest = false;
+    long log_last_step = 0;               // the last step of a row of log.csv; 0: none
+    bool empty() const { return checkpoint_steps.empty() && !latest && log_last_step == 0; }
+    std::string describe() const {
+        std::vector<std::string> parts;
+        if (!checkpoint_steps.empty())
+            parts.push_back(strprintf("%zu checkpoint%s, the newest at step %ld", checkpoint_steps.size(),
+                                      checkpoint_steps.size() > 1 ? "s" : "", checkpoint_steps.back()));
+        if (latest) parts.push_back("latest");
+        if (log_last_step > 0) parts.push_back(strprintf("log.csv up to step %ld", log_last_step));
+        std::string d;
+        for (const std::string& p : parts) d += (d.empty() ? "" : ", ") + p;
+        return d;
+    }
+};
+inline RunFolderContents run_folder_contents(const std::string& dir) {
+    RunFolderContents r;
+    DIR* d = opendir(dir.c_str());
+    if (!d) return r;
+    for (dirent* e = readdir(d); e; e = readdir(d)) {
+        long step;
+        if (checkpoint_file_step(e->d_name, &step)) r.checkpoint_steps.push_back(step);
+    }
+    closedir(d);
+    std::sort(r.checkpoint_steps.begin(), r.checkpoint_steps.end());
+    struct stat st;
+    r.latest = stat((dir + "/latest").c_str(), &st) == 0;
+    if (FILE* f = fopen((dir + "/log.csv").c_str(), "rb")) {
+        char line[512];
+        while (fgets(line, sizeof(line), f))
+            if (isdigit((unsigned char)line[0])) r.log_last_step = std::max(r.log_last_step, strtol(line, nullptr, 10));
+        fclose(f);
+    }
+    return r;
+}
+
+// "" if this run may write its files into --out, else the reason and the fix. The folder must be one, or one must be
+// possible there, and writable. A new run must not take over a folder that holds a run (checkpoints, `latest`, logs):
+// it would write over them. A resumed run (checkpoint file resume_path) writes into the folder it resumes from, or
+// into a folder that holds no run.
+inline std::string train_out_problem(const TrainOptions& o, const std::string& resume_path) {
+    if (o.out.empty()) return "";
+    const char* out = o.out.c_str();
+    struct stat st;
+    if (stat(out, &st) != 0) {   // to be made: the nearest folder above that exists must be a writable folder
+        std::string above = path_folder(o.out);
+        while (stat(above.c_str(), &st) != 0) {
+            if (above == "." || above == "/") return strprintf("--out %s: cannot be made: %s", out, strerror(errno));
+            above = path_folder(above);
+        }
+        if (!S_ISDIR(st.st_mode))
+            return strprintf("--out %s: cannot be made, %s is a file, not a folder: name another --out", out, above.c_str());
+        if (access(above.c_str(), W_OK | X_OK) != 0)
+            return strprintf("--out %s: cannot be made in %s: %s; name another --out", out, above.c_str(), strerror(errno));
+        return "";
+    }
+    if (!S_ISDIR(st.st_mode))
+        return strprintf("--out %s is a file, not a folder: name a folder for the run's log.csv and checkpoints", out);
+    if (access(out, W_OK | X_OK) != 0) return strprintf("--out %s: cannot write into it: %s; name another --out", out, strerror(errno));
+    const RunFolderContents held = run_folder_contents(o.out);
+    if (held.empty()) return "";
+    if (o.resume.empty()) {
+        const std::string start_over = strprintf("To start over, remove the folder first (rm -r %s); to keep it, give the new run "
+                                                 "another --out", shell_quote(o.out).c_str());
+        if (held.checkpoint_steps.empty())
+            return strprintf("--out %s holds a run already (%s, no checkpoint): a new run would write over it. %s", out,
+                             held.describe().c_str(), start_over.c_str());
+        return strprintf("--out %s holds a run already (%s): a new run would write over it. To continue it from its newest "
+                         "checkpoint (with the flags it was started with):\n  %s\n%s", out, held.describe().c_str(),
+                         train_resume_command(o).c_str(), start_over.c_str());
+    }
+    char* a = realpath(out, nullptr);
+    char* b = realpath(path_folder(resume_path).c_str(), nullptr);
+    const bool same = a && b && strcmp(a, b) == 0;
+    free(a);
+    free(b);
+    if (same) return "";
+    return strprintf("--out %s holds another run (%s), which the run resumed from %s would write over: drop --out to go on in "
+                     "the folder of the checkpoint (%s), or give an --out that holds no run", out, held.describe().c_str(),
+                     resume_path.c_str(), path_folder(resume_path).c_str());
+}
+
+// "" if a run resumed from a checkpoint after step `at` has steps left to run, else the reason and the fix: --steps,
+// --stop-after and --profile name steps after `at`.
+inline std::string train_resume_range_problem(const TrainOptions& o, long at) {
+    if (o.steps <= at)
+        return strprintf("the run is already at step %ld, and --steps %d ends it there: nothing to train. Raise --steps above "
+                         "%ld to train on (the LR schedule then spans the new --steps)", at, o.steps, at);
+    if (o.stop_after > 0 && o.stop_after <= at)
+        return strprintf("--stop-after %d: the run is already at step %ld; give a step from %ld to --steps %d, or drop "
+                         "--stop-after to run to --steps", o.stop_after, at, at + 1, o.steps);
+    if (o.profile > 0 && o.profile <= at)
+        return strprintf("--profile %d: the run resumes at step %ld, so step %d does not run; profile a step from %ld to %d",
+                         o.profile, at + 1, o.profile, at + 1, o.stop_after > 0 ? o.stop_after : o.steps);
+    return "";
+}
+
+// Setup, part 1: everything that can be wrong with the data, the checkpoint and the run folder, before any GPU work.
 inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     run->o = &o;
     run->B = o.batch;
@@ -1460,7 +1654,10 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     std::string err = dataloader_open(&run->train_data, o.data.c_str(), B, T, 0, 1, 0, true, (uint64_t)o.seed);
     if (!err.empty()) fail("--data %s: %s", o.data.c_str(), err.c_str());
     err = dataloader_open(&run->val_data, o.val_data.c_str(), B, T, 0, 1, run->train_data.vocab_size, false, 0);
-    if (!err.empty()) fail("--val-data %s: %s", o.val_data.c_str(), err.c_str());
+    if (!err.empty())
+        fail("--val-data %s: %s. The loader was given the vocab of the training data --data %s (%d, %s): the validation "
+             "and training shards must come from the same tokenizer", o.val_data.c_str(), err.c_str(), o.data.c_str(),
+             run->train_data.vocab_size, run->train_data.vocab_source.c_str());
     const int V = run->V = run->train_data.vocab_size;
     printf("data: %s, %llu tokens, vocab %d (%s); validation %s, %llu tokens\n", o.data.c_str(),
            (unsigned long long)run->train_data.num_tokens, V, run->train_data.vocab_source.c_str(), o.val_data.c_str(),
@@ -1484,6 +1681,8 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         if (err.empty()) err = checkpoint_header_check(run->saved, run->header, run->resume_path.c_str());
         if (err.empty()) err = dataloader_set_state(&run->train_data, {run->saved.loader_epoch, run->saved.loader_position});
         if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
+        err = train_resume_range_problem(o, run->saved.step);
+        if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
         run->first_step = (int)run->saved.step + 1;
         run->result.bad_steps = run->saved.bad_steps;
         run->bad_in_row = run->saved.bad_in_row;
@@ -1491,7 +1690,8 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         printf("resuming %s at step %d (%lld non-finite steps so far)\n", run->resume_path.c_str(), run->first_step,
                (long long)run->saved.bad_steps);
     }
-    if (!o.out.empty()) make_dirs(o.out);
+    err = train_out_problem(o, run->resume_path);
+    if (!err.empty()) fail("%s", err.c_str());
 }
 
 // Setup, part 2: the ranks. GPU r holds rank r's shard of the model and of the optimizer (--tp 0: GPU 0, no
@@ -1501,6 +1701,7 @@ inline void train_create_ranks(TrainRun* run) {
     const int B = run->B, T = run->T, V = run->V, accum = run->accum;
     const ModelConfig& config = run->config;
     const int P = run->P = std::max(1, o.tp);
+    cuda_device_count_or_fail();   // the first CUDA call
     if (o.tp >= 1) run->groups = tp_groups_create(o.tp);   // the start-up checks: the GPUs are there, and can talk
     std::vector<TrainRank>& ranks = run->ranks;
     ranks.resize(P);
@@ -1822,20 +2023,93 @@ inline void train_close(TrainRun* run) {
     dataloader_free(&run->val_data);
 }
 
+// --dry-run: every check that train() makes before its GPU work (the flags, the data, the checkpoint, the run
+// folder), then a line; nothing is written.
+inline void train_dry_run(const TrainOptions& o) {
+    TrainRun run;
+    train_check_inputs(&run, o);
+    printf("dry run: the flags, the data%s%s are good; this run would train steps %d to %d%s%s. Nothing was run or written\n",
+           o.resume.empty() ? "" : ", the checkpoint", o.out.empty() ? "" : " and --out", run.first_step, run.last_step,
+           o.out.empty() ? "" : " into ", o.out.c_str());
+    dataloader_free(&run.train_data);
+    dataloader_free(&run.val_data);
+}
+
+// ---- Stopping on a signal. SIGINT (Ctrl-C) or SIGTERM (kill, a job scheduler's stop) asks the run to stop: the
+// handler only records the signal (a sig_atomic_t: all that is safe in a handler, whichever thread of the ranks or
+// of NCCL it interrupts), and the loop finishes its step, writes a checkpoint, prints the command that resumes and
+// returns; main then exits with 128 + the signal's number, as a shell reports a process the signal ended. The first
+// signal also ignores SIGPIPE from then on: a Ctrl-C in `./train_fp8 | tee log` stops tee as well, and the step's
+// line written into the closed pipe must not end the process before its checkpoint. A second signal ends the process
+// at once (the signal's default action): a checkpoint being written stays NAME.tmp, which nothing reads as a
+// checkpoint, and DIR/latest still names the previous one, whole (section 3 writes `latest` after the rename).
+inline volatile sig_atomic_t g_stop_signal = 0;
+
+inline void train_on_stop_signal(int sig) {
+    if (g_stop_signal != 0) {   // the second: now
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    g_stop_signal = sig;
+    signal(SIGPIPE, SIG_IGN);
+}
+
+// The handlers for the time of one train() call; the dispositions before it are put back after it.
+struct StopSignalHandlers {
+    struct sigaction saved_int, saved_term, saved_pipe;
+    StopSignalHandlers() {
+        g_stop_signal = 0;
+        struct sigaction a;
+        memset(&a, 0, sizeof(a));
+        a.sa_handler = train_on_stop_signal;
+        a.sa_flags = SA_RESTART;   // the system calls it interrupts go on (file writes, NCCL's sockets)
+        sigemptyset(&a.sa_mask);
+        sigaction(SIGPIPE, nullptr, &saved_pipe);
+        if (sigaction(SIGINT, &a, &saved_int) != 0 || sigaction(SIGTERM, &a, &saved_term) != 0)
+            fail("cannot set the handlers of SIGINT and SIGTERM: %s", strerror(errno));
+    }
+    ~StopSignalHandlers() {
+        sigaction(SIGINT, &saved_int, nullptr);
+        sigaction(SIGTERM, &saved_term, nullptr);
+        sigaction(SIGPIPE, &saved_pipe, nullptr);
+    }
+};
+
+// The run stops on signal g_stop_signal after `step` (first_step - 1: before its first step; else the checkpoint of
+// `step` is in --out, if there is one). On stderr (a Ctrl-C may have closed the pipe stdout goes into), with the command that resumes.
+inline void train_report_stop(TrainRun* run, int step) {
+    const TrainOptions& o = *run->o;
+    const int sig = g_stop_signal;
+    run->result.stop_signal = sig;
+    const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+    const bool trained = step >= run->first_step, resumable = !o.out.empty() && (trained || !o.resume.empty());
+    std::string what = trained ? strprintf("after step %d", step) : strprintf("before step %d", step + 1);
+    if (trained && !o.out.empty()) what += strprintf(", its checkpoint %s/%s written", o.out.c_str(), checkpoint_file_name(step).c_str());
+    else if (!trained && resumable) what += ", the checkpoint it resumed from kept as it was";
+    else if (!trained) what += ": nothing trained, nothing written";
+    else what += "; nothing saved (no --out)";
+    fflush(stdout);
+    fprintf(stderr, "stopped by %s %s.%s%s\n", name, what.c_str(), resumable ? " Resume with:\n  " : "",
+            resumable ? train_resume_command(o).c_str() : "");
+}
+
 // The training run, step by step: each step below is a function above.
 inline TrainResult train(const TrainOptions& o) {
+    StopSignalHandlers stop_handlers;
     TrainRun run;
-    train_check_inputs(&run, o);   // the data and the checkpoint, before any GPU work
+    train_check_inputs(&run, o);   // the flags, the data, the checkpoint and the run folder, before any GPU work
+    if (!o.out.empty()) make_dirs(o.out);
     train_create_ranks(&run);      // the model and optimizer shards, from the init or the checkpoint
     train_open_logs(&run);
-    if (run.first_step == 1 && o.eval_every > 0) {
+    bool stopped = g_stop_signal != 0;   // read once a step: what the checkpoint and the report go by
+    if (stopped) train_report_stop(&run, run.first_step - 1);   // during the setup
+    if (run.first_step == 1 && o.eval_every > 0 && !stopped) {
         float val = train_evaluate(&run, 0);
         if (run.log) fprintf(run.log, "0,,%.6f,,,,,,,\n", val);
     }
     run.result.first_step = run.first_step;
-    if (run.first_step > run.last_step)
-        printf("nothing to do: the checkpoint is at step %d and this run ends at step %d\n", run.first_step - 1, run.last_step);
-    for (int step = run.first_step; step <= run.last_step; step++) {
+    for (int step = run.first_step; step <= run.last_step && !stopped; step++) {
         NvtxRange step_range(strprintf("step %d", step));
         StepStats s = train_step(&run, step);   // micro-batches, gradient norm, AdamW, W8 re-quantization
         train_print_step(&run, s);
@@ -1853,7 +2127,10 @@ inline TrainResult train(const TrainOptions& o) {
             run.result.stopped_on_bad_steps = true;
             break;
         }
-        if (!o.out.empty() && ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || last)) train_checkpoint(&run, step);
+        stopped = g_stop_signal != 0;
+        const bool scheduled = (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || last;
+        if (!o.out.empty() && (scheduled || stopped)) train_checkpoint(&run, step);
+        if (stopped) train_report_stop(&run, step);   // and the loop ends
     }
     profile_destroy(&run.profile);
     if (run.timed_steps > 0) run.result.tokens_per_s = run.tokens_per_step / (run.time_sum / run.timed_steps / 1000.0);
@@ -1867,6 +2144,7 @@ inline TrainResult train(const TrainOptions& o) {
 
 #ifndef TESTING
 int main(int argc, char** argv) {
+    setvbuf(stdout, nullptr, _IOLBF, 0);   // each line as it comes, into a pipe too (| tee), in order with stderr's
     TrainOptions o;
     std::string err = parse_args(argc, argv, &o);
     if (!err.empty()) {
@@ -1874,7 +2152,7 @@ int main(int argc, char** argv) {
         return EXIT_FAILURE;
     }
     if (o.help) {
-        print_help(argv[0]);
+        print_help(argv[0], o);
         return 0;
     }
     if (o.prepare) {
@@ -1887,8 +2165,12 @@ int main(int argc, char** argv) {
         if (!err.empty()) fail("export: %s", err.c_str());
         return 0;
     }
+    if (o.dry_run) {
+        train_dry_run(o);
+        return 0;
+    }
     TrainResult r = train(o);
-    return r.stopped_on_bad_steps ? EXIT_FAILURE : 0;
+    return r.stop_signal != 0 ? 128 + r.stop_signal : r.stopped_on_bad_steps ? EXIT_FAILURE : 0;
 }
 #endif
 #endif  // TRAIN_FP8_CU
