@@ -196,21 +196,18 @@ static void ref_matmul(double* out, const double* a, const double* b, int M, int
     }
 }
 
-// Backward of out = a b^T: da[M,K] = dout[M,N] b[N,K] (overwritten); db[N,K] += dout^T a (accumulated).
+// Backward of out = a b^T: da[M,K] = dout[M,N] b[N,K] (overwritten); db[N,K] += dout^T a (accumulated). Each
+// dout[m,n] adds its row products to da's row m and db's row n (innermost loops over contiguous rows).
 static void ref_matmul_backward(double* da, double* db, const double* dout, const double* a, const double* b,
                                 int M, int N, int K) {
+    std::fill(da, da + (size_t)M * K, 0.0);
     for (int m = 0; m < M; m++) {
-        for (int k = 0; k < K; k++) {
-            double acc = 0;
-            for (int n = 0; n < N; n++) acc += dout[(size_t)m * N + n] * b[(size_t)n * K + k];
-            da[(size_t)m * K + k] = acc;
-        }
-    }
-    for (int n = 0; n < N; n++) {
-        for (int k = 0; k < K; k++) {
-            double acc = 0;
-            for (int m = 0; m < M; m++) acc += dout[(size_t)m * N + n] * a[(size_t)m * K + k];
-            db[(size_t)n * K + k] += acc;
+        for (int n = 0; n < N; n++) {
+            const double d = dout[(size_t)m * N + n];
+            for (int k = 0; k < K; k++) {
+                da[(size_t)m * K + k] += d * b[(size_t)n * K + k];
+                db[(size_t)n * K + k] += d * a[(size_t)m * K + k];
+            }
         }
     }
 }
@@ -1504,10 +1501,6 @@ static std::vector<uint8_t> host_quantize(const std::vector<T>& x, Fp8Format f, 
     std::vector<uint8_t> q(x.size());
     for (size_t i = 0; i < x.size(); i++) q[i] = fp8_encode_ref(to_float(x[i]) * (float)g->scale, f);
     return q;
-}
-static bool same_meta(const Fp8Meta& a, const Fp8Meta& b) {
-    return same_bits(a.scale, b.scale) && same_bits(a.inv_scale, b.inv_scale) && a.uses == b.uses && a.nonfinite == b.nonfinite &&
-           memcmp(a.history, b.history, sizeof(a.history)) == 0;
 }
 // After a cast has been recorded (current: by the cast itself; delayed: by fp8_update_scales) the slots are
 // clear for the next one.
@@ -3908,6 +3901,12 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     model_destroy(&m);
 }
 
+// Two scale records alike: scale, inverse, counts and the whole history.
+static bool same_meta(const Fp8Meta& a, const Fp8Meta& b) {
+    return same_bits(a.scale, b.scale) && same_bits(a.inv_scale, b.inv_scale) && a.uses == b.uses && a.nonfinite == b.nonfinite &&
+           memcmp(a.history, b.history, sizeof(a.history)) == 0;
+}
+
 // The whole model with the fused casts against the unfused path (Fp8Options::fused_casts false: BF16 outputs
 // and plain casts, the code before the fusion): two training steps (the second with the scales the first
 // recorded) and an evaluation, bit for bit: losses, every gradient, every scale record. Current and delayed
@@ -6040,10 +6039,11 @@ static bool tp_same_scale_or_edge(const Fp8Meta& a, const Fp8Meta& b) {
 // and tokens. BF16 build: the sharded model computes the same sums in another order (each rank's partial output
 // rounded to BF16, the ranks' sum rounded again; other GEMM shapes), so it is not bit-exact; it stays within the
 // project's BF16 model tolerances: loss 1e-3 relative, each gradient tensor 5e-2 (rel_l2 and max_rel), and all
-// gradients together 1e-2. FP8 build (every layer FP8): each gradient's SQNR against
-// the whole FP8 model >= 10 dB (without --tp-amax-sync the shards have scales of their own, a different FP8 grid), loss 1e-2; and the scales: with the sync, equal on every rank and equal to the
-// whole model's; without, the largest shard amax is the whole tensor's. Replicated gradients and the loss must be
-// the same bits on every rank in both builds (llama2.cuh keeps replicated tensors identical instead of reducing).
+// gradients together 1e-2. FP8 build (every layer FP8): each gradient's SQNR against the whole FP8 model >= 10 dB
+// (without --tp-amax-sync the shards have scales of their own, a different FP8 grid), loss 1e-2; and the scales:
+// with the sync, equal on every rank and equal to the whole model's; without, the largest shard amax is the whole
+// tensor's. Replicated gradients and the loss must be the same bits on every rank in both builds (llama2.cuh keeps
+// replicated tensors identical instead of reducing).
 static void check_tp_shards(int n_kv, int n, const Fp8Options& fp8, const char* what) {
     const int B = 2, T = 32, N = B * T;
     ModelConfig c = tp_test_config(n_kv);
