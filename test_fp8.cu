@@ -5783,7 +5783,9 @@ GPU_TEST(train_profile_adds_up) {
 // weights part: 1e-2 relative on every step's loss, BF16's tolerance in this project. The weights at the end (the
 // run's last checkpoint): what the 20 steps moved them, w_20 - w_0, tensor by tensor against float64's. AdamW
 // divides each gradient by its own RMS, so a gradient's relative error of ~1e-2 (two BF16 roundings) becomes about
-// that in its update; where a gradient is mostly noise its update's sign can differ: 5e-2 (rel_l2 and max_rel).
+// that in its update: rel_l2 5e-2. But an element whose gradient lies within the BF16 noise of zero can step the other
+// way (Adam's first step is lr sign(g)), an error up to twice its update: max_rel 0.5, which a wrong tensor, sign or
+// decay (errors of order 1 over the whole tensor) still exceeds.
 GPU_TEST(train_tiny_follows_float64_reference) {
     TempDir data, out;
     write_synthetic_corpus(data);
@@ -5849,7 +5851,7 @@ GPU_TEST(train_tiny_follows_float64_reference) {
             moved_gpu[i] = (double)gpu_master[s.offset + i] - init[s.offset + i];
             moved_ref[i] = opt.master[s.offset + i] - init[s.offset + i];
         }
-        expect_close(("w_20 - w_0 " + s.name).c_str(), moved_gpu.data(), moved_ref.data(), s.numel, 5e-2, 5e-2);
+        expect_close(("w_20 - w_0 " + s.name).c_str(), moved_gpu.data(), moved_ref.data(), s.numel, 5e-2, 0.5);
     }
 }
 
