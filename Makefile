@@ -99,7 +99,7 @@ SANITIZER ?= $(firstword $(wildcard $(CUDA_HOME)/bin/compute-sanitizer $(CUDA_HO
 # the "no kernel image" answers itself (memcheck would count them as errors), and every call of ours is checked
 # by cudaCheck anyway. TESTS (default: all) narrows memcheck to the tests whose names contain one of its words.
 TESTS ?=
-RACECHECK_TESTS ?= attention embedding rmsnorm cross_entropy fp8_amax fp8_quantize fp8_cast_transpose adamw model_tiny
+RACECHECK_TESTS ?= attention embedding rmsnorm cross_entropy fp8_amax fp8_quantize fp8_cast_transpose adamw model_matches_reference
 sanitize: test_fp8 train_fp8
 	@test -n "$(SANITIZER)" || { echo "compute-sanitizer not found next to nvcc ($(CUDA_HOME)/bin) or on PATH: it ships with the CUDA toolkit (package cuda-sanitizer-<version>); or run make sanitize SANITIZER=/path/to/compute-sanitizer"; exit 1; }
 	$(SANITIZER) --tool memcheck --report-api-errors no --error-exitcode 1 ./test_fp8 $(TESTS)
