@@ -4512,25 +4512,42 @@ HOST_TEST(train_xxh64_known_values) {
     }
 }
 
-// A checkpoint written on the host (no GPU) through checkpoint_write: header h, and the payload as far as
-// checkpoint_read_master reads it (P = 1: the AdamW header, then the master weights; P > 1: the whole master
-// weights), then `tail_bytes` random bytes standing in for the moments and FP8 scales. Returns its path.
+// The payload bytes of a checkpoint of header h whose moments are m and v, as README.md's checkpoint tables lay it out:
+// P = 1: the optimizer state (its 40-byte header, master weights, m, v, each FP8 moment's per-tensor scales), then the K
+// FP8 scale records; P > 1: the whole master weights, then P optimizer states of a shard each, then P x K records.
+static uint64_t host_payload_bytes(const CheckpointHeader& h, DType m, DType v) {
+    const ModelConfig c = checkpoint_model_config(h);
+    const uint64_t P = h.tp_size, shard = model_num_params(c, (int)P), tensors = model_param_specs(c, (int)P).size();
+    const uint64_t scales = ((dtype_is_fp8(m) ? tensors : 0) + (dtype_is_fp8(v) ? tensors : 0)) * sizeof(Fp8Meta);
+    const uint64_t state = sizeof(AdamWFileHeader) + shard * (4 + dtype_size(m) + dtype_size(v)) + scales;
+    return (P > 1 ? h.num_params * 4 : 0) + P * (state + h.fp8_meta_count * sizeof(Fp8Meta));
+}
+
+// A checkpoint written on the host (no GPU) through checkpoint_write, of header h and the build's moment types, laid out
+// as host_payload_bytes has it: the master weights `master` where checkpoint_read_master reads them, each optimizer
+// state's header, and random bytes for the rest (the shards, moments, scales). Returns its path.
 static std::string write_host_checkpoint(const std::string& dir, const CheckpointHeader& h, const std::vector<float>& master,
-                                         int keep, size_t tail_bytes = 4096) {
-    std::vector<char> tail(tail_bytes);
-    for (char& b : tail) b = (char)(test_rng()() & 0xFF);
+                                         int keep) {
+    const AdamWConfig types;
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    const uint64_t shard = model_num_params(c, P), whole = P > 1 ? master.size() * 4 : 0, records = h.fp8_meta_count * sizeof(Fp8Meta);
+    const uint64_t state = (host_payload_bytes(h, types.m_dtype, types.v_dtype) - whole) / P - records;   // one optimizer state
+    const AdamWFileHeader a = {ADAMW_MAGIC, ADAMW_VERSION, (uint32_t)types.m_dtype, (uint32_t)types.v_dtype,
+                               (uint32_t)model_param_specs(c, P).size(), 0, shard, 0};
+    std::vector<char> random(std::max(state, P * records));
+    for (char& b : random) b = (char)(test_rng()() & 0xFF);
     return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
-        if (h.tp_size <= 1) {
-            AdamWFileHeader a;
-            memset(&a, 0, sizeof(a));
-            a.magic = ADAMW_MAGIC;
-            a.version = ADAMW_VERSION;
-            a.num_params = master.size();
-            if (fwrite(&a, sizeof(a), 1, f) != 1) fail("writing %s failed", tmp.c_str());
+        auto put = [&](const void* p, uint64_t bytes) {
+            if (bytes > 0 && fwrite(p, 1, bytes, f) != bytes) fail("writing %s failed", tmp.c_str());
+        };
+        put(master.data(), whole);
+        for (int r = 0; r < P; r++) {
+            put(&a, sizeof(a));
+            if (P == 1) put(master.data(), master.size() * 4);
+            put(random.data(), state - sizeof(a) - (P == 1 ? master.size() * 4 : 0));
         }
-        if (fwrite(master.data(), sizeof(float), master.size(), f) != master.size() ||
-            fwrite(tail.data(), 1, tail.size(), f) != tail.size())
-            fail("writing %s failed", tmp.c_str());
+        put(random.data(), P * records);
     });
 }
 // The header of checkpoint `path` changed by poke, with its checksum made right again (a valid header saying
@@ -4542,6 +4559,23 @@ static void rewrite_checkpoint_header(const std::string& path, const std::functi
     poke(&h);
     h.header_xxh64 = checkpoint_header_xxh64(h);
     if (fseek(f, 0, SEEK_SET) != 0 || fwrite(&h, sizeof(h), 1, f) != 1) fail("cannot write %s", path.c_str());
+    fclose(f);
+}
+// The payload of checkpoint `path` (bytes 256 on) changed by poke, which may also resize it, with the header's payload size
+// and both checksums made right again (a file whose checksums all match).
+static void rewrite_checkpoint_payload(const std::string& path, const std::function<void(std::vector<char>*)>& poke) {
+    const std::vector<char> bytes = read_whole_file(path);
+    if (bytes.size() < sizeof(CheckpointHeader)) fail("%s: no checkpoint header", path.c_str());
+    CheckpointHeader h;
+    memcpy(&h, bytes.data(), sizeof(h));
+    std::vector<char> payload(bytes.begin() + sizeof(h), bytes.end());
+    poke(&payload);
+    h.payload_bytes = payload.size();
+    h.payload_xxh64 = xxh64(payload.data(), payload.size());
+    h.header_xxh64 = checkpoint_header_xxh64(h);
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f || fwrite(&h, sizeof(h), 1, f) != 1 || fwrite(payload.data(), 1, payload.size(), f) != payload.size())
+        fail("cannot write %s", path.c_str());
     fclose(f);
 }
 static void flip_byte(const std::string& path, long offset) {
@@ -4606,7 +4640,7 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
     const uint64_t end = sizeof(CheckpointHeader) + back.payload_bytes;
     printf("    %s: %llu bytes, payload xxh64 %016llx: %s\n", good.c_str(), (unsigned long long)end,
            (unsigned long long)back.payload_xxh64, err.empty() ? "verified" : err.c_str());
-    expect(err.empty() && back.step == 12 && back.payload_bytes == sizeof(AdamWFileHeader) + master.size() * 4 + 4096 &&
+    expect(err.empty() && back.step == 12 && back.payload_bytes == host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype) &&
            read_whole_file(good).size() == end, "the intact checkpoint should verify, its size the header's: %s", err.c_str());
     expect(checkpoint_read_master(good, back) == master, "the master weights do not read back");
 
@@ -4657,7 +4691,7 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     };
     for (long step = 100; step <= 500; step += 100) {   // --keep-checkpoints 2
         h.step = step;
-        write_host_checkpoint(dir.path, h, master, 2, 64);
+        write_host_checkpoint(dir.path, h, master, 2);
         const std::string want = step == 100 ? "ckpt-00000100.bin " : checkpoint_file_name(step - 100) + " " + checkpoint_file_name(step) + " ";
         expect(listing() == want && latest() == checkpoint_file_name(step), "after step %ld with K = 2: files '%s' (want '%s'), latest %s",
                step, listing().c_str(), want.c_str(), latest().c_str());
@@ -4665,13 +4699,13 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     printf("    K = 2 after 5 checkpoints: %s(latest: %s)\n", listing().c_str(), latest().c_str());
     for (long step : {600L, 700L}) {   // --keep-checkpoints 0: all stay
         h.step = step;
-        write_host_checkpoint(dir.path, h, master, 0, 64);
+        write_host_checkpoint(dir.path, h, master, 0);
     }
     expect(checkpoint_files_in(dir.path).size() == 4, "K = 0 should keep every file: %s", listing().c_str());
     // a run resumed from step 400's file that saves step 450 with K = 1: of the files up to step 450 only its own
     // stays; the later ones (500 .. 700, from the run that went on) are left for it to replace as it gets there
     h.step = 450;
-    write_host_checkpoint(dir.path, h, master, 1, 64);
+    write_host_checkpoint(dir.path, h, master, 1);
     std::string want = "ckpt-00000450.bin ckpt-00000500.bin ckpt-00000600.bin ckpt-00000700.bin ";
     printf("    resumed at 400, saved 450 with K = 1: %s(latest: %s)\n", listing().c_str(), latest().c_str());
     expect(listing() == want && latest() == "ckpt-00000450.bin", "files '%s' (want '%s'), latest %s", listing().c_str(), want.c_str(),
@@ -4798,6 +4832,50 @@ HOST_TEST(train_resume_refuses_bad_checkpoints) {
     printf("    %-18s exit %d: %s\n", "missing folder", status, err.c_str());
     expect(status != 0 && err.find("no such checkpoint file or run folder") != std::string::npos && stat(nowhere.c_str(), &st) != 0,
            "a missing folder should be refused by name, and not created");
+}
+
+// A header whose checksum matches but whose contents cannot be right (a defective writer) is refused by checkpoint_verify
+// naming the file, the field and its value: each field changed with the header's checksum made right again, and the
+// payload's layout against the model (its size, the optimizer state's moment types) with the payload's checksum made right.
+HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
+    TempDir dir;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
+    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
+    const uint64_t payload = host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype);
+    CheckpointHeader back;
+    std::string err = checkpoint_verify(good, &back);
+    expect(err.empty(), "the intact checkpoint should verify: %s", err.c_str());
+    using Poke = std::function<void(CheckpointHeader*)>;
+    auto header = [](Poke poke) { return [poke](const std::string& p) { rewrite_checkpoint_header(p, poke); }; };
+    auto payload_poke = [](std::function<void(std::vector<char>*)> poke) {
+        return [poke](const std::string& p) { rewrite_checkpoint_payload(p, poke); };
+    };
+    struct Case { const char* what; std::function<void(const std::string&)> damage; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"no layers", header([](CheckpointHeader* x) { x->n_layers = 0; }), {"n_layers 0"}},
+        {"layers < 0", header([](CheckpointHeader* x) { x->n_layers = -3; }), {"n_layers -3"}},
+        {"heads vs dim", header([](CheckpointHeader* x) { x->n_heads = 3; }), {"n_heads 3", "dim 128"}},
+        {"batch 0", header([](CheckpointHeader* x) { x->batch = 0; }), {"batch 0"}},
+        {"seq < 0", header([](CheckpointHeader* x) { x->seq = -32; }), {"seq -32"}},
+        {"total batch", header([](CheckpointHeader* x) { x->total_batch = 100; }), {"total_batch 100", "128"}},
+        {"parameters", header([](CheckpointHeader* x) { x->num_params += 16; }), {"num_params " + std::to_string(h.num_params + 16)}},
+        {"precision", header([](CheckpointHeader* x) { x->precision = 12; }), {"precision 12"}},
+        {"tp size 0", header([](CheckpointHeader* x) { x->tp_size = 0; }), {"tp_size 0"}},
+        {"payload size", payload_poke([](std::vector<char>* b) { b->resize(b->size() + 64); }),
+         {"payload_bytes " + std::to_string(payload + 64), std::to_string(payload)}},
+        {"moment type", payload_poke([](std::vector<char>* b) { (*b)[offsetof(AdamWFileHeader, v_dtype)] = 9; }), {"moment types", "9"}},
+    };
+    for (const Case& k : cases) {
+        const std::string copy = dir.file("invalid.bin");
+        copy_file(good, copy);
+        k.damage(copy);
+        err = checkpoint_verify(copy, &back);
+        const std::string missing = error_pieces_missing(err, k.pieces);
+        printf("    %-12s -> %s\n", k.what, err.c_str());
+        expect(err.find(copy) != std::string::npos && err.find("valid checksum but invalid contents") != std::string::npos &&
+               missing.empty(), "%s: should be refused as invalid contents naming the file and %s", k.what, missing.c_str());
+    }
 }
 
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
@@ -5051,6 +5129,7 @@ static std::vector<float> export_test_weights(const ModelConfig& c) {
 }
 static CheckpointHeader export_test_header(const ModelConfig& c, int tp) {
     TrainOptions o;
+    o.total_batch = (long)o.batch * o.seq;   // as parse_args sets it
     CheckpointHeader h = checkpoint_header_for(c, o);
     h.step = 77;
     h.tp_size = tp;

@@ -818,9 +818,58 @@ inline std::string checkpoint_resolve(const std::string& where, std::string* pat
     return "";
 }
 
+// "" if the contents of a header whose checksum matched can describe a checkpoint, else the field at fault and its value
+// (a defective writer: the checksum only says that the bytes are the ones written).
+inline std::string checkpoint_header_problem(const CheckpointHeader& h) {
+    if (h.precision != 8 && h.precision != 16) return strprintf("precision %u: 8 (FP8) or 16 (BF16)", h.precision);
+    if (h.tp_size < 1) return strprintf("tp_size %u must be at least 1", h.tp_size);
+    const ModelConfig c = checkpoint_model_config(h);
+    std::string problem = model_config_problem(c);
+    if (problem.empty()) problem = model_tp_problem(c, (int)h.tp_size);
+    if (!problem.empty()) return problem;
+    if (h.num_params != model_num_params(c))
+        return strprintf("num_params %llu, its model has %zu", (unsigned long long)h.num_params, model_num_params(c));
+    if (h.batch < 1 || h.seq < 1) return strprintf("batch %d and seq %d must be at least 1", h.batch, h.seq);
+    const int64_t bt = (int64_t)h.batch * h.seq;
+    if (h.total_batch < bt || h.total_batch % bt != 0)
+        return strprintf("total_batch %lld must be a positive multiple of batch x seq = %lld", (long long)h.total_batch, (long long)bt);
+    return "";
+}
+
+// The moment types of checkpoint `path` (header h, its checksums verified), from rank 0's optimizer state: at the start
+// of the payload (P = 1) or after the whole master weights (P > 1). "" or the reason.
+inline std::string checkpoint_moment_types(const std::string& path, const CheckpointHeader& h, DType* m, DType* v) {
+    const uint64_t at = sizeof(CheckpointHeader) + (h.tp_size > 1 ? h.num_params * sizeof(float) : 0);
+    AdamWFileHeader a;
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) return strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
+    const bool read = fseeko(f, (off_t)at, SEEK_SET) == 0 && fread(&a, sizeof(a), 1, f) == 1;
+    fclose(f);
+    if (!read || a.magic != ADAMW_MAGIC || a.m_dtype > DT_E5M2 || a.v_dtype > DT_E5M2)
+        return strprintf("%s: a payload with a valid checksum but invalid contents (no optimizer state with known moment types "
+                         "at byte %llu: magic 0x%08x, moment types %u and %u): written by a defective build; use another "
+                         "checkpoint", path.c_str(), (unsigned long long)at, read ? a.magic : 0, read ? a.m_dtype : 0,
+                         read ? a.v_dtype : 0);
+    *m = (DType)a.m_dtype;
+    *v = (DType)a.v_dtype;
+    return "";
+}
+
+// The payload bytes of a checkpoint of header h (valid) with moments of types m and v, as section 2 lays it out: P
+// optimizer states of a shard each (master weights, m, v, each FP8 moment's per-tensor scales; after the whole master
+// weights if P > 1), then P x K FP8 scale records.
+inline uint64_t checkpoint_payload_bytes(const CheckpointHeader& h, DType m, DType v) {
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    const uint64_t shard = model_num_params(c, P), tensors = model_param_specs(c, P).size();
+    const uint64_t state = sizeof(AdamWFileHeader) + shard * (sizeof(float) + dtype_size(m) + dtype_size(v)) +
+                           ((dtype_is_fp8(m) ? tensors : 0) + (dtype_is_fp8(v) ? tensors : 0)) * h.fp8_meta_bytes;
+    return (P > 1 ? h.num_params * sizeof(float) : 0) + P * (state + h.fp8_meta_count * h.fp8_meta_bytes);
+}
+
 // Reads and checks checkpoint `path` whole before anything of it is used: the header (magic, version, its checksum,
-// a valid model), the file's size against the header's, and the payload's checksum. "" or the reason, naming the
-// file and the bytes at fault.
+// valid contents), the file's size against the header's, the payload's checksum, and the payload's size against the
+// model's. "" or the reason, naming the file and the bytes or the field at fault.
 inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* h) {
     const char* p = path.c_str();
     std::string err = checkpoint_read_header(p, h);
@@ -836,13 +885,10 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
         return strprintf("%s: bytes 0 to %zu (the header) do not match their checksum (stored %016llx, computed %016llx): the "
                          "file is damaged; use another checkpoint", p, offsetof(CheckpointHeader, header_xxh64) - 1,
                          (unsigned long long)h->header_xxh64, (unsigned long long)header_sum);
-    const ModelConfig c = checkpoint_model_config(*h);
-    std::string problem = model_config_problem(c);
-    if (problem.empty() && h->tp_size >= 1) problem = model_tp_problem(c, (int)h->tp_size);
-    if (problem.empty() && h->num_params != model_num_params(c)) problem = "its parameter count does not fit its model";
-    if (!problem.empty() || (h->precision != 8 && h->precision != 16) || h->tp_size < 1)
-        return strprintf("%s: a header with a valid checksum but invalid contents (%s; precision %u, tp %u): written by a "
-                         "defective build", p, problem.c_str(), h->precision, h->tp_size);
+    const std::string problem = checkpoint_header_problem(*h);
+    if (!problem.empty())
+        return strprintf("%s: a header with a valid checksum but invalid contents (%s): written by a defective build; use "
+                         "another checkpoint", p, problem.c_str());
     struct stat st;
     if (stat(p, &st) != 0) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
     const uint64_t size = (uint64_t)st.st_size, want = sizeof(CheckpointHeader) + h->payload_bytes;
@@ -864,6 +910,15 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
                          "checksum (stored %016llx, computed %016llx): the file is damaged; use another checkpoint (the run "
                          "folder keeps the newest --keep-checkpoints of them)", p, (unsigned long long)want - 1,
                          (unsigned long long)h->payload_xxh64, (unsigned long long)payload_sum);
+    DType m = DT_FP32, v = DT_FP32;
+    err = checkpoint_moment_types(path, *h, &m, &v);
+    if (!err.empty()) return err;
+    const uint64_t model_bytes = checkpoint_payload_bytes(*h, m, v);
+    if (h->payload_bytes != model_bytes)
+        return strprintf("%s: a header with a valid checksum but invalid contents (payload_bytes %llu; its model at tp %u with "
+                         "moments %s and %s takes %llu): written by a defective build; use another checkpoint", p,
+                         (unsigned long long)h->payload_bytes, h->tp_size, dtype_name(m), dtype_name(v),
+                         (unsigned long long)model_bytes);
     return "";
 }
 
