@@ -4391,13 +4391,18 @@ static void write_synthetic_corpus(const TempDir& dir) {
     write_shard_or_die(dir.file("train.bin"), train, BYTE_VOCAB);
     write_shard_or_die(dir.file("val.bin"), val, BYTE_VOCAB);
 }
-static TrainOptions tiny_run_options(const TempDir& data, std::vector<std::string> more) {
+// The flags of the tiny model's runs on the synthetic corpus in `data`, then `more`: for train() (tiny_run_options) and for
+// ./train_fp8 itself (run_train_fp8).
+static std::vector<std::string> tiny_run_args(const TempDir& data, const std::vector<std::string>& more) {
     std::vector<std::string> args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data", data.file("val.bin"),
                                      "--batch", "4", "--seq", "32", "--total-batch", "256", "--eval-every", "0",
                                      "--eval-batches", "2", "--sample-every", "0", "--seed", "42"};
     args.insert(args.end(), more.begin(), more.end());
+    return args;
+}
+static TrainOptions tiny_run_options(const TempDir& data, const std::vector<std::string>& more) {
     TrainOptions o;
-    std::string err = parse_list(args, &o);
+    std::string err = parse_list(tiny_run_args(data, more), &o);
     if (!err.empty()) fail("tiny run options rejected: %s", err.c_str());
     return o;
 }
@@ -4876,6 +4881,46 @@ HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
         expect(err.find(copy) != std::string::npos && err.find("valid checksum but invalid contents") != std::string::npos &&
                missing.empty(), "%s: should be refused as invalid contents naming the file and %s", k.what, missing.c_str());
     }
+}
+
+// Resuming at the TP size that wrote the checkpoint reads its AdamW moments as they are, so another --m-dtype or
+// --v-dtype is refused before any GPU work (this runs without one), naming the file and both types as flags; the run
+// folder is left as it was. At another TP size the moments start over (train_create_ranks): any types are taken there.
+HOST_TEST(train_resume_refuses_other_moment_types) {
+    TempDir data, run;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> args = tiny_run_args(data, {"--steps", "20", "--warmup", "2"});
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header(args, 8, &master);
+    const std::string ckpt = write_host_checkpoint(run.path, h, master, 2);   // the build's moment types
+    const AdamWConfig saved;
+    const std::string m_saved = moment_dtype_flag(saved.m_dtype), v_saved = moment_dtype_flag(saved.v_dtype);
+    const std::string m_other = m_saved == "fp32" ? "bf16" : "fp32", v_other = v_saved == "fp32" ? "bf16" : "fp32";
+    const auto before = folder_snapshot(run.path);
+    struct Case { std::vector<std::string> flags, pieces; };
+    const Case cases[] = {{{"--m-dtype", m_other}, {"--m-dtype " + m_saved, "--m-dtype " + m_other}},
+                          {{"--v-dtype", v_other}, {"--v-dtype " + v_saved, "--v-dtype " + v_other}}};
+    for (const Case& k : cases) {
+        std::vector<std::string> a = args;
+        a.insert(a.end(), k.flags.begin(), k.flags.end());
+        a.insert(a.end(), {"--resume", run.path});
+        std::string err;
+        const int status = run_train_fp8(a, data.file("stderr.txt"), &err);
+        const std::string missing = error_pieces_missing(err, k.pieces) + error_pieces_missing(err, {ckpt});
+        err.erase(err.find_last_not_of('\n') + 1);
+        printf("    %s %s: exit %d: %s\n", k.flags[0].c_str(), k.flags[1].c_str(), status, err.c_str());
+        expect(status != 0 && missing.empty(), "%s %s: should exit non-zero with a message holding %s", k.flags[0].c_str(),
+               k.flags[1].c_str(), missing.c_str());
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.flags[0].c_str());
+    }
+    TrainOptions other;
+    std::vector<std::string> a = args;
+    a.insert(a.end(), {"--m-dtype", m_other});
+    expect(parse_list(a, &other).empty(), "options rejected");
+    const AdamWConfig other_types = adamw_config_from_options(other);
+    expect(checkpoint_moments_check(ckpt, h, saved, 1).empty(), "the checkpoint's own types should be taken");
+    expect(!checkpoint_moments_check(ckpt, h, other_types, 1).empty() && checkpoint_moments_check(ckpt, h, other_types, 2).empty(),
+           "other types: refused at the TP size that wrote the file, taken at another (the moments start over)");
 }
 
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.

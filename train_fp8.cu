@@ -922,6 +922,21 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
     return "";
 }
 
+// "" if the optimizer state of checkpoint `path` (header h, verified) can continue a run of P ranks with moments of
+// `run`'s types: at the TP size that wrote it the moments are read as they are, so their types must be the run's; at
+// another they start over (train_create_ranks), in any types.
+inline std::string checkpoint_moments_check(const std::string& path, const CheckpointHeader& h, const AdamWConfig& run, int P) {
+    if (h.tp_size != (uint32_t)P) return "";
+    DType m = DT_FP32, v = DT_FP32;
+    std::string err = checkpoint_moment_types(path, h, &m, &v);
+    if (!err.empty()) return err;
+    if (m != run.m_dtype || v != run.v_dtype)
+        return strprintf("%s: its AdamW moments are --m-dtype %s --v-dtype %s, this run has --m-dtype %s --v-dtype %s: resume "
+                         "with the moment types of the run that wrote it", path.c_str(), moment_dtype_flag(m).c_str(),
+                         moment_dtype_flag(v).c_str(), moment_dtype_flag(run.m_dtype).c_str(), moment_dtype_flag(run.v_dtype).c_str());
+    return "";
+}
+
 // Bytes of one optimizer state as adamw_save writes it.
 inline size_t adamw_saved_bytes(const AdamW* opt) {
     size_t bytes = sizeof(AdamWFileHeader);
@@ -1537,6 +1552,7 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         err = checkpoint_resolve(o.resume, &run->resume_path);
         if (err.empty()) err = checkpoint_verify(run->resume_path, &run->saved);
         if (err.empty()) err = checkpoint_header_check(run->saved, run->header, run->resume_path.c_str());
+        if (err.empty()) err = checkpoint_moments_check(run->resume_path, run->saved, run->adamw_config, std::max(1, o.tp));
         if (err.empty()) err = dataloader_set_state(&run->train_data, {run->saved.loader_epoch, run->saved.loader_position});
         if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
         run->first_step = (int)run->saved.step + 1;
