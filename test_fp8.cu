@@ -36,6 +36,8 @@
 #include <mutex>
 #include <condition_variable>
 #include <sys/wait.h>
+#include <sys/resource.h>
+#include <csignal>
 
 // ==============================================================================================
 // 1. Test infrastructure. The harness: named tests registered at static-init time; a test fails if any expectation
@@ -2529,7 +2531,7 @@ GPU_TEST(adamw_save_load_exact) {
     }
     FILE* f = tmpfile();
     if (!f) fail("adamw_save_load_exact: tmpfile() failed");
-    adamw_save(&a, f);
+    adamw_save(&a, f, "a temporary file");
     long bytes = ftell(f);
     rewind(f);
     adamw_load(&b, f, "tmpfile");
@@ -4750,20 +4752,32 @@ HOST_TEST(train_csv_resume_drops_later_rows) {
     expect(folder_snapshot(dir.path).size() == 2, "temporary files left behind");
 }
 
-// ./train_fp8 (built next to this test binary) with `args`: its exit status, and its stderr in *err_text.
-static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
+// ./train_fp8 (built next to this test binary) with `args`: its exit status, its stderr in *err_text, and its stdout in
+// *out_text if one is given. file_limit > 0: no file it writes may grow past that many bytes (RLIMIT_FSIZE, with SIGXFSZ
+// ignored so that the write fails with EFBIG, as it would on a full disk).
+static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text,
+                         std::string* out_text = nullptr, rlim_t file_limit = 0) {
     char exe[4096];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     exe[std::max<ssize_t>(n, 0)] = '\0';
-    const std::string bin = path_folder(exe) + "/train_fp8";
+    const std::string bin = path_folder(exe) + "/train_fp8", out_file = err_file + ".stdout";
     if (access(bin.c_str(), X_OK) != 0) fail("%s is missing: build it first (make)", bin.c_str());
     std::string cmd = "'" + bin + "'";
     for (const std::string& a : args) cmd += " '" + a + "'";
-    cmd += " > /dev/null 2> '" + err_file + "'";
+    cmd += " > '" + (out_text ? out_file : std::string("/dev/null")) + "' 2> '" + err_file + "'";
     fflush(stdout);
-    int status = system(cmd.c_str());
-    std::vector<char> err = read_whole_file(err_file);
+    rlimit limit_before;
+    if (getrlimit(RLIMIT_FSIZE, &limit_before) != 0) fail("getrlimit: %s", strerror(errno));
+    rlimit limit = limit_before;
+    if (file_limit > 0) limit.rlim_cur = file_limit;
+    sighandler_t xfsz_before = signal(SIGXFSZ, file_limit > 0 ? SIG_IGN : SIG_DFL);   // an ignored signal stays ignored through exec
+    if (setrlimit(RLIMIT_FSIZE, &limit) != 0) fail("setrlimit: %s", strerror(errno));
+    const int status = system(cmd.c_str());
+    if (setrlimit(RLIMIT_FSIZE, &limit_before) != 0) fail("setrlimit: %s", strerror(errno));
+    signal(SIGXFSZ, xfsz_before);
+    std::vector<char> err = read_whole_file(err_file), out = read_whole_file(out_file);
     *err_text = std::string(err.begin(), err.end());
+    if (out_text) *out_text = std::string(out.begin(), out.end());
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
@@ -4921,6 +4935,31 @@ HOST_TEST(train_resume_refuses_other_moment_types) {
     expect(checkpoint_moments_check(ckpt, h, saved, 1).empty(), "the checkpoint's own types should be taken");
     expect(!checkpoint_moments_check(ckpt, h, other_types, 1).empty() && checkpoint_moments_check(ckpt, h, other_types, 2).empty(),
            "other types: refused at the TP size that wrote the file, taken at another (the moments start over)");
+}
+
+// A write that fails part-way (a file-size limit, as a full disk) leaves the file it was replacing as it was and no
+// temporary file: ./train_fp8 export over an earlier export with every file limited to 64 KiB (model.safetensors: 1.1 MB)
+// exits non-zero naming the file and the cause, and the folder holds the earlier export byte for byte. Checkpoints and
+// `latest` are written the same way (write_file_durably); train_failed_checkpoint_write_keeps_the_last runs out of space
+// in a training run (GPU).
+HOST_TEST(train_failed_write_keeps_the_old_file) {
+    TempDir run, out, logs;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 5, &master);
+    write_host_checkpoint(run.path, h, master, 2);
+    std::string err;
+    int status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err);
+    expect(status == 0, "the export without a limit should succeed: %s", err.c_str());
+    const auto before = folder_snapshot(out.path);
+    status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err, nullptr, 64 << 10);
+    const std::string missing = error_pieces_missing(err, {out.file("model.safetensors.tmp"), "File too large"});
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    export with 64 KiB files: exit %d: %s\n", status, err.c_str());
+    expect(status != 0 && missing.empty(), "the failed write should exit non-zero with a message holding %s", missing.c_str());
+    std::string files;
+    for (auto& kv : folder_snapshot(out.path)) files += kv.first + " ";
+    expect(before.size() == 2 && folder_snapshot(out.path) == before, "the earlier export should be there byte for byte, "
+           "and nothing else: %s", files.c_str());
 }
 
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
@@ -5633,6 +5672,32 @@ GPU_TEST(train_tiny_follows_float64_reference) {
     expect(ref_losses.back() < ref_losses[0] - 0.1, "the run should learn (float64 loss %.4f -> %.4f), else matching it proves little",
            ref_losses[0], ref_losses.back());
     dataloader_free(&dl);
+}
+
+// A checkpoint write that fails part-way (every file limited to 1 MiB, as a full disk; the tiny model's checkpoint is
+// 4 MB and more) ends ./train_fp8 with a message naming the file and the cause and a non-zero exit; the previous
+// checkpoint and `latest` stay byte for byte, and no temporary file is left.
+GPU_TEST(train_failed_checkpoint_write_keeps_the_last) {
+    TempDir data, dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "4", "--warmup", "1", "--lr", "3e-3", "--checkpoint-every", "2", "--out", dir.path};
+    std::vector<std::string> first = common;
+    first.insert(first.end(), {"--stop-after", "2"});
+    train(tiny_run_options(data, first));
+    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    const auto before = checkpoint_files();
+    std::vector<std::string> resumed = tiny_run_args(data, common);
+    resumed.insert(resumed.end(), {"--resume", dir.path, "--tp", "0"});   // --tp 0: no NCCL, only the program's files meet the limit
+    std::string err;
+    const int status = run_train_fp8(resumed, data.file("stderr.txt"), &err, nullptr, 1 << 20);
+    const std::string missing = error_pieces_missing(err, {dir.file(checkpoint_file_name(4).c_str()) + ".tmp", "File too large"});
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    resumed with 1 MiB files: exit %d: %s\n", status, err.c_str());
+    expect(status != 0 && missing.empty(), "the failed checkpoint should exit non-zero with a message holding %s", missing.c_str());
+    std::string files;
+    for (auto& kv : checkpoint_files()) files += kv.first + " ";
+    expect(before.size() == 2 && checkpoint_files() == before, "step 2's checkpoint and latest should be as they were, and "
+           "nothing else: %s", files.c_str());
 }
 
 // ==============================================================================================

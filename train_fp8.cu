@@ -711,16 +711,32 @@ inline void write_bytes(FILE* f, const void* data, size_t bytes, const std::stri
     if (bytes > 0 && fwrite(data, 1, bytes, f) != bytes) fail("writing %s failed: %s (disk full?)", path.c_str(), strerror(errno));
 }
 
+// The temporary file that write_file_durably is filling ("" between writes). An exit before its rename (an error:
+// fail() exits) removes it, so that a failed write leaves no partial file, which on a full disk holds the space a retry needs.
+inline void remove_durable_write_in_progress();
+inline std::string& durable_write_in_progress() {
+    static std::string tmp;
+    static const bool removed_at_exit = atexit(remove_durable_write_in_progress) == 0;   // after tmp: runs before its destructor
+    if (!removed_at_exit) fail("atexit failed: a failed write could leave its temporary file behind");
+    return tmp;
+}
+inline void remove_durable_write_in_progress() {
+    const std::string& tmp = durable_write_in_progress();
+    if (!tmp.empty()) remove(tmp.c_str());
+}
+
 // Writes `path` durably: write(f, tmp_path) fills PATH.tmp (opened for writing and reading), then fsync, rename over
-// `path`, fsync of the folder. An error is fatal and leaves `path` as it was.
+// `path`, fsync of the folder. An error is fatal and leaves `path` as it was, and no PATH.tmp.
 inline void write_file_durably(const std::string& path, const std::function<void(FILE*, const std::string&)>& write) {
     const std::string tmp = path + ".tmp";
     FILE* f = fopen(tmp.c_str(), "w+b");
     if (!f) fail("cannot write %s: %s", tmp.c_str(), strerror(errno));
+    durable_write_in_progress() = tmp;
     write(f, tmp);
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
     if (fclose(f) != 0) fail("closing %s failed: %s", tmp.c_str(), strerror(errno));
     if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
+    durable_write_in_progress().clear();
     fsync_folder(path_folder(path));
 }
 
@@ -961,7 +977,7 @@ inline std::string checkpoint_save(const std::string& dir, const CheckpointHeade
             }
             write_bytes(f, whole.data(), whole.size() * sizeof(float), tmp);
         }
-        for (const AdamW* opt : opts) adamw_save(opt, f);
+        for (const AdamW* opt : opts) adamw_save(opt, f, tmp.c_str());
         std::vector<Fp8Meta> metas(h.fp8_meta_count);
         for (Model* model : models) {
             if (metas.empty()) break;
