@@ -4897,6 +4897,43 @@ HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
     }
 }
 
+// DIR/latest, damaged (garbage, empty, a name that is not a checkpoint's, a file that is gone): ./train_fp8 --resume DIR
+// refuses it naming DIR/latest and the fix (name a checkpoint file), exits non-zero and changes nothing, before any GPU
+// work; the checkpoint named directly, the fix, resolves.
+HOST_TEST(train_resume_refuses_a_damaged_latest) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> args = tiny_run_args(data, {"--steps", "20", "--warmup", "2"});
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header(args, 8, &master);
+    struct Case { const char* what; std::string latest; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"garbage", std::string("\x7f" "ELF\0\x02\x01 junk\n", 12), {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"empty", "", {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"another path", "../ckpt-00000008.bin\n", {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"missing file", "ckpt-00000009.bin\n", {"names ckpt-00000009.bin, which is missing", "name another checkpoint file of"}},
+    };
+    for (const Case& k : cases) {
+        TempDir run;
+        const std::string ckpt = write_host_checkpoint(run.path, h, master, 2);
+        FILE* f = fopen(run.file("latest").c_str(), "wb");
+        expect(f && fwrite(k.latest.data(), 1, k.latest.size(), f) == k.latest.size(), "cannot write latest");
+        if (f) fclose(f);
+        const auto before = folder_snapshot(run.path);
+        std::vector<std::string> a = args;
+        a.insert(a.end(), {"--resume", run.path});
+        std::string err;
+        const int status = run_train_fp8(a, data.file("stderr.txt"), &err);
+        const std::string missing = error_pieces_missing(err, k.pieces) + error_pieces_missing(err, {run.file("latest")});
+        err.erase(err.find_last_not_of('\n') + 1);
+        printf("    %-12s exit %d: %s\n", k.what, status, err.c_str());
+        expect(status != 0 && missing.empty(), "%s: should exit non-zero with a message holding %s", k.what, missing.c_str());
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.what);
+        std::string path;
+        expect(checkpoint_resolve(ckpt, &path).empty() && path == ckpt, "%s: the checkpoint named directly should resolve", k.what);
+    }
+}
+
 // Resuming at the TP size that wrote the checkpoint reads its AdamW moments as they are, so another --m-dtype or
 // --v-dtype is refused before any GPU work (this runs without one), naming the file and both types as flags; the run
 // folder is left as it was. At another TP size the moments start over (train_create_ranks): any types are taken there.
