@@ -21,7 +21,8 @@
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
 //  13. export                 train_fp8.cu 4: HF safetensors and llama2.c files read back and run in float64
-//  14. whole training runs    train_fp8.cu 6: resume, CUDA graphs, the profile, the tiny model against float64
+//  14. whole training runs    train_fp8.cu 5-6: resume, CUDA graphs, the profile, the tiny model against float64,
+//                             non-finite steps, a failed checkpoint write, evaluation and sampling
 //  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's groups and ranks: shards, TP 1 through NCCL, 2 and 4 ranks
 //  16. benchmarks             ./test_fp8 --bench: tables of ratios measured in one run
 //  17. main                   the filters, the run of the tests, the summary line
@@ -5513,7 +5514,9 @@ GPU_TEST(export_matches_program_logits) {
 
 // ==============================================================================================
 // 14. Whole training runs on the GPU (train_fp8.cu section 6), on the synthetic byte corpus of section 12: resume
-// equals an uninterrupted run bit for bit; the tiny model follows the float64 reference.
+// equals an uninterrupted run bit for bit; the tiny model follows the float64 reference; non-finite steps are skipped
+// and --max-bad-steps of them stop the run; a failed checkpoint write keeps the last one. Then evaluation and sampling
+// (section 5) against the model's own losses and logits.
 
 // 6 steps straight, against a run that stops after step 5 (--stop-after 5, the same schedule) with checkpoints at
 // steps 3 and 5, resumed from its step-3 file for steps 4 to 6, as if it had crashed after step 5 before saving: the
@@ -5711,6 +5714,100 @@ GPU_TEST(train_tiny_follows_float64_reference) {
     dataloader_free(&dl);
 }
 
+// A step whose loss or gradient norm is not finite changes nothing of the optimizer (master weights, moments, their
+// scales, the update count) and is counted; the next finite step updates again and ends the run of bad steps. Through
+// train()'s own steps, with a NaN put into the BF16 copy of the final norm's weight (every logit NaN) before step 2 and
+// the copy made again from the master weights before step 3.
+GPU_TEST(train_nonfinite_step_skips_the_update) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const TrainOptions o = tiny_run_options(data, {"--steps", "3", "--warmup", "1", "--lr", "3e-3"});
+    TrainRun run;
+    train_check_inputs(&run, o);
+    train_create_ranks(&run);
+    train_open_logs(&run);
+    TrainRank& r = run.ranks[0];
+    auto optimizer_state = [&] {   // every byte adamw_save writes after its header
+        std::vector<char> bytes;
+        for (const AdamWPart& part : adamw_state_parts(&r.opt)) {
+            std::vector<char> b(part.bytes);
+            cudaCheck(cudaMemcpy(b.data(), part.ptr, part.bytes, cudaMemcpyDeviceToHost));
+            bytes.insert(bytes.end(), b.begin(), b.end());
+        }
+        return bytes;
+    };
+    const StepStats s1 = train_step(&run, 1);
+    const std::vector<char> after_1 = optimizer_state();
+    const bf16 nan = __float2bfloat16(NAN);
+    cudaCheck(cudaMemcpy(r.model.weights + r.model.params[param_final_norm(run.config)].offset, &nan, sizeof(nan), cudaMemcpyHostToDevice));
+    const StepStats s2 = train_step(&run, 2);
+    const bool unchanged = optimizer_state() == after_1;
+    const long bad_after_2 = run.bad_in_row;
+    adamw_export_weights(&r.opt, r.model.weights, r.model.stream);
+    model_weights_changed(&r.model);
+    const StepStats s3 = train_step(&run, 3);
+    printf("    step 1: loss %.5f, norm %.5f | step 2: loss %g, norm %g, skipped %d | step 3: loss %.5f, skipped %d; %ld skipped\n",
+           s1.loss, s1.grad_norm, s2.loss, s2.grad_norm, s2.bad, s3.loss, s3.bad, run.result.bad_steps);
+    expect(!s1.bad && std::isfinite(s1.loss), "step 1 should be finite");
+    expect(s2.bad && !std::isfinite(s2.loss) && bad_after_2 == 1 && unchanged,
+           "step 2 (NaN logits) should be skipped and counted (in a row: %ld), the optimizer state unchanged (%s)", bad_after_2,
+           unchanged ? "it is" : "it changed");
+    expect(!s3.bad && std::isfinite(s3.loss) && run.bad_in_row == 0 && run.result.bad_steps == 1 && r.opt.step == 2 &&
+           optimizer_state() != after_1, "step 3 should update (updates %d, want 2) and end the row (in a row %ld, skipped %ld)",
+           r.opt.step, run.bad_in_row, run.result.bad_steps);
+    profile_destroy(&run.profile);
+    train_close(&run);
+}
+
+// --max-bad-steps N: N non-finite steps in a row end the run with a message and exit status 1, and write no checkpoint
+// after them (the last one holds the weights from before). A NaN in the master weights of step 2's checkpoint (its
+// checksums made right again) makes every later step non-finite. Resumed for steps 3 and 4 with --max-bad-steps 5, the
+// run skips both, and its step-4 checkpoint holds step 2's optimizer state byte for byte, with 2 steps skipped, 2 of them
+// in a row (log.csv: skipped 1). Resumed from that by ./train_fp8 with --max-bad-steps 3 and a checkpoint every step, it
+// stops after step 5 (3 in a row: the count carries over the resume) and leaves the checkpoints and `latest` as they were.
+GPU_TEST(train_max_bad_steps_stops_the_run) {
+    TempDir data, dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "6", "--warmup", "1", "--lr", "3e-3", "--out", dir.path};
+    auto with = [&](std::vector<std::string> more) { more.insert(more.begin(), common.begin(), common.end()); return more; };
+    train(tiny_run_options(data, with({"--stop-after", "2", "--checkpoint-every", "2"})));
+    const std::string ckpt2 = dir.file(checkpoint_file_name(2).c_str()), ckpt4 = dir.file(checkpoint_file_name(4).c_str());
+    const ModelConfig c = model_config_from_options(tiny_run_options(data, {}), BYTE_VOCAB);
+    const size_t nan_at = sizeof(AdamWFileHeader) + model_param_specs(c)[param_final_norm(c)].offset * sizeof(float);
+    rewrite_checkpoint_payload(ckpt2, [&](std::vector<char>* p) { const float nan = NAN; memcpy(p->data() + nan_at, &nan, 4); });
+    const TrainResult r = train(tiny_run_options(data, with({"--resume", dir.path, "--stop-after", "4", "--checkpoint-every", "2",
+                                                             "--max-bad-steps", "5"})));
+    expect(r.losses.size() == 2 && !std::isfinite(r.losses[0]) && !std::isfinite(r.losses.back()) && r.bad_steps == 2 &&
+           !r.stopped_on_bad_steps, "steps 3 and 4: %zu steps, %ld skipped (want 2 and 2), stopped %d", r.losses.size(), r.bad_steps,
+           r.stopped_on_bad_steps);
+    CheckpointHeader h2, h4;
+    const std::string err = checkpoint_verify(ckpt2, &h2) + checkpoint_verify(ckpt4, &h4);
+    const std::vector<char> b2 = read_whole_file(ckpt2), b4 = read_whole_file(ckpt4);
+    const size_t state = h2.payload_bytes - h2.fp8_meta_count * sizeof(Fp8Meta);   // P = 1: the optimizer state, then the FP8 records
+    expect(err.empty() && b2.size() == b4.size() && memcmp(b2.data() + 256, b4.data() + 256, state) == 0,
+           "step 4's checkpoint should hold step 2's optimizer state byte for byte: %s", err.c_str());
+    expect(h4.step == 4 && h4.bad_steps == 2 && h4.bad_in_row == 2, "step 4's checkpoint: step %lld, %lld skipped, %lld in a row",
+           (long long)h4.step, (long long)h4.bad_steps, (long long)h4.bad_in_row);
+    for (const std::string& row : log_rows_without_timing(dir.file("log.csv"))) {
+        if (!isdigit((unsigned char)row[0])) continue;   // the header
+        const bool skipped = row.size() >= 3 && row.compare(row.size() - 3, 3, ",1,") == 0;
+        expect(skipped == (atoi(row.c_str()) >= 3), "log.csv row '%s': skipped should be 1 exactly from step 3", row.c_str());
+    }
+    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    const auto before = checkpoint_files();
+    std::vector<std::string> args = tiny_run_args(data, with({"--resume", dir.path, "--checkpoint-every", "1", "--max-bad-steps", "3"}));
+    std::string err_text, out_text;
+    const int status = run_train_fp8(args, data.file("stderr.txt"), &err_text, &out_text);
+    const std::string want = "stopping: 3 non-finite steps in a row (--max-bad-steps 3), 3 in the whole run";
+    const size_t at = out_text.find("stopping:");
+    printf("    ./train_fp8 --resume (step 4, 2 in a row) --max-bad-steps 3: exit %d: %s\n", status,
+           at == std::string::npos ? "(no stopping line)" : out_text.substr(at, out_text.find('\n', at) - at).c_str());
+    expect(status == 1 && out_text.find(want) != std::string::npos && out_text.find("step     6/6") == std::string::npos,
+           "the run should stop after step 5 with exit 1 and '%s'; stderr: %s", want.c_str(), err_text.c_str());
+    expect(before.size() == 3 && checkpoint_files() == before, "the checkpoints and latest should be as they were (%zu files)",
+           checkpoint_files().size());
+}
+
 // A checkpoint write that fails part-way (every file limited to 1 MiB, as a full disk; the tiny model's checkpoint is
 // 4 MB and more) ends ./train_fp8 with a message naming the file and the cause and a non-zero exit; the previous
 // checkpoint and `latest` stay byte for byte, and no temporary file is left.
@@ -5735,6 +5832,145 @@ GPU_TEST(train_failed_checkpoint_write_keeps_the_last) {
     for (auto& kv : checkpoint_files()) files += kv.first + " ";
     expect(before.size() == 2 && checkpoint_files() == before, "step 2's checkpoint and latest should be as they were, and "
            "nothing else: %s", files.c_str());
+}
+
+// sample_text: each token from the logits at the last position of its context (its last T tokens: the 28-token prompt
+// and 12 new tokens pass T = 32, so the window slides). Temperature 0: their argmax, which is the float64 reference's
+// wherever the reference's two largest logits lie further apart than twice the GPU's largest logit error there (then no
+// error can swap them). Temperature 0.8: the draw of softmax(logits / 0.8) at one RNG number per token, replayed here;
+// temperature 1 would draw otherwise. The same seed draws the same tokens, another seed others; 1e-4 draws the argmax.
+GPU_TEST(train_sampler_draws_from_its_logits) {
+    const int T = 32, count = 12;
+    Model m;
+    std::vector<float> w;
+    model_test_setup(&m, 1, T, &w);
+    const ModelConfig& c = m.config;
+    const int V = c.vocab_size;
+    DeviceBuffer<int> d_inputs(T);
+    DeviceBuffer<float> d_logits((size_t)T * V);
+    const std::vector<int> prompt = model_test_tokens(28, V);
+    auto sample = [&](float temperature, uint64_t seed, uint64_t* rng_after) {
+        uint64_t rng = seed;
+        std::vector<int> out = sample_text(&m, prompt, count, temperature, &rng, d_inputs.ptr, d_logits.ptr);
+        if (rng_after) *rng_after = rng;
+        return out;
+    };
+    auto last_tokens = [&](const std::vector<int>& context) {
+        return std::vector<int>(context.end() - std::min((int)context.size(), T), context.end());
+    };
+    auto next_logits = [&](const std::vector<int>& context) {   // the window: the last T tokens from position 0, then zeros
+        std::vector<int> window = last_tokens(context);
+        const size_t len = window.size();
+        window.resize(T, 0);
+        d_inputs.upload(window);
+        model_logits(&m, d_inputs.ptr, 1, T, d_logits.ptr);
+        const std::vector<float> all = d_logits.download();
+        return std::vector<float>(all.begin() + (len - 1) * V, all.begin() + len * V);
+    };
+    std::vector<float> wb(w.size());
+    for (size_t i = 0; i < w.size(); i++) wb[i] = to_float(__float2bfloat16(w[i]));
+    const RefConfig rc = ref_config_of(c, false);
+    const RefTensors params = ref_tensors_from_flat(rc, wb.data());
+    const std::vector<int> greedy = sample(0.0f, 1, nullptr);
+    std::vector<int> context = prompt;
+    int decided = 0;
+    for (int k = 0; k < count; k++) {
+        const std::vector<float> gpu = next_logits(context);
+        const std::vector<int> last = last_tokens(context);
+        const std::vector<double> all_ref = ref_logits(rc, params, last);
+        const double* ref = all_ref.data() + (last.size() - 1) * V;
+        const int gpu_best = (int)(std::max_element(gpu.begin(), gpu.end()) - gpu.begin());
+        const int ref_best = (int)(std::max_element(ref, ref + V) - ref);
+        double err = 0.0, second = -INFINITY;
+        for (int i = 0; i < V; i++) {
+            err = std::max(err, fabs(gpu[i] - ref[i]));
+            if (i != ref_best) second = std::max(second, ref[i]);
+        }
+        const bool decidable = ref[ref_best] - second > 2 * err;
+        decided += decidable;
+        expect(greedy[k] == gpu_best && (!decidable || greedy[k] == ref_best), "token %d: greedy %d, argmax of its logits %d, of the "
+               "reference %d (gap %.2e, error %.2e)", k, greedy[k], gpu_best, ref_best, ref[ref_best] - second, err);
+        context.push_back(greedy[k]);
+    }
+    printf("    greedy: %d of %d tokens decided by the float64 reference's logits (gap > 2 x the GPU's error), all its argmax\n",
+           decided, count);
+    expect(decided >= count / 2, "only %d of %d tokens decidable against the reference: the test proves little", decided, count);
+
+    const float temperature = 0.8f;
+    uint64_t rng_a = 0, rng_b = 0;
+    const std::vector<int> drawn = sample(temperature, 99, &rng_a);
+    expect(sample(temperature, 99, &rng_b) == drawn && rng_a == rng_b, "the same seed should draw the same tokens");
+    expect(sample(temperature, 100, nullptr) != drawn, "another seed should draw other tokens");
+    expect(sample(1e-4f, 5, nullptr) == greedy, "temperature 1e-4 should draw the argmax at every token");
+    auto draw = [&](const std::vector<float>& logits, float temp, float u01) {   // the inverse CDF of softmax(logits / temp)
+        const double mx = *std::max_element(logits.begin(), logits.end());
+        std::vector<double> p(V);
+        double sum = 0.0;
+        for (int i = 0; i < V; i++) sum += p[i] = exp((logits[i] - mx) / temp);
+        double u = u01 * sum;
+        for (int i = 0; i < V; i++) if ((u -= p[i]) < 0.0) return i;
+        return V - 1;
+    };
+    uint64_t rng = 99;
+    int differ_at_1 = 0;
+    context = prompt;
+    for (int k = 0; k < count; k++) {
+        const std::vector<float> logits = next_logits(context);
+        const float u01 = sample_uniform(&rng);
+        const int want = draw(logits, temperature, u01);
+        differ_at_1 += draw(logits, 1.0f, u01) != want;
+        expect(drawn[k] == want && drawn[k] >= 0 && drawn[k] < V, "token %d at temperature %g: %d, the replay draws %d", k,
+               temperature, drawn[k], want);
+        context.push_back(drawn[k]);
+    }
+    printf("    temperature %g: %d tokens as replayed; temperature 1 would have drawn %d of them otherwise\n", temperature, count,
+           differ_at_1);
+    expect(rng == rng_a, "one RNG number per token: the sampler's RNG should end where the replay's does");
+    expect(differ_at_1 > 0, "temperature 1 would draw the same tokens: this test could not see the temperature ignored");
+    model_destroy(&m);
+}
+
+// evaluate_val_loss: the mean of the model's losses on the first `batches` batches of the validation data, batch i the
+// windows i*B .. i*B + B - 1 in file order (tokens w*T .. w*T + T of window w), from the start whatever the loader read
+// before. Computed here from the tokens written and model_loss on each batch: equal bit for bit.
+GPU_TEST(train_val_loss_is_the_mean_of_its_batches) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::string val_text = synthetic_text(60000, TEST_SEED).substr(50000);   // val.bin, as write_synthetic_corpus cut it
+    const int B = 2, T = 32, batches = 3;
+    Model m;
+    std::vector<float> w;
+    model_test_setup(&m, B, T, &w);
+    DataLoader val;
+    const std::string err = dataloader_open(&val, data.file("val.bin").c_str(), B, T, 0, 1, m.config.vocab_size, false, 0);
+    expect(err.empty(), "validation loader: %s", err.c_str());
+    if (!err.empty()) return;
+    DeviceBuffer<int> d_inputs((size_t)B * T), d_targets((size_t)B * T);
+    std::vector<float> losses;
+    double sum = 0.0;
+    for (int i = 0; i < batches; i++) {
+        std::vector<int> inputs(B * T), targets(B * T);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const size_t at = (size_t)(i * B + b) * T + t;
+                inputs[b * T + t] = (unsigned char)val_text[at];
+                targets[b * T + t] = (unsigned char)val_text[at + 1];
+            }
+        d_inputs.upload(inputs);
+        d_targets.upload(targets);
+        losses.push_back(model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T));
+        sum += losses.back();
+    }
+    const float want = (float)(sum / batches);
+    dataloader_next_batch(&val);   // the loader elsewhere: the evaluation starts over
+    const float got = evaluate_val_loss(&m, &val, batches, d_inputs.ptr, d_targets.ptr);
+    const float first = evaluate_val_loss(&m, &val, 1, d_inputs.ptr, d_targets.ptr);
+    printf("    batch losses %.6f %.6f %.6f: mean %.9g, evaluate_val_loss %.9g; 1 batch %.9g\n", losses[0], losses[1], losses[2],
+           want, got, first);
+    expect(memcmp(&got, &want, 4) == 0 && memcmp(&first, &losses[0], 4) == 0, "evaluate_val_loss should be the mean of its batches' losses");
+    expect(losses[0] != losses[1] && losses[1] != losses[2], "the batches should differ in loss, else the windows read are not seen");
+    dataloader_free(&val);
+    model_destroy(&m);
 }
 
 // ==============================================================================================
