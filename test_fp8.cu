@@ -21,7 +21,8 @@
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
 //  13. export                 train_fp8.cu 4: HF safetensors and llama2.c files read back and run in float64
-//  14. whole training runs    train_fp8.cu 6: resume, CUDA graphs, the profile, the tiny model against float64
+//  14. whole training runs    train_fp8.cu 5-6: resume, CUDA graphs, the profile, the tiny model against float64,
+//                             non-finite steps, a failed checkpoint write, evaluation and sampling
 //  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's groups and ranks: shards, TP 1 through NCCL, 2 and 4 ranks
 //  16. benchmarks             ./test_fp8 --bench: tables of ratios measured in one run
 //  17. main                   the filters, the run of the tests, the summary line
@@ -36,6 +37,8 @@
 #include <mutex>
 #include <condition_variable>
 #include <sys/wait.h>
+#include <sys/resource.h>
+#include <csignal>
 
 // ==============================================================================================
 // 1. Test infrastructure. The harness: named tests registered at static-init time; a test fails if any expectation
@@ -2529,7 +2532,7 @@ GPU_TEST(adamw_save_load_exact) {
     }
     FILE* f = tmpfile();
     if (!f) fail("adamw_save_load_exact: tmpfile() failed");
-    adamw_save(&a, f);
+    adamw_save(&a, f, "a temporary file");
     long bytes = ftell(f);
     rewind(f);
     adamw_load(&b, f, "tmpfile");
@@ -4406,6 +4409,8 @@ static void write_synthetic_corpus(const TempDir& dir) {
     write_shard_or_die(dir.file("train.bin"), train, BYTE_VOCAB);
     write_shard_or_die(dir.file("val.bin"), val, BYTE_VOCAB);
 }
+// The flags of the tiny model's runs on the synthetic corpus in `data`, then `more`: for train() (tiny_run_options) and for
+// ./train_fp8 itself (run_train_fp8).
 static std::vector<std::string> tiny_run_args(const TempDir& data, const std::vector<std::string>& more) {
     std::vector<std::string> args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data", data.file("val.bin"),
                                      "--batch", "4", "--seq", "32", "--total-batch", "256", "--eval-every", "0",
@@ -4413,10 +4418,9 @@ static std::vector<std::string> tiny_run_args(const TempDir& data, const std::ve
     args.insert(args.end(), more.begin(), more.end());
     return args;
 }
-static TrainOptions tiny_run_options(const TempDir& data, std::vector<std::string> more) {
-    const std::vector<std::string> args = tiny_run_args(data, more);
+static TrainOptions tiny_run_options(const TempDir& data, const std::vector<std::string>& more) {
     TrainOptions o;
-    std::string err = parse_list(args, &o);
+    std::string err = parse_list(tiny_run_args(data, more), &o);
     if (!err.empty()) fail("tiny run options rejected: %s", err.c_str());
     return o;
 }
@@ -4531,25 +4535,42 @@ HOST_TEST(train_xxh64_known_values) {
     }
 }
 
-// A checkpoint written on the host (no GPU) through checkpoint_write: header h, and the payload as far as
-// checkpoint_read_master reads it (P = 1: the AdamW header, then the master weights; P > 1: the whole master
-// weights), then `tail_bytes` random bytes standing in for the moments and FP8 scales. Returns its path.
+// The payload bytes of a checkpoint of header h whose moments are m and v, as README.md's checkpoint tables lay it out:
+// P = 1: the optimizer state (its 40-byte header, master weights, m, v, each FP8 moment's per-tensor scales), then the K
+// FP8 scale records; P > 1: the whole master weights, then P optimizer states of a shard each, then P x K records.
+static uint64_t host_payload_bytes(const CheckpointHeader& h, DType m, DType v) {
+    const ModelConfig c = checkpoint_model_config(h);
+    const uint64_t P = h.tp_size, shard = model_num_params(c, (int)P), tensors = model_param_specs(c, (int)P).size();
+    const uint64_t scales = ((dtype_is_fp8(m) ? tensors : 0) + (dtype_is_fp8(v) ? tensors : 0)) * sizeof(Fp8Meta);
+    const uint64_t state = sizeof(AdamWFileHeader) + shard * (4 + dtype_size(m) + dtype_size(v)) + scales;
+    return (P > 1 ? h.num_params * 4 : 0) + P * (state + h.fp8_meta_count * sizeof(Fp8Meta));
+}
+
+// A checkpoint written on the host (no GPU) through checkpoint_write, of header h and the build's moment types, laid out
+// as host_payload_bytes has it: the master weights `master` where checkpoint_read_master reads them, each optimizer
+// state's header, and random bytes for the rest (the shards, moments, scales). Returns its path.
 static std::string write_host_checkpoint(const std::string& dir, const CheckpointHeader& h, const std::vector<float>& master,
-                                         int keep, size_t tail_bytes = 4096) {
-    std::vector<char> tail(tail_bytes);
-    for (char& b : tail) b = (char)(test_rng()() & 0xFF);
+                                         int keep) {
+    const AdamWConfig types;
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    const uint64_t shard = model_num_params(c, P), whole = P > 1 ? master.size() * 4 : 0, records = h.fp8_meta_count * sizeof(Fp8Meta);
+    const uint64_t state = (host_payload_bytes(h, types.m_dtype, types.v_dtype) - whole) / P - records;   // one optimizer state
+    const AdamWFileHeader a = {ADAMW_MAGIC, ADAMW_VERSION, (uint32_t)types.m_dtype, (uint32_t)types.v_dtype,
+                               (uint32_t)model_param_specs(c, P).size(), 0, shard, 0};
+    std::vector<char> random(std::max(state, P * records));
+    for (char& b : random) b = (char)(test_rng()() & 0xFF);
     return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
-        if (h.tp_size <= 1) {
-            AdamWFileHeader a;
-            memset(&a, 0, sizeof(a));
-            a.magic = ADAMW_MAGIC;
-            a.version = ADAMW_VERSION;
-            a.num_params = master.size();
-            if (fwrite(&a, sizeof(a), 1, f) != 1) fail("writing %s failed", tmp.c_str());
+        auto put = [&](const void* p, uint64_t bytes) {
+            if (bytes > 0 && fwrite(p, 1, bytes, f) != bytes) fail("writing %s failed", tmp.c_str());
+        };
+        put(master.data(), whole);
+        for (int r = 0; r < P; r++) {
+            put(&a, sizeof(a));
+            if (P == 1) put(master.data(), master.size() * 4);
+            put(random.data(), state - sizeof(a) - (P == 1 ? master.size() * 4 : 0));
         }
-        if (fwrite(master.data(), sizeof(float), master.size(), f) != master.size() ||
-            fwrite(tail.data(), 1, tail.size(), f) != tail.size())
-            fail("writing %s failed", tmp.c_str());
+        put(random.data(), P * records);
     });
 }
 // The header of checkpoint `path` changed by poke, with its checksum made right again (a valid header saying
@@ -4561,6 +4582,23 @@ static void rewrite_checkpoint_header(const std::string& path, const std::functi
     poke(&h);
     h.header_xxh64 = checkpoint_header_xxh64(h);
     if (fseek(f, 0, SEEK_SET) != 0 || fwrite(&h, sizeof(h), 1, f) != 1) fail("cannot write %s", path.c_str());
+    fclose(f);
+}
+// The payload of checkpoint `path` (bytes 256 on) changed by poke, which may also resize it, with the header's payload size
+// and both checksums made right again (a file whose checksums all match).
+static void rewrite_checkpoint_payload(const std::string& path, const std::function<void(std::vector<char>*)>& poke) {
+    const std::vector<char> bytes = read_whole_file(path);
+    if (bytes.size() < sizeof(CheckpointHeader)) fail("%s: no checkpoint header", path.c_str());
+    CheckpointHeader h;
+    memcpy(&h, bytes.data(), sizeof(h));
+    std::vector<char> payload(bytes.begin() + sizeof(h), bytes.end());
+    poke(&payload);
+    h.payload_bytes = payload.size();
+    h.payload_xxh64 = xxh64(payload.data(), payload.size());
+    h.header_xxh64 = checkpoint_header_xxh64(h);
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f || fwrite(&h, sizeof(h), 1, f) != 1 || fwrite(payload.data(), 1, payload.size(), f) != payload.size())
+        fail("cannot write %s", path.c_str());
     fclose(f);
 }
 static void flip_byte(const std::string& path, long offset) {
@@ -4625,7 +4663,7 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
     const uint64_t end = sizeof(CheckpointHeader) + back.payload_bytes;
     printf("    %s: %llu bytes, payload xxh64 %016llx: %s\n", good.c_str(), (unsigned long long)end,
            (unsigned long long)back.payload_xxh64, err.empty() ? "verified" : err.c_str());
-    expect(err.empty() && back.step == 12 && back.payload_bytes == sizeof(AdamWFileHeader) + master.size() * 4 + 4096 &&
+    expect(err.empty() && back.step == 12 && back.payload_bytes == host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype) &&
            read_whole_file(good).size() == end, "the intact checkpoint should verify, its size the header's: %s", err.c_str());
     expect(checkpoint_read_master(good, back) == master, "the master weights do not read back");
 
@@ -4648,13 +4686,15 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         {"short file", [&](const std::string& p) { expect(truncate(p.c_str(), 100) == 0, "truncate"); }, {"100 bytes", "header"}},
         // valid checksums over invalid fields: each field named with its value
         {"header size", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->header_bytes = 300; }); },
-         {"valid checksum", "header size 300, not 256"}},
+         {"valid checksum", "header_bytes 300: must be 256"}},
         {"precision", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->precision = 7; }); },
-         {"valid checksum", "build precision 7, not 8 (FP8) or 16 (BF16)"}},
+         {"valid checksum", "precision 7: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)"}},
         {"tp size 0", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->tp_size = 0; }); },
-         {"valid checksum", "tensor-parallel size 0"}},
+         {"valid checksum", "tp_size 0"}},
+        {"two fields", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->precision = 7; x->tp_size = 0; }); },
+         {"valid checksum", "precision 7", "; tp_size 0"}},
         {"dim", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->dim = 100; }); },
-         {"valid checksum", "model: "}},
+         {"valid checksum", "dim 100"}},
     };
     for (const Case& k : cases) {
         const std::string copy = dir.file("damaged.bin");
@@ -4689,7 +4729,7 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     };
     for (long step = 100; step <= 500; step += 100) {   // --keep-checkpoints 2
         h.step = step;
-        write_host_checkpoint(dir.path, h, master, 2, 64);
+        write_host_checkpoint(dir.path, h, master, 2);
         const std::string want = step == 100 ? "ckpt-00000100.bin " : checkpoint_file_name(step - 100) + " " + checkpoint_file_name(step) + " ";
         expect(listing() == want && latest() == checkpoint_file_name(step), "after step %ld with K = 2: files '%s' (want '%s'), latest %s",
                step, listing().c_str(), want.c_str(), latest().c_str());
@@ -4697,13 +4737,13 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     printf("    K = 2 after 5 checkpoints: %s(latest: %s)\n", listing().c_str(), latest().c_str());
     for (long step : {600L, 700L}) {   // --keep-checkpoints 0: all stay
         h.step = step;
-        write_host_checkpoint(dir.path, h, master, 0, 64);
+        write_host_checkpoint(dir.path, h, master, 0);
     }
     expect(checkpoint_files_in(dir.path).size() == 4, "K = 0 should keep every file: %s", listing().c_str());
     // a run resumed from step 400's file that saves step 450 with K = 1: of the files up to step 450 only its own
     // stays; the later ones (500 .. 700, from the run that went on) are left for it to replace as it gets there
     h.step = 450;
-    write_host_checkpoint(dir.path, h, master, 1, 64);
+    write_host_checkpoint(dir.path, h, master, 1);
     std::string want = "ckpt-00000450.bin ckpt-00000500.bin ckpt-00000600.bin ckpt-00000700.bin ";
     printf("    resumed at 400, saved 450 with K = 1: %s(latest: %s)\n", listing().c_str(), latest().c_str());
     expect(listing() == want && latest() == "ckpt-00000450.bin", "files '%s' (want '%s'), latest %s", listing().c_str(), want.c_str(),
@@ -4752,10 +4792,15 @@ static std::string train_fp8_binary() {
     if (access(bin.c_str(), X_OK) != 0) fail("%s is missing: build it first (make)", bin.c_str());
     return bin;
 }
+// Limits on a program started by spawn_program (0: none). file_bytes: no file it writes may grow past that many bytes
+// (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails with EFBIG, as it would on a full disk).
+struct ChildLimits {
+    rlim_t file_bytes = 0;
+};
 // Starts `program` (found on PATH) with `args`, its stdout into out_file and its stderr into err_file ("": /dev/null;
-// the same file for both: the two in the order they are written). Returns its process id.
+// the same file for both: the two in the order they are written), under `limits`. Returns its process id.
 static pid_t spawn_program(const std::string& program, const std::vector<std::string>& args, const std::string& out_file,
-                           const std::string& err_file) {
+                           const std::string& err_file, const ChildLimits& limits = {}) {
     std::vector<std::string> words = {program};
     words.insert(words.end(), args.begin(), args.end());
     std::vector<char*> argv;
@@ -4770,6 +4815,12 @@ static pid_t spawn_program(const std::string& program, const std::vector<std::st
         const int fo = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         const int fe = err == out ? fo : open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         if (fo < 0 || fe < 0 || dup2(fo, 1) < 0 || dup2(fe, 2) < 0) _exit(126);
+        if (limits.file_bytes > 0) {   // an ignored signal stays ignored through exec
+            rlimit r;
+            if (signal(SIGXFSZ, SIG_IGN) == SIG_ERR || getrlimit(RLIMIT_FSIZE, &r) != 0) _exit(125);
+            r.rlim_cur = limits.file_bytes;
+            if (setrlimit(RLIMIT_FSIZE, &r) != 0) _exit(125);
+        }
         execvp(argv[0], argv.data());
         _exit(127);
     }
@@ -4795,10 +4846,14 @@ static int run_program(const std::string& program, const std::vector<std::string
     if (err_text) *err_text = read_text(scratch + ".err");
     return status;
 }
-// ./train_fp8 with `args`: its exit status, and its stderr in *err_text (by way of the file err_file).
-static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
-    const int status = wait_status(spawn_program(train_fp8_binary(), args, "", err_file));
+// ./train_fp8 with `args` under `limits`: its exit status, its stderr in *err_text (by way of the file err_file), and its
+// stdout in *out_text if one is given (by way of err_file.stdout).
+static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text,
+                         std::string* out_text = nullptr, const ChildLimits& limits = {}) {
+    const std::string out_file = out_text ? err_file + ".stdout" : "";
+    const int status = wait_status(spawn_program(train_fp8_binary(), args, out_file, err_file, limits));
     *err_text = read_text(err_file);
+    if (out_text) *out_text = read_text(out_file);
     return status;
 }
 // ./train_fp8 with `args` must refuse them: a non-zero exit, and a message holding every one of `pieces` (printed with
@@ -5175,6 +5230,152 @@ HOST_TEST(makefile_arch_rule_and_dry_make) {
     }
 }
 
+// A header whose checksum matches but whose contents cannot be right (a defective writer) is refused by checkpoint_verify
+// naming the file, the field and its value: each field changed with the header's checksum made right again, and the
+// payload's layout against the model (its size, the optimizer state's moment types) with the payload's checksum made right.
+HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
+    TempDir dir;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
+    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
+    const uint64_t payload = host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype);
+    CheckpointHeader back;
+    std::string err = checkpoint_verify(good, &back);
+    expect(err.empty(), "the intact checkpoint should verify: %s", err.c_str());
+    using Poke = std::function<void(CheckpointHeader*)>;
+    auto header = [](Poke poke) { return [poke](const std::string& p) { rewrite_checkpoint_header(p, poke); }; };
+    auto payload_poke = [](std::function<void(std::vector<char>*)> poke) {
+        return [poke](const std::string& p) { rewrite_checkpoint_payload(p, poke); };
+    };
+    struct Case { const char* what; std::function<void(const std::string&)> damage; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"no layers", header([](CheckpointHeader* x) { x->n_layers = 0; }), {"n_layers 0"}},
+        {"layers < 0", header([](CheckpointHeader* x) { x->n_layers = -3; }), {"n_layers -3"}},
+        {"heads vs dim", header([](CheckpointHeader* x) { x->n_heads = 3; }), {"n_heads 3", "dim 128"}},
+        {"batch 0", header([](CheckpointHeader* x) { x->batch = 0; }), {"batch 0"}},
+        {"seq < 0", header([](CheckpointHeader* x) { x->seq = -32; }), {"seq -32"}},
+        {"total batch", header([](CheckpointHeader* x) { x->total_batch = 100; }), {"total_batch 100", "128"}},
+        {"parameters", header([](CheckpointHeader* x) { x->num_params += 16; }), {"num_params " + std::to_string(h.num_params + 16)}},
+        {"precision", header([](CheckpointHeader* x) { x->precision = 12; }), {"precision 12"}},
+        {"tp size 0", header([](CheckpointHeader* x) { x->tp_size = 0; }), {"tp_size 0"}},
+        {"payload size", payload_poke([](std::vector<char>* b) { b->resize(b->size() + 64); }),
+         {"payload_bytes " + std::to_string(payload + 64), std::to_string(payload)}},
+        {"moment type", payload_poke([](std::vector<char>* b) { (*b)[offsetof(AdamWFileHeader, v_dtype)] = 9; }), {"moment types", "9"}},
+    };
+    for (const Case& k : cases) {
+        const std::string copy = dir.file("invalid.bin");
+        copy_file(good, copy);
+        k.damage(copy);
+        err = checkpoint_verify(copy, &back);
+        const std::string missing = error_pieces_missing(err, k.pieces);
+        printf("    %-12s -> %s\n", k.what, err.c_str());
+        expect(err.find(copy) != std::string::npos && err.find("valid checksum but invalid contents") != std::string::npos &&
+               missing.empty(), "%s: should be refused as invalid contents naming the file and %s", k.what, missing.c_str());
+    }
+}
+
+// DIR/latest, damaged (garbage, empty, a name that is not a checkpoint's, a file that is gone): ./train_fp8 --resume DIR
+// refuses it naming DIR/latest and the fix (name a checkpoint file), exits non-zero and changes nothing, before any GPU
+// work; the checkpoint named directly, the fix, resolves.
+HOST_TEST(train_resume_refuses_a_damaged_latest) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> args = tiny_run_args(data, {"--steps", "20", "--warmup", "2"});
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header(args, 8, &master);
+    struct Case { const char* what; std::string latest; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"garbage", std::string("\x7f" "ELF\0\x02\x01 junk\n", 12), {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"empty", "", {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"another path", "../ckpt-00000008.bin\n", {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"missing file", "ckpt-00000009.bin\n", {"names ckpt-00000009.bin, which is missing", "name another checkpoint file of"}},
+    };
+    for (const Case& k : cases) {
+        TempDir run;
+        const std::string ckpt = write_host_checkpoint(run.path, h, master, 2);
+        FILE* f = fopen(run.file("latest").c_str(), "wb");
+        expect(f && fwrite(k.latest.data(), 1, k.latest.size(), f) == k.latest.size(), "cannot write latest");
+        if (f) fclose(f);
+        const auto before = folder_snapshot(run.path);
+        std::vector<std::string> a = args;
+        a.insert(a.end(), {"--resume", run.path});
+        std::string err;
+        const int status = run_train_fp8(a, data.file("stderr.txt"), &err);
+        const std::string missing = error_pieces_missing(err, k.pieces) + error_pieces_missing(err, {run.file("latest")});
+        err.erase(err.find_last_not_of('\n') + 1);
+        printf("    %-12s exit %d: %s\n", k.what, status, err.c_str());
+        expect(status != 0 && missing.empty(), "%s: should exit non-zero with a message holding %s", k.what, missing.c_str());
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.what);
+        std::string path;
+        expect(checkpoint_resolve(ckpt, &path).empty() && path == ckpt, "%s: the checkpoint named directly should resolve", k.what);
+    }
+}
+
+// Resuming at the TP size that wrote the checkpoint reads its AdamW moments as they are, so another --m-dtype or
+// --v-dtype is refused before any GPU work (this runs without one), naming the file and both types as flags; the run
+// folder is left as it was. At another TP size the moments start over (train_create_ranks): any types are taken there.
+HOST_TEST(train_resume_refuses_other_moment_types) {
+    TempDir data, run;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> args = tiny_run_args(data, {"--steps", "20", "--warmup", "2"});
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header(args, 8, &master);
+    const std::string ckpt = write_host_checkpoint(run.path, h, master, 2);   // the build's moment types
+    const AdamWConfig saved;
+    const std::string m_saved = moment_dtype_flag(saved.m_dtype), v_saved = moment_dtype_flag(saved.v_dtype);
+    const std::string m_other = m_saved == "fp32" ? "bf16" : "fp32", v_other = v_saved == "fp32" ? "bf16" : "fp32";
+    const auto before = folder_snapshot(run.path);
+    struct Case { std::vector<std::string> flags, pieces; };
+    const Case cases[] = {{{"--m-dtype", m_other}, {"--m-dtype " + m_saved, "--m-dtype " + m_other}},
+                          {{"--v-dtype", v_other}, {"--v-dtype " + v_saved, "--v-dtype " + v_other}}};
+    for (const Case& k : cases) {
+        std::vector<std::string> a = args;
+        a.insert(a.end(), k.flags.begin(), k.flags.end());
+        a.insert(a.end(), {"--resume", run.path});
+        std::string err;
+        const int status = run_train_fp8(a, data.file("stderr.txt"), &err);
+        const std::string missing = error_pieces_missing(err, k.pieces) + error_pieces_missing(err, {ckpt});
+        err.erase(err.find_last_not_of('\n') + 1);
+        printf("    %s %s: exit %d: %s\n", k.flags[0].c_str(), k.flags[1].c_str(), status, err.c_str());
+        expect(status != 0 && missing.empty(), "%s %s: should exit non-zero with a message holding %s", k.flags[0].c_str(),
+               k.flags[1].c_str(), missing.c_str());
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.flags[0].c_str());
+    }
+    TrainOptions other;
+    std::vector<std::string> a = args;
+    a.insert(a.end(), {"--m-dtype", m_other});
+    expect(parse_list(a, &other).empty(), "options rejected");
+    const AdamWConfig other_types = adamw_config_from_options(other);
+    expect(checkpoint_moments_check(ckpt, h, saved, 1).empty(), "the checkpoint's own types should be taken");
+    expect(!checkpoint_moments_check(ckpt, h, other_types, 1).empty() && checkpoint_moments_check(ckpt, h, other_types, 2).empty(),
+           "other types: refused at the TP size that wrote the file, taken at another (the moments start over)");
+}
+
+// A write that fails part-way (a file-size limit, as a full disk) leaves the file it was replacing as it was and no
+// temporary file: ./train_fp8 export over an earlier export with every file limited to 64 KiB (model.safetensors: 1.1 MB)
+// exits non-zero naming the file and the cause, and the folder holds the earlier export byte for byte. Checkpoints and
+// `latest` are written the same way (write_file_durably); train_failed_checkpoint_write_keeps_the_last runs out of space
+// in a training run (GPU).
+HOST_TEST(train_failed_write_keeps_the_old_file) {
+    TempDir run, out, logs;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 5, &master);
+    write_host_checkpoint(run.path, h, master, 2);
+    std::string err;
+    int status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err);
+    expect(status == 0, "the export without a limit should succeed: %s", err.c_str());
+    const auto before = folder_snapshot(out.path);
+    status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err, nullptr, ChildLimits{64 << 10});
+    const std::string missing = error_pieces_missing(err, {out.file("model.safetensors.tmp"), "File too large"});
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    export with 64 KiB files: exit %d: %s\n", status, err.c_str());
+    expect(status != 0 && missing.empty(), "the failed write should exit non-zero with a message holding %s", missing.c_str());
+    std::string files;
+    for (auto& kv : folder_snapshot(out.path)) files += kv.first + " ";
+    expect(before.size() == 2 && folder_snapshot(out.path) == before, "the earlier export should be there byte for byte, "
+           "and nothing else: %s", files.c_str());
+}
+
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
 static std::vector<std::string> log_rows_without_timing(const std::string& path) {
     std::vector<char> bytes = read_whole_file(path);
@@ -5426,6 +5627,7 @@ static std::vector<float> export_test_weights(const ModelConfig& c) {
 }
 static CheckpointHeader export_test_header(const ModelConfig& c, int tp) {
     TrainOptions o;
+    o.total_batch = (long)o.batch * o.seq;   // as parse_args sets it
     CheckpointHeader h = checkpoint_header_for(c, o);
     h.step = 77;
     h.tp_size = tp;
@@ -5688,7 +5890,9 @@ GPU_TEST(export_matches_program_logits) {
 
 // ==============================================================================================
 // 14. Whole training runs on the GPU (train_fp8.cu section 6), on the synthetic byte corpus of section 12: resume
-// equals an uninterrupted run bit for bit; the tiny model follows the float64 reference.
+// equals an uninterrupted run bit for bit; the tiny model follows the float64 reference; non-finite steps are skipped
+// and --max-bad-steps of them stop the run; a failed checkpoint write keeps the last one. Then evaluation and sampling
+// (section 5) against the model's own losses and logits.
 
 // 6 steps straight, against a run that stops after step 5 (--stop-after 5, the same schedule) with checkpoints at
 // steps 3 and 5, resumed from its step-3 file for steps 4 to 6, as if it had crashed after step 5 before saving: the
@@ -5956,6 +6160,265 @@ GPU_TEST(train_tiny_follows_float64_reference) {
     expect(ref_losses.back() < ref_losses[0] - 0.1, "the run should learn (float64 loss %.4f -> %.4f), else matching it proves little",
            ref_losses[0], ref_losses.back());
     dataloader_free(&dl);
+}
+
+// A step whose loss or gradient norm is not finite changes nothing of the optimizer (master weights, moments, their
+// scales, the update count) and is counted; the next finite step updates again and ends the run of bad steps. Through
+// train()'s own steps, with a NaN put into the BF16 copy of the final norm's weight (every logit NaN) before step 2 and
+// the copy made again from the master weights before step 3.
+GPU_TEST(train_nonfinite_step_skips_the_update) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const TrainOptions o = tiny_run_options(data, {"--steps", "3", "--warmup", "1", "--lr", "3e-3"});
+    TrainRun run;
+    train_check_inputs(&run, o);
+    train_create_ranks(&run);
+    train_open_logs(&run);
+    TrainRank& r = run.ranks[0];
+    auto optimizer_state = [&] {   // every byte adamw_save writes after its header
+        std::vector<char> bytes;
+        for (const AdamWPart& part : adamw_state_parts(&r.opt)) {
+            std::vector<char> b(part.bytes);
+            cudaCheck(cudaMemcpy(b.data(), part.ptr, part.bytes, cudaMemcpyDeviceToHost));
+            bytes.insert(bytes.end(), b.begin(), b.end());
+        }
+        return bytes;
+    };
+    const StepStats s1 = train_step(&run, 1);
+    const std::vector<char> after_1 = optimizer_state();
+    const bf16 nan = __float2bfloat16(NAN);
+    cudaCheck(cudaMemcpy(r.model.weights + r.model.params[param_final_norm(run.config)].offset, &nan, sizeof(nan), cudaMemcpyHostToDevice));
+    const StepStats s2 = train_step(&run, 2);
+    const bool unchanged = optimizer_state() == after_1;
+    const long bad_after_2 = run.bad_in_row;
+    adamw_export_weights(&r.opt, r.model.weights, r.model.stream);
+    model_weights_changed(&r.model);
+    const StepStats s3 = train_step(&run, 3);
+    printf("    step 1: loss %.5f, norm %.5f | step 2: loss %g, norm %g, skipped %d | step 3: loss %.5f, skipped %d; %ld skipped\n",
+           s1.loss, s1.grad_norm, s2.loss, s2.grad_norm, s2.bad, s3.loss, s3.bad, run.result.bad_steps);
+    expect(!s1.bad && std::isfinite(s1.loss), "step 1 should be finite");
+    expect(s2.bad && !std::isfinite(s2.loss) && bad_after_2 == 1 && unchanged,
+           "step 2 (NaN logits) should be skipped and counted (in a row: %ld), the optimizer state unchanged (%s)", bad_after_2,
+           unchanged ? "it is" : "it changed");
+    expect(!s3.bad && std::isfinite(s3.loss) && run.bad_in_row == 0 && run.result.bad_steps == 1 && r.opt.step == 2 &&
+           optimizer_state() != after_1, "step 3 should update (updates %d, want 2) and end the row (in a row %ld, skipped %ld)",
+           r.opt.step, run.bad_in_row, run.result.bad_steps);
+    profile_destroy(&run.profile);
+    train_close(&run);
+}
+
+// --max-bad-steps N: N non-finite steps in a row end the run with a message and exit status 1, and write no checkpoint
+// after them (the last one holds the weights from before). A NaN in the master weights of step 2's checkpoint (its
+// checksums made right again) makes every later step non-finite. Resumed for steps 3 and 4 with --max-bad-steps 5, the
+// run skips both, and its step-4 checkpoint holds step 2's optimizer state byte for byte, with 2 steps skipped, 2 of them
+// in a row (log.csv: skipped 1). Resumed from that by ./train_fp8 with --max-bad-steps 3 and a checkpoint every step, it
+// stops after step 5 (3 in a row: the count carries over the resume) and leaves the checkpoints and `latest` as they were.
+GPU_TEST(train_max_bad_steps_stops_the_run) {
+    TempDir data, dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "6", "--warmup", "1", "--lr", "3e-3", "--out", dir.path};
+    auto with = [&](std::vector<std::string> more) { more.insert(more.begin(), common.begin(), common.end()); return more; };
+    train(tiny_run_options(data, with({"--stop-after", "2", "--checkpoint-every", "2"})));
+    const std::string ckpt2 = dir.file(checkpoint_file_name(2).c_str()), ckpt4 = dir.file(checkpoint_file_name(4).c_str());
+    const ModelConfig c = model_config_from_options(tiny_run_options(data, {}), BYTE_VOCAB);
+    const size_t nan_at = sizeof(AdamWFileHeader) + model_param_specs(c)[param_final_norm(c)].offset * sizeof(float);
+    rewrite_checkpoint_payload(ckpt2, [&](std::vector<char>* p) { const float nan = NAN; memcpy(p->data() + nan_at, &nan, 4); });
+    const TrainResult r = train(tiny_run_options(data, with({"--resume", dir.path, "--stop-after", "4", "--checkpoint-every", "2",
+                                                             "--max-bad-steps", "5"})));
+    expect(r.losses.size() == 2 && !std::isfinite(r.losses[0]) && !std::isfinite(r.losses.back()) && r.bad_steps == 2 &&
+           !r.stopped_on_bad_steps, "steps 3 and 4: %zu steps, %ld skipped (want 2 and 2), stopped %d", r.losses.size(), r.bad_steps,
+           r.stopped_on_bad_steps);
+    CheckpointHeader h2, h4;
+    const std::string err = checkpoint_verify(ckpt2, &h2) + checkpoint_verify(ckpt4, &h4);
+    const std::vector<char> b2 = read_whole_file(ckpt2), b4 = read_whole_file(ckpt4);
+    const size_t state = h2.payload_bytes - h2.fp8_meta_count * sizeof(Fp8Meta);   // P = 1: the optimizer state, then the FP8 records
+    expect(err.empty() && b2.size() == b4.size() && memcmp(b2.data() + 256, b4.data() + 256, state) == 0,
+           "step 4's checkpoint should hold step 2's optimizer state byte for byte: %s", err.c_str());
+    expect(h4.step == 4 && h4.bad_steps == 2 && h4.bad_in_row == 2, "step 4's checkpoint: step %lld, %lld skipped, %lld in a row",
+           (long long)h4.step, (long long)h4.bad_steps, (long long)h4.bad_in_row);
+    for (const std::string& row : log_rows_without_timing(dir.file("log.csv"))) {
+        if (!isdigit((unsigned char)row[0])) continue;   // the header
+        const bool skipped = row.size() >= 3 && row.compare(row.size() - 3, 3, ",1,") == 0;
+        expect(skipped == (atoi(row.c_str()) >= 3), "log.csv row '%s': skipped should be 1 exactly from step 3", row.c_str());
+    }
+    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    const auto before = checkpoint_files();
+    std::vector<std::string> args = tiny_run_args(data, with({"--resume", dir.path, "--checkpoint-every", "1", "--max-bad-steps", "3"}));
+    std::string err_text, out_text;
+    const int status = run_train_fp8(args, data.file("stderr.txt"), &err_text, &out_text);
+    const std::string want = "stopping: 3 non-finite steps in a row (--max-bad-steps 3), 3 in the whole run";
+    const size_t at = out_text.find("stopping:");
+    printf("    ./train_fp8 --resume (step 4, 2 in a row) --max-bad-steps 3: exit %d: %s\n", status,
+           at == std::string::npos ? "(no stopping line)" : out_text.substr(at, out_text.find('\n', at) - at).c_str());
+    expect(status == 1 && out_text.find(want) != std::string::npos && out_text.find("step     6/6") == std::string::npos,
+           "the run should stop after step 5 with exit 1 and '%s'; stderr: %s", want.c_str(), err_text.c_str());
+    expect(before.size() == 3 && checkpoint_files() == before, "the checkpoints and latest should be as they were (%zu files)",
+           checkpoint_files().size());
+}
+
+// A checkpoint write that fails part-way (every file limited to 1 MiB, as a full disk; the tiny model's checkpoint is
+// 4 MB and more) ends ./train_fp8 with a message naming the file and the cause and a non-zero exit; the previous
+// checkpoint and `latest` stay byte for byte, and no temporary file is left.
+GPU_TEST(train_failed_checkpoint_write_keeps_the_last) {
+    TempDir data, dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "4", "--warmup", "1", "--lr", "3e-3", "--checkpoint-every", "2", "--out", dir.path};
+    std::vector<std::string> first = common;
+    first.insert(first.end(), {"--stop-after", "2"});
+    train(tiny_run_options(data, first));
+    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    const auto before = checkpoint_files();
+    std::vector<std::string> resumed = tiny_run_args(data, common);
+    resumed.insert(resumed.end(), {"--resume", dir.path, "--tp", "0"});   // --tp 0: no NCCL, only the program's files meet the limit
+    std::string err;
+    const int status = run_train_fp8(resumed, data.file("stderr.txt"), &err, nullptr, ChildLimits{1 << 20});
+    const std::string missing = error_pieces_missing(err, {dir.file(checkpoint_file_name(4).c_str()) + ".tmp", "File too large"});
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    resumed with 1 MiB files: exit %d: %s\n", status, err.c_str());
+    expect(status != 0 && missing.empty(), "the failed checkpoint should exit non-zero with a message holding %s", missing.c_str());
+    std::string files;
+    for (auto& kv : checkpoint_files()) files += kv.first + " ";
+    expect(before.size() == 2 && checkpoint_files() == before, "step 2's checkpoint and latest should be as they were, and "
+           "nothing else: %s", files.c_str());
+}
+
+// sample_text: each token from the logits at the last position of its context (its last T tokens: the 28-token prompt
+// and 12 new tokens pass T = 32, so the window slides). Temperature 0: their argmax, which is the float64 reference's
+// wherever the reference's two largest logits lie further apart than twice the GPU's largest logit error there (then no
+// error can swap them). Temperature 0.8: the draw of softmax(logits / 0.8) at one RNG number per token, replayed here;
+// temperature 1 would draw otherwise. The same seed draws the same tokens, another seed others; 1e-4 draws the argmax.
+GPU_TEST(train_sampler_draws_from_its_logits) {
+    const int T = 32, count = 12;
+    Model m;
+    std::vector<float> w;
+    model_test_setup(&m, 1, T, &w);
+    const ModelConfig& c = m.config;
+    const int V = c.vocab_size;
+    DeviceBuffer<int> d_inputs(T);
+    DeviceBuffer<float> d_logits((size_t)T * V);
+    const std::vector<int> prompt = model_test_tokens(28, V);
+    auto sample = [&](float temperature, uint64_t seed, uint64_t* rng_after) {
+        uint64_t rng = seed;
+        std::vector<int> out = sample_text(&m, prompt, count, temperature, &rng, d_inputs.ptr, d_logits.ptr);
+        if (rng_after) *rng_after = rng;
+        return out;
+    };
+    auto last_tokens = [&](const std::vector<int>& context) {
+        return std::vector<int>(context.end() - std::min((int)context.size(), T), context.end());
+    };
+    auto next_logits = [&](const std::vector<int>& context) {   // the window: the last T tokens from position 0, then zeros
+        std::vector<int> window = last_tokens(context);
+        const size_t len = window.size();
+        window.resize(T, 0);
+        d_inputs.upload(window);
+        model_logits(&m, d_inputs.ptr, 1, T, d_logits.ptr);
+        const std::vector<float> all = d_logits.download();
+        return std::vector<float>(all.begin() + (len - 1) * V, all.begin() + len * V);
+    };
+    std::vector<float> wb(w.size());
+    for (size_t i = 0; i < w.size(); i++) wb[i] = to_float(__float2bfloat16(w[i]));
+    const RefConfig rc = ref_config_of(c, false);
+    const RefTensors params = ref_tensors_from_flat(rc, wb.data());
+    const std::vector<int> greedy = sample(0.0f, 1, nullptr);
+    std::vector<int> context = prompt;
+    int decided = 0;
+    for (int k = 0; k < count; k++) {
+        const std::vector<float> gpu = next_logits(context);
+        const std::vector<int> last = last_tokens(context);
+        const std::vector<double> all_ref = ref_logits(rc, params, last);
+        const double* ref = all_ref.data() + (last.size() - 1) * V;
+        const int gpu_best = (int)(std::max_element(gpu.begin(), gpu.end()) - gpu.begin());
+        const int ref_best = (int)(std::max_element(ref, ref + V) - ref);
+        double err = 0.0, second = -INFINITY;
+        for (int i = 0; i < V; i++) {
+            err = std::max(err, fabs(gpu[i] - ref[i]));
+            if (i != ref_best) second = std::max(second, ref[i]);
+        }
+        const bool decidable = ref[ref_best] - second > 2 * err;
+        decided += decidable;
+        expect(greedy[k] == gpu_best && (!decidable || greedy[k] == ref_best), "token %d: greedy %d, argmax of its logits %d, of the "
+               "reference %d (gap %.2e, error %.2e)", k, greedy[k], gpu_best, ref_best, ref[ref_best] - second, err);
+        context.push_back(greedy[k]);
+    }
+    printf("    greedy: %d of %d tokens decided by the float64 reference's logits (gap > 2 x the GPU's error), all its argmax\n",
+           decided, count);
+    expect(decided >= count / 2, "only %d of %d tokens decidable against the reference: the test proves little", decided, count);
+
+    const float temperature = 0.8f;
+    uint64_t rng_a = 0, rng_b = 0;
+    const std::vector<int> drawn = sample(temperature, 99, &rng_a);
+    expect(sample(temperature, 99, &rng_b) == drawn && rng_a == rng_b, "the same seed should draw the same tokens");
+    expect(sample(temperature, 100, nullptr) != drawn, "another seed should draw other tokens");
+    expect(sample(1e-4f, 5, nullptr) == greedy, "temperature 1e-4 should draw the argmax at every token");
+    auto draw = [&](const std::vector<float>& logits, float temp, float u01) {   // the inverse CDF of softmax(logits / temp)
+        const double mx = *std::max_element(logits.begin(), logits.end());
+        std::vector<double> p(V);
+        double sum = 0.0;
+        for (int i = 0; i < V; i++) sum += p[i] = exp((logits[i] - mx) / temp);
+        double u = u01 * sum;
+        for (int i = 0; i < V; i++) if ((u -= p[i]) < 0.0) return i;
+        return V - 1;
+    };
+    uint64_t rng = 99;
+    int differ_at_1 = 0;
+    context = prompt;
+    for (int k = 0; k < count; k++) {
+        const std::vector<float> logits = next_logits(context);
+        const float u01 = sample_uniform(&rng);
+        const int want = draw(logits, temperature, u01);
+        differ_at_1 += draw(logits, 1.0f, u01) != want;
+        expect(drawn[k] == want && drawn[k] >= 0 && drawn[k] < V, "token %d at temperature %g: %d, the replay draws %d", k,
+               temperature, drawn[k], want);
+        context.push_back(drawn[k]);
+    }
+    printf("    temperature %g: %d tokens as replayed; temperature 1 would have drawn %d of them otherwise\n", temperature, count,
+           differ_at_1);
+    expect(rng == rng_a, "one RNG number per token: the sampler's RNG should end where the replay's does");
+    expect(differ_at_1 > 0, "temperature 1 would draw the same tokens: this test could not see the temperature ignored");
+    model_destroy(&m);
+}
+
+// evaluate_val_loss: the mean of the model's losses on the first `batches` batches of the validation data, batch i the
+// windows i*B .. i*B + B - 1 in file order (tokens w*T .. w*T + T of window w), from the start whatever the loader read
+// before. Computed here from the tokens written and model_loss on each batch: equal bit for bit.
+GPU_TEST(train_val_loss_is_the_mean_of_its_batches) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::string val_text = synthetic_text(60000, TEST_SEED).substr(50000);   // val.bin, as write_synthetic_corpus cut it
+    const int B = 2, T = 32, batches = 3;
+    Model m;
+    std::vector<float> w;
+    model_test_setup(&m, B, T, &w);
+    DataLoader val;
+    const std::string err = dataloader_open(&val, data.file("val.bin").c_str(), B, T, 0, 1, m.config.vocab_size, false, 0);
+    expect(err.empty(), "validation loader: %s", err.c_str());
+    if (!err.empty()) return;
+    DeviceBuffer<int> d_inputs((size_t)B * T), d_targets((size_t)B * T);
+    std::vector<float> losses;
+    double sum = 0.0;
+    for (int i = 0; i < batches; i++) {
+        std::vector<int> inputs(B * T), targets(B * T);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const size_t at = (size_t)(i * B + b) * T + t;
+                inputs[b * T + t] = (unsigned char)val_text[at];
+                targets[b * T + t] = (unsigned char)val_text[at + 1];
+            }
+        d_inputs.upload(inputs);
+        d_targets.upload(targets);
+        losses.push_back(model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T));
+        sum += losses.back();
+    }
+    const float want = (float)(sum / batches);
+    dataloader_next_batch(&val);   // the loader elsewhere: the evaluation starts over
+    const float got = evaluate_val_loss(&m, &val, batches, d_inputs.ptr, d_targets.ptr);
+    const float first = evaluate_val_loss(&m, &val, 1, d_inputs.ptr, d_targets.ptr);
+    printf("    batch losses %.6f %.6f %.6f: mean %.9g, evaluate_val_loss %.9g; 1 batch %.9g\n", losses[0], losses[1], losses[2],
+           want, got, first);
+    expect(memcmp(&got, &want, 4) == 0 && memcmp(&first, &losses[0], 4) == 0, "evaluate_val_loss should be the mean of its batches' losses");
+    expect(losses[0] != losses[1] && losses[1] != losses[2], "the batches should differ in loss, else the windows read are not seen");
+    dataloader_free(&val);
+    model_destroy(&m);
 }
 
 // ==============================================================================================

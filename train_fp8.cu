@@ -747,16 +747,32 @@ inline void write_bytes(FILE* f, const void* data, size_t bytes, const std::stri
     if (bytes > 0 && fwrite(data, 1, bytes, f) != bytes) fail("writing %s failed: %s (disk full?)", path.c_str(), strerror(errno));
 }
 
+// The temporary file that write_file_durably is filling ("" between writes). An exit before its rename (an error:
+// fail() exits) removes it, so that a failed write leaves no partial file, which on a full disk holds the space a retry needs.
+inline void remove_durable_write_in_progress();
+inline std::string& durable_write_in_progress() {
+    static std::string tmp;
+    static const bool removed_at_exit = atexit(remove_durable_write_in_progress) == 0;   // after tmp: runs before its destructor
+    if (!removed_at_exit) fail("atexit failed: a failed write could leave its temporary file behind");
+    return tmp;
+}
+inline void remove_durable_write_in_progress() {
+    const std::string& tmp = durable_write_in_progress();
+    if (!tmp.empty()) remove(tmp.c_str());
+}
+
 // Writes `path` durably: write(f, tmp_path) fills PATH.tmp (opened for writing and reading), then fsync, rename over
-// `path`, fsync of the folder. An error is fatal and leaves `path` as it was.
+// `path`, fsync of the folder. An error is fatal and leaves `path` as it was, and no PATH.tmp.
 inline void write_file_durably(const std::string& path, const std::function<void(FILE*, const std::string&)>& write) {
     const std::string tmp = path + ".tmp";
     FILE* f = fopen(tmp.c_str(), "w+b");
     if (!f) fail("cannot write %s: %s", tmp.c_str(), strerror(errno));
+    durable_write_in_progress() = tmp;
     write(f, tmp);
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
     if (fclose(f) != 0) fail("closing %s failed: %s", tmp.c_str(), strerror(errno));
     if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
+    durable_write_in_progress().clear();
     fsync_folder(path_folder(path));
 }
 
@@ -854,9 +870,69 @@ inline std::string checkpoint_resolve(const std::string& where, std::string* pat
     return "";
 }
 
+// "" if the fields of a header whose checksum matched can describe a checkpoint, else each field at fault and its value
+// (not a file this program wrote, or a defective writer: the checksum only says that the bytes are the ones written).
+// The fields that stand alone are each checked; those that depend on them (the model, its size, the batch) once they pass.
+inline std::string checkpoint_header_problem(const CheckpointHeader& h) {
+    std::vector<std::string> problems;
+    if (h.header_bytes != sizeof(CheckpointHeader))
+        problems.push_back(strprintf("header_bytes %u: must be %zu", h.header_bytes, sizeof(CheckpointHeader)));
+    if (h.precision != 8 && h.precision != 16)
+        problems.push_back(strprintf("precision %u: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)", h.precision));
+    if (h.tp_size < 1) problems.push_back(strprintf("tp_size %u: must be at least 1", h.tp_size));
+    if (h.batch < 1) problems.push_back(strprintf("batch %d: must be at least 1", h.batch));
+    if (h.seq < 1) problems.push_back(strprintf("seq %d: must be at least 1", h.seq));
+    if (!problems.empty()) {
+        std::string list;
+        for (const std::string& q : problems) list += (list.empty() ? "" : "; ") + q;
+        return list;
+    }
+    const ModelConfig c = checkpoint_model_config(h);
+    std::string problem = model_config_problem(c);
+    if (problem.empty()) problem = model_tp_problem(c, (int)h.tp_size);
+    if (!problem.empty()) return problem;
+    if (h.num_params != model_num_params(c))
+        return strprintf("num_params %llu: its model has %zu", (unsigned long long)h.num_params, model_num_params(c));
+    const int64_t bt = (int64_t)h.batch * h.seq;
+    if (h.total_batch < bt || h.total_batch % bt != 0)
+        return strprintf("total_batch %lld: must be a positive multiple of batch x seq = %lld", (long long)h.total_batch, (long long)bt);
+    return "";
+}
+
+// The moment types of checkpoint `path` (header h, its checksums verified), from rank 0's optimizer state: at the start
+// of the payload (P = 1) or after the whole master weights (P > 1). "" or the reason.
+inline std::string checkpoint_moment_types(const std::string& path, const CheckpointHeader& h, DType* m, DType* v) {
+    const uint64_t at = sizeof(CheckpointHeader) + (h.tp_size > 1 ? h.num_params * sizeof(float) : 0);
+    AdamWFileHeader a;
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) return strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
+    const bool read = fseeko(f, (off_t)at, SEEK_SET) == 0 && fread(&a, sizeof(a), 1, f) == 1;
+    fclose(f);
+    if (!read || a.magic != ADAMW_MAGIC || a.m_dtype > DT_E5M2 || a.v_dtype > DT_E5M2)
+        return strprintf("%s: a payload with a valid checksum but invalid contents (no optimizer state with known moment types "
+                         "at byte %llu: magic 0x%08x, moment types %u and %u): written by a defective build; use another "
+                         "checkpoint", path.c_str(), (unsigned long long)at, read ? a.magic : 0, read ? a.m_dtype : 0,
+                         read ? a.v_dtype : 0);
+    *m = (DType)a.m_dtype;
+    *v = (DType)a.v_dtype;
+    return "";
+}
+
+// The payload bytes of a checkpoint of header h (valid) with moments of types m and v, as section 2 lays it out: P
+// optimizer states of a shard each (master weights, m, v, each FP8 moment's per-tensor scales; after the whole master
+// weights if P > 1), then P x K FP8 scale records.
+inline uint64_t checkpoint_payload_bytes(const CheckpointHeader& h, DType m, DType v) {
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    const uint64_t shard = model_num_params(c, P), tensors = model_param_specs(c, P).size();
+    const uint64_t state = sizeof(AdamWFileHeader) + shard * (sizeof(float) + dtype_size(m) + dtype_size(v)) +
+                           ((dtype_is_fp8(m) ? tensors : 0) + (dtype_is_fp8(v) ? tensors : 0)) * h.fp8_meta_bytes;
+    return (P > 1 ? h.num_params * sizeof(float) : 0) + P * (state + h.fp8_meta_count * h.fp8_meta_bytes);
+}
+
 // Reads and checks checkpoint `path` whole before anything of it is used: the header (magic, version, its checksum,
-// a valid model), the file's size against the header's, and the payload's checksum. "" or the reason, naming the
-// file and the bytes at fault.
+// valid contents), the file's size against the header's, the payload's checksum, and the payload's size against the
+// model's. "" or the reason, naming the file and the bytes or the field at fault.
 inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* h) {
     const char* p = path.c_str();
     std::string err = checkpoint_read_header(p, h);
@@ -872,25 +948,10 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
         return strprintf("%s: bytes 0 to %zu (the header) do not match their checksum (stored %016llx, computed %016llx): the "
                          "file is damaged; use another checkpoint", p, offsetof(CheckpointHeader, header_xxh64) - 1,
                          (unsigned long long)h->header_xxh64, (unsigned long long)header_sum);
-    // a valid checksum over invalid fields: each one that is wrong, named with its value
-    std::vector<std::string> problems;
-    if (h->header_bytes != sizeof(CheckpointHeader))
-        problems.push_back(strprintf("header size %u, not %zu", h->header_bytes, sizeof(CheckpointHeader)));
-    if (h->precision != 8 && h->precision != 16)
-        problems.push_back(strprintf("build precision %u, not 8 (FP8) or 16 (BF16)", h->precision));
-    if (h->tp_size < 1) problems.push_back("tensor-parallel size 0");
-    const ModelConfig c = checkpoint_model_config(*h);
-    std::string model_problem = model_config_problem(c);
-    if (model_problem.empty() && h->tp_size >= 1) model_problem = model_tp_problem(c, (int)h->tp_size);
-    if (!model_problem.empty()) problems.push_back("model: " + model_problem);
-    else if (h->num_params != model_num_params(c))
-        problems.push_back(strprintf("%llu parameters, its model has %zu", (unsigned long long)h->num_params, model_num_params(c)));
-    if (!problems.empty()) {
-        std::string list;
-        for (const std::string& q : problems) list += (list.empty() ? "" : "; ") + q;
+    const std::string problem = checkpoint_header_problem(*h);
+    if (!problem.empty())
         return strprintf("%s: a header with a valid checksum but invalid contents (%s): not a checkpoint this program wrote, "
-                         "or written by a defective build; use another checkpoint", p, list.c_str());
-    }
+                         "or written by a defective build; use another checkpoint", p, problem.c_str());
     struct stat st;
     if (stat(p, &st) != 0) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
     const uint64_t size = (uint64_t)st.st_size, want = sizeof(CheckpointHeader) + h->payload_bytes;
@@ -912,6 +973,30 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
                          "checksum (stored %016llx, computed %016llx): the file is damaged; use another checkpoint (the run "
                          "folder keeps the newest --keep-checkpoints of them)", p, (unsigned long long)want - 1,
                          (unsigned long long)h->payload_xxh64, (unsigned long long)payload_sum);
+    DType m = DT_FP32, v = DT_FP32;
+    err = checkpoint_moment_types(path, *h, &m, &v);
+    if (!err.empty()) return err;
+    const uint64_t model_bytes = checkpoint_payload_bytes(*h, m, v);
+    if (h->payload_bytes != model_bytes)
+        return strprintf("%s: a header with a valid checksum but invalid contents (payload_bytes %llu; its model at tp %u with "
+                         "moments %s and %s takes %llu): written by a defective build; use another checkpoint", p,
+                         (unsigned long long)h->payload_bytes, h->tp_size, dtype_name(m), dtype_name(v),
+                         (unsigned long long)model_bytes);
+    return "";
+}
+
+// "" if the optimizer state of checkpoint `path` (header h, verified) can continue a run of P ranks with moments of
+// `run`'s types: at the TP size that wrote it the moments are read as they are, so their types must be the run's; at
+// another they start over (train_create_ranks), in any types.
+inline std::string checkpoint_moments_check(const std::string& path, const CheckpointHeader& h, const AdamWConfig& run, int P) {
+    if (h.tp_size != (uint32_t)P) return "";
+    DType m = DT_FP32, v = DT_FP32;
+    std::string err = checkpoint_moment_types(path, h, &m, &v);
+    if (!err.empty()) return err;
+    if (m != run.m_dtype || v != run.v_dtype)
+        return strprintf("%s: its AdamW moments are --m-dtype %s --v-dtype %s, this run has --m-dtype %s --v-dtype %s: resume "
+                         "with the moment types of the run that wrote it", path.c_str(), moment_dtype_flag(m).c_str(),
+                         moment_dtype_flag(v).c_str(), moment_dtype_flag(run.m_dtype).c_str(), moment_dtype_flag(run.v_dtype).c_str());
     return "";
 }
 
@@ -939,7 +1024,7 @@ inline std::string checkpoint_save(const std::string& dir, const CheckpointHeade
             }
             write_bytes(f, whole.data(), whole.size() * sizeof(float), tmp);
         }
-        for (const AdamW* opt : opts) adamw_save(opt, f);
+        for (const AdamW* opt : opts) adamw_save(opt, f, tmp.c_str());
         std::vector<Fp8Meta> metas(h.fp8_meta_count);
         for (Model* model : models) {
             if (metas.empty()) break;
@@ -1679,6 +1764,7 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         err = checkpoint_resolve(o.resume, &run->resume_path);
         if (err.empty()) err = checkpoint_verify(run->resume_path, &run->saved);
         if (err.empty()) err = checkpoint_header_check(run->saved, run->header, run->resume_path.c_str());
+        if (err.empty()) err = checkpoint_moments_check(run->resume_path, run->saved, run->adamw_config, std::max(1, o.tp));
         if (err.empty()) err = dataloader_set_state(&run->train_data, {run->saved.loader_epoch, run->saved.loader_position});
         if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
         err = train_resume_range_problem(o, run->saved.step);
