@@ -4025,7 +4025,7 @@ HOST_TEST(dataloader_prepare_byte_shards) {
     FILE* f = fopen(text_path.c_str(), "wb");
     expect(f && fwrite(text.data(), 1, text.size(), f) == text.size(), "could not write %s", text_path.c_str());
     if (f) fclose(f);
-    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str());
+    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
     expect(err.empty(), "prepare failed: %s", err.c_str());
     int32_t h_train[SHARD_HEADER_INTS] = {}, h_val[SHARD_HEADER_INTS] = {};
     std::vector<uint16_t> train = read_shard_tokens(prefix + "_train.bin", h_train), val = read_shard_tokens(prefix + "_val.bin", h_val);
@@ -4045,11 +4045,11 @@ HOST_TEST(dataloader_prepare_byte_shards) {
     std::string empty_path = dir.file("empty.txt");
     FILE* e = fopen(empty_path.c_str(), "wb");
     if (e) fclose(e);
-    const Bad bad[] = {{"missing file", dir.file("nope.txt"), prefix, "cannot read"},
-                       {"empty file", empty_path, prefix, "has 0 bytes"},
+    const Bad bad[] = {{"missing file", dir.file("nope.txt"), dir.file("u"), "cannot read"},
+                       {"empty file", empty_path, dir.file("u"), "has 0 bytes"},
                        {"unwritable folder", text_path, dir.file("no_such_folder/t"), "cannot write"}};
     for (const Bad& b : bad) {
-        err = prepare_byte_shards(b.path.c_str(), b.prefix.c_str());
+        err = prepare_byte_shards(b.path.c_str(), b.prefix.c_str(), false);
         printf("    %-22s -> %s\n", b.what, err.c_str());
         expect(err.find(b.piece) != std::string::npos, "%s: want an error with '%s', got '%s'", b.what, b.piece.c_str(), err.c_str());
     }
@@ -4512,6 +4512,15 @@ HOST_TEST(train_xxh64_known_values) {
     }
 }
 
+// The 40-byte header of an AdamW state of n parameters, as far as checkpoint_master_offset reads it.
+static void write_host_adamw_header(FILE* f, const std::string& path, size_t n) {
+    AdamWFileHeader a;
+    memset(&a, 0, sizeof(a));
+    a.magic = ADAMW_MAGIC;
+    a.version = ADAMW_VERSION;
+    a.num_params = n;
+    if (fwrite(&a, sizeof(a), 1, f) != 1) fail("writing %s failed", path.c_str());
+}
 // A checkpoint written on the host (no GPU) through checkpoint_write: header h, and the payload as far as
 // checkpoint_read_master reads it (P = 1: the AdamW header, then the master weights; P > 1: the whole master
 // weights), then `tail_bytes` random bytes standing in for the moments and FP8 scales. Returns its path.
@@ -4520,14 +4529,7 @@ static std::string write_host_checkpoint(const std::string& dir, const Checkpoin
     std::vector<char> tail(tail_bytes);
     for (char& b : tail) b = (char)(test_rng()() & 0xFF);
     return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
-        if (h.tp_size <= 1) {
-            AdamWFileHeader a;
-            memset(&a, 0, sizeof(a));
-            a.magic = ADAMW_MAGIC;
-            a.version = ADAMW_VERSION;
-            a.num_params = master.size();
-            if (fwrite(&a, sizeof(a), 1, f) != 1) fail("writing %s failed", tmp.c_str());
-        }
+        if (h.tp_size <= 1) write_host_adamw_header(f, tmp, master.size());
         if (fwrite(master.data(), sizeof(float), master.size(), f) != master.size() ||
             fwrite(tail.data(), 1, tail.size(), f) != tail.size())
             fail("writing %s failed", tmp.c_str());
@@ -4642,6 +4644,101 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
     expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
 }
 
+// A header with a valid checksum but impossible numbers is refused by checkpoint_verify at once, before any of them
+// sizes an allocation or a loop, naming the field, its value and its bound.
+HOST_TEST(train_checkpoint_header_bounds) {
+    TempDir dir;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
+    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
+    const float inf = INFINITY, nan = NAN;
+    struct Case { std::function<void(CheckpointHeader*)> poke; std::vector<std::string> pieces; };
+    const Case cases[] = {   // the tiny model: dim 128, 2 layers, 2 heads of 64, seq 32; its payload holds 2 layers
+        {[](CheckpointHeader* x) { x->n_layers = INT_MAX; }, {"n_layers 2147483647", "at most 2,", "payload"}},
+        {[](CheckpointHeader* x) { x->n_layers = 0; }, {"n_layers 0", "[1, 2147483647]"}},
+        {[](CheckpointHeader* x) { x->max_seq_len = INT_MAX; }, {"max_seq_len 2147483647", "[1, 4096]", "--seq"}},
+        {[](CheckpointHeader* x) { x->dim = 0; }, {"dim 0", "[16, 4194240]"}},
+        {[](CheckpointHeader* x) { x->dim = -128; }, {"dim -128", "[16, 4194240]"}},
+        {[](CheckpointHeader* x) { x->n_heads = INT_MAX; }, {"n_heads 2147483647", "[1, 2]"}},
+        {[](CheckpointHeader* x) { x->n_kv_heads = -1; }, {"n_kv_heads -1", "[1, 2]"}},
+        {[](CheckpointHeader* x) { x->head_dim = 128; }, {"head_dim 128", "dim 128"}},
+        {[](CheckpointHeader* x) { x->ffn_dim = 1 << 30; }, {"ffn_dim 1073741824", "[16, 2097120]"}},
+        {[](CheckpointHeader* x) { x->vocab_size = INT_MAX - 15; }, {"vocab_size 2147483632", "at most ", "payload"}},
+        {[](CheckpointHeader* x) { x->vocab_size = -256; }, {"vocab_size -256", "[16, 2147483647]"}},
+        {[](CheckpointHeader* x) { x->seq = INT_MAX; }, {"seq 2147483647", "[16, 4194240]"}},
+        {[](CheckpointHeader* x) { x->tp_size = 1u << 31; }, {"tp_size 2147483648", "[1, 1024]"}},
+        {[](CheckpointHeader* x) { x->precision = 7; }, {"precision 7"}},
+        {[](CheckpointHeader* x) { x->num_params += 1; }, {"num_params " + std::to_string(h.num_params + 1), std::to_string(h.num_params)}},
+        {[&](CheckpointHeader* x) { x->rope_theta = inf; }, {"rope_theta inf", "finite and > 0"}},
+        {[&](CheckpointHeader* x) { x->rope_theta = nan; }, {"rope_theta nan", "finite and > 0"}},
+        {[](CheckpointHeader* x) { x->rope_theta = 0.0f; }, {"rope_theta 0", "finite and > 0"}},
+        {[&](CheckpointHeader* x) { x->norm_eps = inf; }, {"norm_eps inf", "finite and > 0"}},
+        {[&](CheckpointHeader* x) { x->norm_eps = nan; }, {"norm_eps nan", "finite and > 0"}},
+        {[](CheckpointHeader* x) { x->norm_eps = -1e-5f; }, {"norm_eps -1e-05", "finite and > 0"}},
+        {[&](CheckpointHeader* x) { x->qkv_clip = inf; }, {"qkv_clip inf", "finite"}},
+        {[&](CheckpointHeader* x) { x->smooth_quant = nan; }, {"smooth_quant nan", "[0, 1]"}},
+    };
+    CheckpointHeader back;
+    for (const Case& k : cases) {
+        const std::string copy = dir.file("bounds.bin");
+        copy_file(good, copy);
+        rewrite_checkpoint_header(copy, k.poke);
+        const auto t0 = std::chrono::steady_clock::now();
+        const std::string err = checkpoint_verify(copy, &back);
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        const std::string missing = error_pieces_missing(err, k.pieces);
+        printf("    %.2f ms: %s\n", ms, err.empty() ? "ACCEPTED" : err.substr(err.find("contents: ") == std::string::npos ? 0 : err.find("contents: ") + 10).c_str());
+        expect(!err.empty() && err.find(copy) != std::string::npos && err.find("valid checksum") != std::string::npos && missing.empty(),
+               "should be refused naming the file and %s: '%s'", missing.c_str(), err.c_str());
+    }
+    // the same header through export: refused before anything is written (rope_theta inf is not a JSON number)
+    TempDir out;
+    const std::string copy = dir.file("bounds.bin");
+    copy_file(good, copy);
+    rewrite_checkpoint_header(copy, [&](CheckpointHeader* x) { x->rope_theta = inf; });
+    const std::string err = export_checkpoint(copy, out.path, "hf", "bf16", false);
+    expect(err.find("rope_theta inf") != std::string::npos && folder_snapshot(out.path).empty(),
+           "export of a header with rope_theta inf: '%s', %zu files written", err.c_str(), folder_snapshot(out.path).size());
+}
+
+// prepare's outputs: an OUT_PREFIX without a file name is refused (an empty one would write _train.bin), existing
+// shards are replaced only with --force, and a failed write of the val shard leaves no train shard and no .tmp.
+HOST_TEST(train_prepare_outputs) {
+    TempDir dir;
+    const std::string text_path = dir.file("t.txt"), prefix = dir.file("t");
+    FILE* f = fopen(text_path.c_str(), "wb");
+    for (int i = 0; i < 1000; i++) fputc('a' + i % 26, f);
+    fclose(f);
+    struct stat st;
+    for (const std::string& bad : {std::string(""), dir.path + "/"}) {
+        const std::string err = prepare_byte_shards(text_path.c_str(), bad.c_str(), false);
+        printf("    OUT_PREFIX '%s': %s\n", bad.c_str(), err.c_str());
+        expect(err.find("no file name") != std::string::npos && stat((bad + "_train.bin").c_str(), &st) != 0,
+               "OUT_PREFIX '%s' should be refused, writing nothing: '%s'", bad.c_str(), err.c_str());
+    }
+    // the val shard cannot be written (its .tmp is a folder): neither shard, nor any .tmp, is left
+    const std::string blocker = prefix + "_val.bin.tmp";
+    expect(mkdir(blocker.c_str(), 0755) == 0, "mkdir %s", blocker.c_str());
+    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+    printf("    val shard unwritable: %s\n", err.c_str());
+    expect(!err.empty() && stat((prefix + "_train.bin").c_str(), &st) != 0 && stat((prefix + "_train.bin.tmp").c_str(), &st) != 0 &&
+           stat((prefix + "_val.bin").c_str(), &st) != 0, "a failed val write should leave no train shard: '%s'", err.c_str());
+    rmdir(blocker.c_str());
+    err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+    expect(err.empty(), "prepare: %s", err.c_str());
+    const auto before = folder_snapshot(dir.path);
+    for (const char* gone : {"_val.bin", ""}) {   // one shard there, then both: refused, nothing changed
+        if (*gone) remove((prefix + gone).c_str());
+        const auto now = folder_snapshot(dir.path);
+        err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+        printf("    existing shards: %s\n", err.c_str());
+        expect(err.find(prefix + "_train.bin") != std::string::npos && err.find("--force") != std::string::npos &&
+               folder_snapshot(dir.path) == now, "existing shards should be refused naming one and --force: '%s'", err.c_str());
+    }
+    err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), true);
+    expect(err.empty() && folder_snapshot(dir.path) == before, "prepare --force: '%s'", err.c_str());
+}
+
 HOST_TEST(train_keep_checkpoints_rotation) {
     TempDir dir;
     std::vector<float> master;
@@ -4711,14 +4808,16 @@ HOST_TEST(train_csv_resume_drops_later_rows) {
     expect(folder_snapshot(dir.path).size() == 2, "temporary files left behind");
 }
 
-// ./train_fp8 (built next to this test binary) with `args`: its exit status, and its stderr in *err_text.
-static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
+// ./train_fp8 (built next to this test binary) with `args`: its exit status, and its stderr in *err_text. shell: sh
+// commands run before it in its shell (limits: ulimit, trap).
+static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text,
+                         const std::string& shell = "") {
     char exe[4096];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     exe[std::max<ssize_t>(n, 0)] = '\0';
     const std::string bin = path_folder(exe) + "/train_fp8";
     if (access(bin.c_str(), X_OK) != 0) fail("%s is missing: build it first (make)", bin.c_str());
-    std::string cmd = "'" + bin + "'";
+    std::string cmd = shell + " exec '" + bin + "'";
     for (const std::string& a : args) cmd += " '" + a + "'";
     cmd += " > /dev/null 2> '" + err_file + "'";
     fflush(stdout);
@@ -5081,7 +5180,7 @@ HOST_TEST(export_hf_safetensors_round_trip) {
     for (const char* dtype : {"fp32", "bf16"}) {
         TempDir out;
         const bool as_bf16 = strcmp(dtype, "bf16") == 0;
-        std::string err = export_checkpoint(run.path, out.path, "hf", dtype);
+        std::string err = export_checkpoint(run.path, out.path, "hf", dtype, false);
         expect(err.empty(), "export --dtype %s: %s", dtype, err.c_str());
         std::string problems;
         auto tensors = read_safetensors(out.file("model.safetensors"), &problems);
@@ -5145,12 +5244,12 @@ HOST_TEST(export_hf_safetensors_round_trip) {
 }
 
 HOST_TEST(export_llama2c_round_trip) {
-    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_read_master's other path)
+    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_master_offset's other case)
     TempDir run, out;
     const ModelConfig c = export_test_config(BYTE_VOCAB);
     const std::vector<float> master = export_test_weights(c);
     write_host_checkpoint(run.path, export_test_header(c, 2), master, 2);
-    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32");
+    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32", false);
     expect(err.empty(), "export --format llama2c: %s", err.c_str());
     const RefConfig rc = ref_config_of(c, false);
     Llama2cFile f = read_llama2c(out.file("model.bin"), rc, c.max_seq_len);
@@ -5187,7 +5286,7 @@ HOST_TEST(export_llama2c_round_trip) {
     TempDir run32, out32;
     const ModelConfig c32 = export_test_config(32);
     write_host_checkpoint(run32.path, export_test_header(c32, 1), export_test_weights(c32), 2);
-    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32");
+    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32", false);
     struct stat st;
     expect(err.empty() && stat(out32.file("model.bin").c_str(), &st) == 0 && stat(out32.file("tokenizer.bin").c_str(), &st) != 0,
            "a 32-token vocabulary: model.bin and no tokenizer.bin (%s)", err.c_str());
@@ -5199,7 +5298,7 @@ HOST_TEST(export_refuses_bad_input) {
     const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
     const std::string target = out.path + "/model";   // must not be created by a refused export
     struct stat st;
-    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16");
+    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16", false);
     printf("    missing: %s\n", err.c_str());
     expect(err.find("no such checkpoint") != std::string::npos, "a missing checkpoint: '%s'", err.c_str());
     // llama2.c's run.c fixes theta and eps: a model with another theta goes to HF only
@@ -5207,7 +5306,7 @@ HOST_TEST(export_refuses_bad_input) {
     CheckpointHeader h = export_test_header(c, 1);
     h.rope_theta = 500000.0f;
     write_host_checkpoint(run_theta.path, h, export_test_weights(c), 2);
-    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32");
+    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32", false);
     printf("    rope_theta 500000 to llama2c: %s\n", err.c_str());
     expect(err.find("rope_theta") != std::string::npos && err.find("--format hf") != std::string::npos, "theta: '%s'", err.c_str());
     // the ablations that transformers' and llama2.c's models cannot compute
@@ -5218,14 +5317,14 @@ HOST_TEST(export_refuses_bad_input) {
         else ca.qkv_clip = 30.0f;
         write_host_checkpoint(run_ablation.path, export_test_header(ca, 1), export_test_weights(ca), 2);
         for (const char* format : {"hf", "llama2c"}) {
-            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32");
+            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32", false);
             printf("    %s to %s: %s\n", k == 0 ? "--qk-norm" : "--qkv-clip", format, err.c_str());
             expect(err.find(k == 0 ? "--qk-norm" : "--qkv-clip") != std::string::npos && err.find("not exported") != std::string::npos,
                    "an export of a model trained with %s should be refused naming it: '%s'", k == 0 ? "--qk-norm" : "--qkv-clip", err.c_str());
         }
     }
     flip_byte(path, 5000);
-    err = export_checkpoint(run.path, target, "hf", "bf16");
+    err = export_checkpoint(run.path, target, "hf", "bf16", false);
     printf("    damaged: %s\n", err.c_str());
     expect(err.find(path) != std::string::npos && err.find("checksum") != std::string::npos, "a damaged checkpoint: '%s'", err.c_str());
     expect(stat(target.c_str(), &st) != 0, "a refused export created %s", target.c_str());
@@ -5251,6 +5350,156 @@ HOST_TEST(export_refuses_bad_input) {
            o.export_dtype == "bf16", "export defaults: %s", err.c_str());
     err = parse_list({"export", "runs/a", "l2c", "--format", "llama2c"}, &o);
     expect(err.empty() && o.export_format == "llama2c" && o.export_dtype == "fp32", "llama2c's dtype default: %s", err.c_str());
+}
+
+// The export reads the master weights from the checkpoint file a run of consecutive rows at a time: each tensor of both
+// formats, read in chunks of one row, of three rows and a bit, and of the default size, gives the bytes of the same
+// tensor taken from the weights in memory.
+HOST_TEST(export_streams_tensors_in_chunks) {
+    TempDir run;
+    const ModelConfig c = export_test_config(32);
+    const std::vector<float> master = export_test_weights(c);
+    const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), master, 2);
+    CheckpointHeader h;
+    uint64_t offset = 0;
+    std::string err = checkpoint_verify(path, &h);
+    if (err.empty()) err = checkpoint_master_offset(path, h, &offset);
+    expect(err.empty() && offset == sizeof(CheckpointHeader) + sizeof(AdamWFileHeader), "%s (offset %llu)", err.c_str(),
+           (unsigned long long)offset);
+    const int fd = open(path.c_str(), O_RDONLY);
+    std::vector<float> rope_cos, rope_sin;
+    rope_tables(&rope_cos, &rope_sin, c.max_seq_len, c.head_dim, c.rope_theta);
+    auto bytes_of = [&](const ExportTensor& t, bool as_bf16, size_t chunk) {
+        char* buffer = nullptr;
+        size_t size = 0;
+        FILE* f = open_memstream(&buffer, &size);
+        export_write_tensor(f, "memory", fd, path, t, as_bf16, chunk);
+        fclose(f);
+        std::string out(buffer, size);
+        free(buffer);
+        return out;
+    };
+    int tensors = 0, differ = 0;
+    for (bool hf : {true, false}) {
+        const auto from_file = hf ? export_tensors_hf(c, offset) : export_tensors_llama2c(c, offset, rope_cos.data(), rope_sin.data());
+        for (const ExportTensor& t : from_file) {
+            ExportTensor in_memory = t;
+            if (!t.src) in_memory.src = master.data() + (t.offset - offset) / sizeof(float);
+            const size_t row = (size_t)t.cols * sizeof(float);
+            for (bool as_bf16 : {false, true}) {
+                const std::string want = bytes_of(in_memory, as_bf16, CKPT_IO_CHUNK);
+                for (size_t chunk : {row, 3 * row + 5, CKPT_IO_CHUNK}) {
+                    const std::string got = bytes_of(t, as_bf16, chunk);
+                    if (got != want || got.size() != export_tensor_bytes(t, as_bf16)) differ++;
+                }
+            }
+            tensors++;
+        }
+    }
+    close(fd);
+    printf("    %d tensors (hf and llama2c) x FP32 and BF16 x 3 chunk sizes: %d differ from the tensor in memory\n", tensors, differ);
+    expect(tensors > 0 && differ == 0, "%d exports differ from the tensor in memory", differ);
+}
+
+// OUT_DIR: empty (it would write into "/") and a file are refused; a folder that holds files only with --force (the
+// export's files replaced, the others kept); a refused export changes nothing. And export's and prepare's flags.
+HOST_TEST(export_refuses_output_paths) {
+    TempDir run, out, full;
+    const ModelConfig c = export_test_config(32);
+    write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    std::string err = export_checkpoint(run.path, "", "hf", "bf16", false);
+    printf("    empty OUT_DIR: %s\n", err.c_str());
+    expect(err.find("OUT_DIR is empty") != std::string::npos, "an empty OUT_DIR: '%s'", err.c_str());
+    const std::string latest = run.file("latest");
+    err = export_checkpoint(run.path, latest, "hf", "bf16", false);
+    printf("    a file as OUT_DIR: %s\n", err.c_str());
+    expect(err.find(latest) != std::string::npos && err.find("not a folder") != std::string::npos, "a file as OUT_DIR: '%s'", err.c_str());
+    FILE* f = fopen(full.file("notes.txt").c_str(), "wb");
+    fputs("mine", f);
+    fclose(f);
+    const auto before = folder_snapshot(full.path);
+    err = export_checkpoint(run.path, full.path, "hf", "bf16", false);
+    printf("    a folder with files: %s\n", err.c_str());
+    expect(err.find(full.path) != std::string::npos && err.find("notes.txt") != std::string::npos &&
+           err.find("--force") != std::string::npos && folder_snapshot(full.path) == before,
+           "a folder with files should be refused naming one and --force, and left as it was: '%s'", err.c_str());
+    for (int k = 0; k < 2; k++) {   // --force into it, twice: the second time over the first export
+        err = export_checkpoint(run.path, full.path, "hf", "bf16", true);
+        const auto after = folder_snapshot(full.path);
+        expect(err.empty() && after.size() == 3 && after.count("model.safetensors") && after.count("config.json") &&
+               after.at("notes.txt") == before.at("notes.txt"), "--force: '%s', %zu files", err.c_str(), after.size());
+    }
+    err = export_checkpoint(run.path, out.path, "hf", "bf16", false);   // an empty folder needs no --force
+    expect(err.empty(), "into an empty folder: '%s'", err.c_str());
+    TrainOptions o;
+    err = parse_list({"export", "runs/a", "hf/a", "--force", "--format", "llama2c"}, &o);
+    expect(err.empty() && o.do_export && o.force && o.export_format == "llama2c", "export --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--force"}, &o);
+    expect(err.empty() && o.prepare && o.force && o.prepare_prefix == "data/a", "prepare --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a"}, &o);
+    expect(err.empty() && o.prepare && !o.force, "prepare without --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--batch"}, &o);
+    expect(err.find("usage: prepare TEXT OUT_PREFIX [--force]") != std::string::npos, "prepare with another flag: '%s'", err.c_str());
+    err = parse_list({"--force"}, &o);
+    expect(err.find("--force") != std::string::npos && err.find("option of export") != std::string::npos, "--force in training: '%s'", err.c_str());
+}
+
+// A write that fails (the file size limit, as a full disk would) ends the export with an error and leaves no file in
+// OUT_DIR, no model.safetensors.tmp either. Run by ./train_fp8 itself: the error exits the program.
+HOST_TEST(export_failed_write_leaves_nothing) {
+    TempDir run, out, logs;
+    const ModelConfig c = export_test_config(32);
+    write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    for (const char* format : {"hf", "llama2c"}) {
+        std::string err;   // 64 blocks of 512 (or 1024) bytes: far less than the export's ~1 MB
+        const int status = run_train_fp8({"export", run.path, out.path, "--format", format}, logs.file("stderr.txt"), &err,
+                                         "ulimit -f 64 && trap '' XFSZ &&");
+        err.erase(err.find_last_not_of('\n') + 1);
+        const auto left = folder_snapshot(out.path);
+        printf("    --format %s under ulimit -f 64: exit %d, %zu files left: %s\n", format, status, left.size(), err.c_str());
+        expect(status == 1 && err.find(".tmp") != std::string::npos && left.empty(),
+               "--format %s: a failed write should exit 1 naming the file and leave nothing (%zu files left)", format, left.size());
+    }
+}
+
+// Export memory is bounded by its chunk, not by the model: ./train_fp8 exports a checkpoint of 188 MB of master weights
+// under a data limit (ulimit -d) of 64 MB above what the program needs to start, found first by refusing a missing
+// checkpoint under rising limits. Reading all the weights at once does not fit. The weights are zeros (the file is
+// sparse) but for a last one of 1.5, found at the end of the output.
+HOST_TEST(export_memory_bounded) {
+    TempDir run, out, logs;
+    ModelConfig c = model_config_preset("tiny", 4096);
+    c.dim = 1024; c.n_heads = 16; c.n_kv_heads = 16; c.head_dim = 64; c.ffn_dim = 2816; c.n_layers = 3;
+    model_config_validate(c);
+    const CheckpointHeader h = export_test_header(c, 1);
+    const float last = 1.5f;
+    checkpoint_write(run.path, h, 2, [&](FILE* f, const std::string& tmp) {
+        write_host_adamw_header(f, tmp, h.num_params);
+        const off_t end = (off_t)(sizeof(CheckpointHeader) + sizeof(AdamWFileHeader) + h.num_params * sizeof(float));
+        if (fflush(f) != 0 || ftruncate(fileno(f), end) != 0 || fseeko(f, end - 4, SEEK_SET) != 0 || fwrite(&last, 4, 1, f) != 1)
+            fail("writing %s failed", tmp.c_str());
+    });
+    const size_t step_kb = 32 << 10, headroom_kb = 64 << 10, weights_kb = h.num_params * sizeof(float) >> 10;
+    size_t start_kb = 0;
+    std::string err;
+    for (size_t kb = step_kb; kb <= (8u << 20) && start_kb == 0; kb += step_kb) {
+        run_train_fp8({"export", run.file("missing"), out.path}, logs.file("stderr.txt"), &err, strprintf("ulimit -d %zu &&", kb));
+        if (err.find("no such checkpoint") != std::string::npos) start_kb = kb;
+    }
+    expect(start_kb > 0, "./train_fp8 did not start under any data limit up to 8 GB: %s", err.c_str());
+    if (start_kb == 0) return;
+    const size_t limit_kb = start_kb + headroom_kb;
+    const int status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err, strprintf("ulimit -d %zu &&", limit_kb));
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    ./train_fp8 starts under ulimit -d %zu KB; exports %zu KB of master weights under %zu KB: exit %d %s\n", start_kb,
+           weights_kb, limit_kb, status, err.c_str());
+    expect(status == 0, "the export should fit %zu KB above the program's start (exit %d): %s", headroom_kb, status, err.c_str());
+    const std::vector<char> st = read_whole_file(out.file("model.safetensors"));
+    uint64_t header_bytes = 0;
+    if (st.size() >= 8) memcpy(&header_bytes, st.data(), 8);
+    const bf16 want = __float2bfloat16(last);
+    expect(st.size() == 8 + header_bytes + 2 * h.num_params && st.size() >= 2 && memcmp(st.data() + st.size() - 2, &want, 2) == 0,
+           "model.safetensors: %zu bytes, want %llu ending in BF16 1.5", st.size(), (unsigned long long)(8 + header_bytes + 2 * h.num_params));
 }
 
 // The program's own logits (the GPU model loaded from a checkpoint that checkpoint_save wrote) against the exported
@@ -5281,9 +5530,9 @@ GPU_TEST(export_matches_program_logits) {
     CheckpointHeader h = checkpoint_header_for(c, o);
     h.step = 5;
     const std::string path = checkpoint_save(run.path, h, 2, {&opt}, {&m});
-    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16");
+    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16", false);
     expect(err.empty(), "export hf: %s", err.c_str());
-    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32");
+    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32", false);
     expect(err.empty(), "export llama2c: %s", err.c_str());
 
     const std::vector<int> tokens = model_test_tokens(T, c.vocab_size);
