@@ -4028,7 +4028,7 @@ HOST_TEST(dataloader_prepare_byte_shards) {
     FILE* f = fopen(text_path.c_str(), "wb");
     expect(f && fwrite(text.data(), 1, text.size(), f) == text.size(), "could not write %s", text_path.c_str());
     if (f) fclose(f);
-    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str());
+    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
     expect(err.empty(), "prepare failed: %s", err.c_str());
     int32_t h_train[SHARD_HEADER_INTS] = {}, h_val[SHARD_HEADER_INTS] = {};
     std::vector<uint16_t> train = read_shard_tokens(prefix + "_train.bin", h_train), val = read_shard_tokens(prefix + "_val.bin", h_val);
@@ -4048,11 +4048,11 @@ HOST_TEST(dataloader_prepare_byte_shards) {
     std::string empty_path = dir.file("empty.txt");
     FILE* e = fopen(empty_path.c_str(), "wb");
     if (e) fclose(e);
-    const Bad bad[] = {{"missing file", dir.file("nope.txt"), prefix, "cannot read"},
-                       {"empty file", empty_path, prefix, "has 0 bytes"},
+    const Bad bad[] = {{"missing file", dir.file("nope.txt"), dir.file("u"), "cannot read"},
+                       {"empty file", empty_path, dir.file("u"), "has 0 bytes"},
                        {"unwritable folder", text_path, dir.file("no_such_folder/t"), "cannot write"}};
     for (const Bad& b : bad) {
-        err = prepare_byte_shards(b.path.c_str(), b.prefix.c_str());
+        err = prepare_byte_shards(b.path.c_str(), b.prefix.c_str(), false);
         printf("    %-22s -> %s\n", b.what, err.c_str());
         expect(err.find(b.piece) != std::string::npos, "%s: want an error with '%s', got '%s'", b.what, b.piece.c_str(), err.c_str());
     }
@@ -4546,18 +4546,24 @@ static uint64_t host_payload_bytes(const CheckpointHeader& h, DType m, DType v) 
     return (P > 1 ? h.num_params * 4 : 0) + P * (state + h.fp8_meta_count * sizeof(Fp8Meta));
 }
 
+// The header of each optimizer state (a shard's) in a checkpoint of header h with the build's moment types.
+static AdamWFileHeader host_adamw_header(const CheckpointHeader& h) {
+    const AdamWConfig types;
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    return {ADAMW_MAGIC, ADAMW_VERSION, (uint32_t)types.m_dtype, (uint32_t)types.v_dtype, (uint32_t)model_param_specs(c, P).size(),
+            0, model_num_params(c, P), 0};
+}
+
 // A checkpoint written on the host (no GPU) through checkpoint_write, of header h and the build's moment types, laid out
 // as host_payload_bytes has it: the master weights `master` where checkpoint_read_master reads them, each optimizer
 // state's header, and random bytes for the rest (the shards, moments, scales). Returns its path.
 static std::string write_host_checkpoint(const std::string& dir, const CheckpointHeader& h, const std::vector<float>& master,
                                          int keep) {
-    const AdamWConfig types;
-    const ModelConfig c = checkpoint_model_config(h);
+    const AdamWFileHeader a = host_adamw_header(h);
     const int P = (int)h.tp_size;
-    const uint64_t shard = model_num_params(c, P), whole = P > 1 ? master.size() * 4 : 0, records = h.fp8_meta_count * sizeof(Fp8Meta);
-    const uint64_t state = (host_payload_bytes(h, types.m_dtype, types.v_dtype) - whole) / P - records;   // one optimizer state
-    const AdamWFileHeader a = {ADAMW_MAGIC, ADAMW_VERSION, (uint32_t)types.m_dtype, (uint32_t)types.v_dtype,
-                               (uint32_t)model_param_specs(c, P).size(), 0, shard, 0};
+    const uint64_t whole = P > 1 ? master.size() * 4 : 0, records = h.fp8_meta_count * sizeof(Fp8Meta);
+    const uint64_t state = (host_payload_bytes(h, (DType)a.m_dtype, (DType)a.v_dtype) - whole) / P - records;   // one optimizer state
     std::vector<char> random(std::max(state, P * records));
     for (char& b : random) b = (char)(test_rng()() & 0xFF);
     return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
@@ -4684,17 +4690,6 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         {"version 3", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->version = 3; }); },
          {"version 3", "reads version 2"}},
         {"short file", [&](const std::string& p) { expect(truncate(p.c_str(), 100) == 0, "truncate"); }, {"100 bytes", "header"}},
-        // valid checksums over invalid fields: each field named with its value
-        {"header size", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->header_bytes = 300; }); },
-         {"valid checksum", "header_bytes 300: must be 256"}},
-        {"precision", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->precision = 7; }); },
-         {"valid checksum", "precision 7: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)"}},
-        {"tp size 0", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->tp_size = 0; }); },
-         {"valid checksum", "tp_size 0"}},
-        {"two fields", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->precision = 7; x->tp_size = 0; }); },
-         {"valid checksum", "precision 7", "; tp_size 0"}},
-        {"dim", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->dim = 100; }); },
-         {"valid checksum", "dim 100"}},
     };
     for (const Case& k : cases) {
         const std::string copy = dir.file("damaged.bin");
@@ -4705,13 +4700,132 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         printf("    %-12s -> %s\n", k.what, err.c_str());
         expect(!err.empty() && err.find(copy) != std::string::npos && missing.empty(),
                "%s: should be refused naming the file and %s", k.what, missing.c_str());
-        expect(err.find("(;") == std::string::npos && err.find("; ;") == std::string::npos, "%s: a list with an empty item", k.what);
         const size_t stored = err.find("stored "), computed = err.find("computed ");
         expect(stored == std::string::npos || computed == std::string::npos || err.substr(stored + 7, 16) != err.substr(computed + 9, 16),
                "%s: a checksum 'mismatch' of two equal values", k.what);
     }
     err = checkpoint_verify(dir.file("missing.bin"), &back);
     expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
+}
+
+// A checkpoint whose checksums match but whose contents cannot be right (a defective writer, or a file made by hand) is
+// refused by checkpoint_verify at once, before any of its numbers sizes an allocation or a loop, naming the file, the
+// field, its value and its bound (the fields that stand alone each, in one list): each header field changed with the
+// header's checksum made right again, and the payload's layout against the model (its size, the optimizer state's
+// moment types) with the payload's checksum made right. The same header through export writes nothing.
+HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
+    TempDir dir;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
+    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
+    const uint64_t payload = host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype);
+    CheckpointHeader back;
+    std::string err = checkpoint_verify(good, &back);
+    expect(err.empty(), "the intact checkpoint should verify: %s", err.c_str());
+    const float inf = INFINITY, nan = NAN;
+    using Poke = std::function<void(CheckpointHeader*)>;
+    auto header = [](Poke poke) { return [poke](const std::string& p) { rewrite_checkpoint_header(p, poke); }; };
+    auto payload_poke = [](std::function<void(std::vector<char>*)> poke) {
+        return [poke](const std::string& p) { rewrite_checkpoint_payload(p, poke); };
+    };
+    struct Case { std::function<void(const std::string&)> damage; std::vector<std::string> pieces; };
+    // the tiny model: dim 128, 2 layers, 2 heads of 64, seq 32; its payload (master weights, moments, scales) would hold
+    // the FP32 master weights of a few layers more (3 in the FP8 build, whose E4M3 and BF16 moments are smaller)
+    const Case cases[] = {
+        {header([](CheckpointHeader* x) { x->header_bytes = 300; }), {"header_bytes 300: must be 256"}},
+        {header([](CheckpointHeader* x) { x->precision = 7; }), {"precision 7: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)"}},
+        {header([](CheckpointHeader* x) { x->precision = 7; x->tp_size = 0; }), {"(precision 7", "; tp_size 0: must be in [1, 1024]"}},
+        {header([](CheckpointHeader* x) { x->tp_size = 1u << 31; }), {"tp_size 2147483648", "[1, 1024]"}},
+        {header([](CheckpointHeader* x) { x->n_layers = INT_MAX; }), {"n_layers 2147483647: at most ", "payload"}},
+        {header([](CheckpointHeader* x) { x->n_layers = 0; }), {"n_layers 0", "[1, 2147483647]"}},
+        {header([](CheckpointHeader* x) { x->n_layers = -3; }), {"n_layers -3"}},
+        {header([](CheckpointHeader* x) { x->max_seq_len = INT_MAX; }), {"max_seq_len 2147483647", "[1, 4096]", "--seq"}},
+        {header([](CheckpointHeader* x) { x->dim = 0; }), {"dim 0", "[16, 4194240]"}},
+        {header([](CheckpointHeader* x) { x->dim = -128; }), {"dim -128", "[16, 4194240]"}},
+        {header([](CheckpointHeader* x) { x->dim = 100; }), {"n_heads 2", "dim 100"}},
+        {header([](CheckpointHeader* x) { x->n_heads = 3; }), {"n_heads 3", "dim 128"}},
+        {header([](CheckpointHeader* x) { x->n_heads = INT_MAX; }), {"n_heads 2147483647", "[1, 2]"}},
+        {header([](CheckpointHeader* x) { x->n_kv_heads = -1; }), {"n_kv_heads -1", "[1, 2]"}},
+        {header([](CheckpointHeader* x) { x->head_dim = 128; }), {"head_dim 128", "dim 128"}},
+        {header([](CheckpointHeader* x) { x->ffn_dim = 1 << 30; }), {"ffn_dim 1073741824", "[16, 2097120]"}},
+        {header([](CheckpointHeader* x) { x->vocab_size = INT_MAX - 15; }), {"vocab_size 2147483632", "at most ", "payload"}},
+        {header([](CheckpointHeader* x) { x->vocab_size = -256; }), {"vocab_size -256", "[16, 2147483647]"}},
+        {header([](CheckpointHeader* x) { x->batch = 0; }), {"batch 0"}},
+        {header([](CheckpointHeader* x) { x->seq = -32; }), {"seq -32"}},
+        {header([](CheckpointHeader* x) { x->seq = INT_MAX; }), {"seq 2147483647", "[16, 4194240]"}},
+        {header([](CheckpointHeader* x) { x->total_batch = 100; }), {"total_batch 100", "128"}},
+        {header([](CheckpointHeader* x) { x->num_params += 16; }), {"num_params " + std::to_string(h.num_params + 16), std::to_string(h.num_params)}},
+        {header([&](CheckpointHeader* x) { x->rope_theta = inf; }), {"rope_theta inf", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->rope_theta = nan; }), {"rope_theta nan", "finite and > 0"}},
+        {header([](CheckpointHeader* x) { x->rope_theta = 0.0f; }), {"rope_theta 0", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->norm_eps = inf; }), {"norm_eps inf", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->norm_eps = nan; }), {"norm_eps nan", "finite and > 0"}},
+        {header([](CheckpointHeader* x) { x->norm_eps = -1e-5f; }), {"norm_eps -1e-05", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->qkv_clip = inf; }), {"qkv_clip inf", "finite"}},
+        {header([&](CheckpointHeader* x) { x->smooth_quant = nan; }), {"smooth_quant nan", "[0, 1]"}},
+        {payload_poke([](std::vector<char>* b) { b->resize(b->size() + 64); }),
+         {"payload_bytes " + std::to_string(payload + 64), std::to_string(payload)}},
+        {payload_poke([](std::vector<char>* b) { (*b)[offsetof(AdamWFileHeader, v_dtype)] = 9; }), {"moment types", "9"}},
+    };
+    const std::string copy = dir.file("invalid.bin");
+    for (const Case& k : cases) {
+        copy_file(good, copy);
+        k.damage(copy);
+        const auto t0 = std::chrono::steady_clock::now();
+        err = checkpoint_verify(copy, &back);
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        const std::string missing = error_pieces_missing(err, k.pieces);
+        const size_t why = err.find("contents (");
+        printf("    %.2f ms: %s\n", ms, err.empty() ? "ACCEPTED" : err.substr(why == std::string::npos ? 0 : why + 10).c_str());
+        expect(err.find(copy) != std::string::npos && err.find("valid checksum but invalid contents") != std::string::npos &&
+               missing.empty() && err.find("(;") == std::string::npos && err.find("; ;") == std::string::npos, "should be refused as invalid contents naming the file and %s: '%s'",
+               missing.c_str(), err.c_str());
+    }
+    // the same header through export: refused before anything is written (rope_theta inf is not a JSON number)
+    TempDir out;
+    copy_file(good, copy);
+    rewrite_checkpoint_header(copy, [&](CheckpointHeader* x) { x->rope_theta = inf; });
+    err = export_checkpoint(copy, out.path, "hf", "bf16", false);
+    expect(err.find("rope_theta inf") != std::string::npos && folder_snapshot(out.path).empty(),
+           "export of a header with rope_theta inf: '%s', %zu files written", err.c_str(), folder_snapshot(out.path).size());
+}
+
+// prepare's outputs: an OUT_PREFIX without a file name is refused (an empty one would write _train.bin), existing
+// shards are replaced only with --force, and a failed write of the val shard leaves no train shard and no .tmp.
+HOST_TEST(train_prepare_outputs) {
+    TempDir dir;
+    const std::string text_path = dir.file("t.txt"), prefix = dir.file("t");
+    FILE* f = fopen(text_path.c_str(), "wb");
+    for (int i = 0; i < 1000; i++) fputc('a' + i % 26, f);
+    fclose(f);
+    struct stat st;
+    for (const std::string& bad : {std::string(""), dir.path + "/"}) {
+        const std::string err = prepare_byte_shards(text_path.c_str(), bad.c_str(), false);
+        printf("    OUT_PREFIX '%s': %s\n", bad.c_str(), err.c_str());
+        expect(err.find("no file name") != std::string::npos && stat((bad + "_train.bin").c_str(), &st) != 0,
+               "OUT_PREFIX '%s' should be refused, writing nothing: '%s'", bad.c_str(), err.c_str());
+    }
+    // the val shard cannot be written (its .tmp is a folder): neither shard, nor any .tmp, is left
+    const std::string blocker = prefix + "_val.bin.tmp";
+    expect(mkdir(blocker.c_str(), 0755) == 0, "mkdir %s", blocker.c_str());
+    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+    printf("    val shard unwritable: %s\n", err.c_str());
+    expect(!err.empty() && stat((prefix + "_train.bin").c_str(), &st) != 0 && stat((prefix + "_train.bin.tmp").c_str(), &st) != 0 &&
+           stat((prefix + "_val.bin").c_str(), &st) != 0, "a failed val write should leave no train shard: '%s'", err.c_str());
+    rmdir(blocker.c_str());
+    err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+    expect(err.empty(), "prepare: %s", err.c_str());
+    const auto before = folder_snapshot(dir.path);
+    for (const char* gone : {"_val.bin", ""}) {   // one shard there, then both: refused, nothing changed
+        if (*gone) remove((prefix + gone).c_str());
+        const auto now = folder_snapshot(dir.path);
+        err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+        printf("    existing shards: %s\n", err.c_str());
+        expect(err.find(prefix + "_train.bin") != std::string::npos && err.find("--force") != std::string::npos &&
+               folder_snapshot(dir.path) == now, "existing shards should be refused naming one and --force: '%s'", err.c_str());
+    }
+    err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), true);
+    expect(err.empty() && folder_snapshot(dir.path) == before, "prepare --force: '%s'", err.c_str());
 }
 
 HOST_TEST(train_keep_checkpoints_rotation) {
@@ -4793,9 +4907,11 @@ static std::string train_fp8_binary() {
     return bin;
 }
 // Limits on a program started by spawn_program (0: none). file_bytes: no file it writes may grow past that many bytes
-// (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails with EFBIG, as it would on a full disk).
+// (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails with EFBIG, as it would on a full disk). data_bytes: its
+// heap and data segment (RLIMIT_DATA; malloc fails past it).
 struct ChildLimits {
     rlim_t file_bytes = 0;
+    rlim_t data_bytes = 0;
 };
 // Starts `program` (found on PATH) with `args`, its stdout into out_file and its stderr into err_file ("": /dev/null;
 // the same file for both: the two in the order they are written), under `limits`. Returns its process id.
@@ -4815,12 +4931,15 @@ static pid_t spawn_program(const std::string& program, const std::vector<std::st
         const int fo = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         const int fe = err == out ? fo : open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         if (fo < 0 || fe < 0 || dup2(fo, 1) < 0 || dup2(fe, 2) < 0) _exit(126);
-        if (limits.file_bytes > 0) {   // an ignored signal stays ignored through exec
+        auto limit = [](int resource, rlim_t bytes) {
             rlimit r;
-            if (signal(SIGXFSZ, SIG_IGN) == SIG_ERR || getrlimit(RLIMIT_FSIZE, &r) != 0) _exit(125);
-            r.rlim_cur = limits.file_bytes;
-            if (setrlimit(RLIMIT_FSIZE, &r) != 0) _exit(125);
-        }
+            if (bytes == 0) return true;
+            if (getrlimit(resource, &r) != 0) return false;
+            r.rlim_cur = bytes;
+            return setrlimit(resource, &r) == 0;
+        };
+        const bool xfsz = limits.file_bytes == 0 || signal(SIGXFSZ, SIG_IGN) != SIG_ERR;   // ignored stays ignored through exec
+        if (!xfsz || !limit(RLIMIT_FSIZE, limits.file_bytes) || !limit(RLIMIT_DATA, limits.data_bytes)) _exit(125);
         execvp(argv[0], argv.data());
         _exit(127);
     }
@@ -5086,9 +5205,9 @@ HOST_TEST(train_output_a_person_can_follow) {
            "the data line (stdout) should come before the error (stderr)");
     struct Help { std::vector<std::string> args; std::vector<std::string> pieces; };
     const Help helps[] = {
-        {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32"}},
-        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX", "_train.bin"}},
-        {{"--help"}, {"usage: ", "--dry-run", "SIGINT"}},
+        {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32", "[--force]", "  --force "}},
+        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX [--force]", "_train.bin", "  --force "}},
+        {{"--help"}, {"usage: ", "--dry-run", "SIGINT", "prepare TEXT OUT_PREFIX [--force]", "[--dtype bf16|fp32] [--force]"}},
     };
     for (const Help& h : helps) {
         std::string out, err;
@@ -5230,50 +5349,6 @@ HOST_TEST(makefile_arch_rule_and_dry_make) {
     }
 }
 
-// A header whose checksum matches but whose contents cannot be right (a defective writer) is refused by checkpoint_verify
-// naming the file, the field and its value: each field changed with the header's checksum made right again, and the
-// payload's layout against the model (its size, the optimizer state's moment types) with the payload's checksum made right.
-HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
-    TempDir dir;
-    std::vector<float> master;
-    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
-    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
-    const uint64_t payload = host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype);
-    CheckpointHeader back;
-    std::string err = checkpoint_verify(good, &back);
-    expect(err.empty(), "the intact checkpoint should verify: %s", err.c_str());
-    using Poke = std::function<void(CheckpointHeader*)>;
-    auto header = [](Poke poke) { return [poke](const std::string& p) { rewrite_checkpoint_header(p, poke); }; };
-    auto payload_poke = [](std::function<void(std::vector<char>*)> poke) {
-        return [poke](const std::string& p) { rewrite_checkpoint_payload(p, poke); };
-    };
-    struct Case { const char* what; std::function<void(const std::string&)> damage; std::vector<std::string> pieces; };
-    const Case cases[] = {
-        {"no layers", header([](CheckpointHeader* x) { x->n_layers = 0; }), {"n_layers 0"}},
-        {"layers < 0", header([](CheckpointHeader* x) { x->n_layers = -3; }), {"n_layers -3"}},
-        {"heads vs dim", header([](CheckpointHeader* x) { x->n_heads = 3; }), {"n_heads 3", "dim 128"}},
-        {"batch 0", header([](CheckpointHeader* x) { x->batch = 0; }), {"batch 0"}},
-        {"seq < 0", header([](CheckpointHeader* x) { x->seq = -32; }), {"seq -32"}},
-        {"total batch", header([](CheckpointHeader* x) { x->total_batch = 100; }), {"total_batch 100", "128"}},
-        {"parameters", header([](CheckpointHeader* x) { x->num_params += 16; }), {"num_params " + std::to_string(h.num_params + 16)}},
-        {"precision", header([](CheckpointHeader* x) { x->precision = 12; }), {"precision 12"}},
-        {"tp size 0", header([](CheckpointHeader* x) { x->tp_size = 0; }), {"tp_size 0"}},
-        {"payload size", payload_poke([](std::vector<char>* b) { b->resize(b->size() + 64); }),
-         {"payload_bytes " + std::to_string(payload + 64), std::to_string(payload)}},
-        {"moment type", payload_poke([](std::vector<char>* b) { (*b)[offsetof(AdamWFileHeader, v_dtype)] = 9; }), {"moment types", "9"}},
-    };
-    for (const Case& k : cases) {
-        const std::string copy = dir.file("invalid.bin");
-        copy_file(good, copy);
-        k.damage(copy);
-        err = checkpoint_verify(copy, &back);
-        const std::string missing = error_pieces_missing(err, k.pieces);
-        printf("    %-12s -> %s\n", k.what, err.c_str());
-        expect(err.find(copy) != std::string::npos && err.find("valid checksum but invalid contents") != std::string::npos &&
-               missing.empty(), "%s: should be refused as invalid contents naming the file and %s", k.what, missing.c_str());
-    }
-}
-
 // DIR/latest, damaged (garbage, empty, a name that is not a checkpoint's, a file that is gone): ./train_fp8 --resume DIR
 // refuses it naming DIR/latest and the fix (name a checkpoint file), exits non-zero and changes nothing, before any GPU
 // work; the checkpoint named directly, the fix, resolves.
@@ -5349,31 +5424,6 @@ HOST_TEST(train_resume_refuses_other_moment_types) {
     expect(checkpoint_moments_check(ckpt, h, saved, 1).empty(), "the checkpoint's own types should be taken");
     expect(!checkpoint_moments_check(ckpt, h, other_types, 1).empty() && checkpoint_moments_check(ckpt, h, other_types, 2).empty(),
            "other types: refused at the TP size that wrote the file, taken at another (the moments start over)");
-}
-
-// A write that fails part-way (a file-size limit, as a full disk) leaves the file it was replacing as it was and no
-// temporary file: ./train_fp8 export over an earlier export with every file limited to 64 KiB (model.safetensors: 1.1 MB)
-// exits non-zero naming the file and the cause, and the folder holds the earlier export byte for byte. Checkpoints and
-// `latest` are written the same way (write_file_durably); train_failed_checkpoint_write_keeps_the_last runs out of space
-// in a training run (GPU).
-HOST_TEST(train_failed_write_keeps_the_old_file) {
-    TempDir run, out, logs;
-    std::vector<float> master;
-    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 5, &master);
-    write_host_checkpoint(run.path, h, master, 2);
-    std::string err;
-    int status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err);
-    expect(status == 0, "the export without a limit should succeed: %s", err.c_str());
-    const auto before = folder_snapshot(out.path);
-    status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err, nullptr, ChildLimits{64 << 10});
-    const std::string missing = error_pieces_missing(err, {out.file("model.safetensors.tmp"), "File too large"});
-    err.erase(err.find_last_not_of('\n') + 1);
-    printf("    export with 64 KiB files: exit %d: %s\n", status, err.c_str());
-    expect(status != 0 && missing.empty(), "the failed write should exit non-zero with a message holding %s", missing.c_str());
-    std::string files;
-    for (auto& kv : folder_snapshot(out.path)) files += kv.first + " ";
-    expect(before.size() == 2 && folder_snapshot(out.path) == before, "the earlier export should be there byte for byte, "
-           "and nothing else: %s", files.c_str());
 }
 
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
@@ -5658,7 +5708,7 @@ HOST_TEST(export_hf_safetensors_round_trip) {
     for (const char* dtype : {"fp32", "bf16"}) {
         TempDir out;
         const bool as_bf16 = strcmp(dtype, "bf16") == 0;
-        std::string err = export_checkpoint(run.path, out.path, "hf", dtype);
+        std::string err = export_checkpoint(run.path, out.path, "hf", dtype, false);
         expect(err.empty(), "export --dtype %s: %s", dtype, err.c_str());
         std::string problems;
         auto tensors = read_safetensors(out.file("model.safetensors"), &problems);
@@ -5722,12 +5772,12 @@ HOST_TEST(export_hf_safetensors_round_trip) {
 }
 
 HOST_TEST(export_llama2c_round_trip) {
-    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_read_master's other path)
+    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_master_offset's other case)
     TempDir run, out;
     const ModelConfig c = export_test_config(BYTE_VOCAB);
     const std::vector<float> master = export_test_weights(c);
     write_host_checkpoint(run.path, export_test_header(c, 2), master, 2);
-    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32");
+    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32", false);
     expect(err.empty(), "export --format llama2c: %s", err.c_str());
     const RefConfig rc = ref_config_of(c, false);
     Llama2cFile f = read_llama2c(out.file("model.bin"), rc, c.max_seq_len);
@@ -5764,7 +5814,7 @@ HOST_TEST(export_llama2c_round_trip) {
     TempDir run32, out32;
     const ModelConfig c32 = export_test_config(32);
     write_host_checkpoint(run32.path, export_test_header(c32, 1), export_test_weights(c32), 2);
-    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32");
+    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32", false);
     struct stat st;
     expect(err.empty() && stat(out32.file("model.bin").c_str(), &st) == 0 && stat(out32.file("tokenizer.bin").c_str(), &st) != 0,
            "a 32-token vocabulary: model.bin and no tokenizer.bin (%s)", err.c_str());
@@ -5776,7 +5826,7 @@ HOST_TEST(export_refuses_bad_input) {
     const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
     const std::string target = out.path + "/model";   // must not be created by a refused export
     struct stat st;
-    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16");
+    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16", false);
     printf("    missing: %s\n", err.c_str());
     expect(err.find("no such checkpoint") != std::string::npos, "a missing checkpoint: '%s'", err.c_str());
     // llama2.c's run.c fixes theta and eps: a model with another theta goes to HF only
@@ -5784,7 +5834,7 @@ HOST_TEST(export_refuses_bad_input) {
     CheckpointHeader h = export_test_header(c, 1);
     h.rope_theta = 500000.0f;
     write_host_checkpoint(run_theta.path, h, export_test_weights(c), 2);
-    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32");
+    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32", false);
     printf("    rope_theta 500000 to llama2c: %s\n", err.c_str());
     expect(err.find("rope_theta") != std::string::npos && err.find("--format hf") != std::string::npos, "theta: '%s'", err.c_str());
     // the ablations that transformers' and llama2.c's models cannot compute
@@ -5795,14 +5845,14 @@ HOST_TEST(export_refuses_bad_input) {
         else ca.qkv_clip = 30.0f;
         write_host_checkpoint(run_ablation.path, export_test_header(ca, 1), export_test_weights(ca), 2);
         for (const char* format : {"hf", "llama2c"}) {
-            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32");
+            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32", false);
             printf("    %s to %s: %s\n", k == 0 ? "--qk-norm" : "--qkv-clip", format, err.c_str());
             expect(err.find(k == 0 ? "--qk-norm" : "--qkv-clip") != std::string::npos && err.find("not exported") != std::string::npos,
                    "an export of a model trained with %s should be refused naming it: '%s'", k == 0 ? "--qk-norm" : "--qkv-clip", err.c_str());
         }
     }
     flip_byte(path, 5000);
-    err = export_checkpoint(run.path, target, "hf", "bf16");
+    err = export_checkpoint(run.path, target, "hf", "bf16", false);
     printf("    damaged: %s\n", err.c_str());
     expect(err.find(path) != std::string::npos && err.find("checksum") != std::string::npos, "a damaged checkpoint: '%s'", err.c_str());
     expect(stat(target.c_str(), &st) != 0, "a refused export created %s", target.c_str());
@@ -5828,6 +5878,181 @@ HOST_TEST(export_refuses_bad_input) {
            o.export_dtype == "bf16", "export defaults: %s", err.c_str());
     err = parse_list({"export", "runs/a", "l2c", "--format", "llama2c"}, &o);
     expect(err.empty() && o.export_format == "llama2c" && o.export_dtype == "fp32", "llama2c's dtype default: %s", err.c_str());
+}
+
+// The export reads the master weights from the checkpoint file a run of consecutive rows at a time: each tensor of both
+// formats, read in chunks of one row, of three rows and a bit, and of the default size, gives the bytes of the same
+// tensor taken from the weights in memory.
+HOST_TEST(export_streams_tensors_in_chunks) {
+    TempDir run;
+    const ModelConfig c = export_test_config(32);
+    const std::vector<float> master = export_test_weights(c);
+    const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), master, 2);
+    CheckpointHeader h;
+    const std::string err = checkpoint_verify(path, &h);
+    const uint64_t offset = checkpoint_master_offset(h);
+    expect(err.empty() && offset == sizeof(CheckpointHeader) + sizeof(AdamWFileHeader), "%s (offset %llu)", err.c_str(),
+           (unsigned long long)offset);
+    const int fd = open(path.c_str(), O_RDONLY);
+    std::vector<float> rope_cos, rope_sin;
+    rope_tables(&rope_cos, &rope_sin, c.max_seq_len, c.head_dim, c.rope_theta);
+    auto bytes_of = [&](const ExportTensor& t, bool as_bf16, size_t chunk) {
+        char* buffer = nullptr;
+        size_t size = 0;
+        FILE* f = open_memstream(&buffer, &size);
+        export_write_tensor(f, "memory", fd, path, t, as_bf16, chunk);
+        fclose(f);
+        std::string out(buffer, size);
+        free(buffer);
+        return out;
+    };
+    int tensors = 0, differ = 0;
+    for (bool hf : {true, false}) {
+        const auto from_file = hf ? export_tensors_hf(c, offset) : export_tensors_llama2c(c, offset, rope_cos.data(), rope_sin.data());
+        for (const ExportTensor& t : from_file) {
+            ExportTensor in_memory = t;
+            if (!t.src) in_memory.src = master.data() + (t.offset - offset) / sizeof(float);
+            const size_t row = (size_t)t.cols * sizeof(float);
+            for (bool as_bf16 : {false, true}) {
+                const std::string want = bytes_of(in_memory, as_bf16, CKPT_IO_CHUNK);
+                for (size_t chunk : {row, 3 * row + 5, CKPT_IO_CHUNK}) {
+                    const std::string got = bytes_of(t, as_bf16, chunk);
+                    if (got != want || got.size() != export_tensor_bytes(t, as_bf16)) differ++;
+                }
+            }
+            tensors++;
+        }
+    }
+    close(fd);
+    printf("    %d tensors (hf and llama2c) x FP32 and BF16 x 3 chunk sizes: %d differ from the tensor in memory\n", tensors, differ);
+    expect(tensors > 0 && differ == 0, "%d exports differ from the tensor in memory", differ);
+}
+
+// OUT_DIR: empty (it would write into "/") and a file are refused; a folder that holds files only with --force (the
+// export's files replaced, the others kept); a refused export changes nothing. And export's and prepare's flags.
+HOST_TEST(export_refuses_output_paths) {
+    TempDir run, out, full;
+    const ModelConfig c = export_test_config(32);
+    write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    std::string err = export_checkpoint(run.path, "", "hf", "bf16", false);
+    printf("    empty OUT_DIR: %s\n", err.c_str());
+    expect(err.find("OUT_DIR is empty") != std::string::npos, "an empty OUT_DIR: '%s'", err.c_str());
+    const std::string latest = run.file("latest");
+    err = export_checkpoint(run.path, latest, "hf", "bf16", false);
+    printf("    a file as OUT_DIR: %s\n", err.c_str());
+    expect(err.find(latest) != std::string::npos && err.find("not a folder") != std::string::npos, "a file as OUT_DIR: '%s'", err.c_str());
+    FILE* f = fopen(full.file("notes.txt").c_str(), "wb");
+    fputs("mine", f);
+    fclose(f);
+    const auto before = folder_snapshot(full.path);
+    err = export_checkpoint(run.path, full.path, "hf", "bf16", false);
+    printf("    a folder with files: %s\n", err.c_str());
+    expect(err.find(full.path) != std::string::npos && err.find("notes.txt") != std::string::npos &&
+           err.find("--force") != std::string::npos && folder_snapshot(full.path) == before,
+           "a folder with files should be refused naming one and --force, and left as it was: '%s'", err.c_str());
+    for (int k = 0; k < 2; k++) {   // --force into it, twice: the second time over the first export
+        err = export_checkpoint(run.path, full.path, "hf", "bf16", true);
+        const auto after = folder_snapshot(full.path);
+        expect(err.empty() && after.size() == 3 && after.count("model.safetensors") && after.count("config.json") &&
+               after.at("notes.txt") == before.at("notes.txt"), "--force: '%s', %zu files", err.c_str(), after.size());
+    }
+    err = export_checkpoint(run.path, out.path, "hf", "bf16", false);   // an empty folder needs no --force
+    expect(err.empty(), "into an empty folder: '%s'", err.c_str());
+    TrainOptions o;
+    err = parse_list({"export", "runs/a", "hf/a", "--force", "--format", "llama2c"}, &o);
+    expect(err.empty() && o.do_export && o.force && o.export_format == "llama2c", "export --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--force"}, &o);
+    expect(err.empty() && o.prepare && o.force && o.prepare_prefix == "data/a", "prepare --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a"}, &o);
+    expect(err.empty() && o.prepare && !o.force, "prepare without --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--batch"}, &o);
+    expect(err.find("usage: prepare TEXT OUT_PREFIX [--force]") != std::string::npos, "prepare with another flag: '%s'", err.c_str());
+    err = parse_list({"--force"}, &o);
+    expect(err.find("--force") != std::string::npos && err.find("option of export") != std::string::npos, "--force in training: '%s'", err.c_str());
+}
+
+// A write that fails part-way (a file-size limit of 64 KiB, as a full disk; the exports are ~1.1 MB) exits non-zero naming
+// the file and the cause, leaves the file it was replacing as it was and no temporary file: ./train_fp8 export of each
+// format into an empty folder leaves it empty, and over an earlier export (--force) leaves that byte for byte. Checkpoints
+// and `latest` are written the same way (write_file_durably); train_failed_checkpoint_write_keeps_the_last runs out of
+// space in a training run (GPU).
+HOST_TEST(export_failed_write_keeps_the_old_files) {
+    TempDir run, logs;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 5, &master);
+    write_host_checkpoint(run.path, h, master, 2);
+    ChildLimits small_files;
+    small_files.file_bytes = 64 << 10;
+    for (const std::string format : {"hf", "llama2c"}) {
+        TempDir out;
+        const std::vector<std::string> args = {"export", run.path, out.path, "--format", format, "--force"};
+        const std::string first = out.file(format == "hf" ? "model.safetensors.tmp" : "model.bin.tmp");
+        std::string err;
+        for (bool earlier : {false, true}) {
+            if (earlier) expect(run_train_fp8(args, logs.file("stderr.txt"), &err) == 0, "the export without a limit: %s", err.c_str());
+            const auto before = folder_snapshot(out.path);
+            const int status = run_train_fp8(args, logs.file("stderr.txt"), &err, nullptr, small_files);
+            const std::string missing = error_pieces_missing(err, {first, "File too large"});
+            err.erase(err.find_last_not_of('\n') + 1);
+            std::string files;
+            for (auto& kv : folder_snapshot(out.path)) files += kv.first + " ";
+            printf("    --format %s, %s, 64 KiB files: exit %d, left %s: %s\n", format.c_str(), earlier ? "over an export" : "empty folder",
+                   status, files.empty() ? "nothing" : files.c_str(), err.c_str());
+            expect(status == 1 && missing.empty(), "--format %s: the failed write should exit 1 with a message holding %s",
+                   format.c_str(), missing.c_str());
+            expect(folder_snapshot(out.path) == before && before.size() == (earlier ? 2u : 0u),
+                   "--format %s: the folder should be as it was (%s), and hold nothing else: %s", format.c_str(),
+                   earlier ? "the earlier export" : "empty", files.c_str());
+        }
+    }
+}
+
+// Export memory is bounded by its chunk, not by the model: ./train_fp8 exports a checkpoint of 188 MB of master weights
+// under a data limit (RLIMIT_DATA) of 64 MB above what the program needs to start, found first by refusing a missing
+// checkpoint under rising limits. Reading all the weights at once does not fit. The payload is zeros (the file is
+// sparse) but for the optimizer state's header and a last master weight of 1.5, found at the end of the output.
+HOST_TEST(export_memory_bounded) {
+    TempDir run, out, logs;
+    ModelConfig c = model_config_preset("tiny", 4096);
+    c.dim = 1024; c.n_heads = 16; c.n_kv_heads = 16; c.head_dim = 64; c.ffn_dim = 2816; c.n_layers = 3;
+    model_config_validate(c);
+    const CheckpointHeader h = export_test_header(c, 1);
+    const float last = 1.5f;
+    const AdamWFileHeader a = host_adamw_header(h);
+    checkpoint_write(run.path, h, 2, [&](FILE* f, const std::string& tmp) {
+        const off_t end = (off_t)(sizeof(CheckpointHeader) + host_payload_bytes(h, (DType)a.m_dtype, (DType)a.v_dtype));
+        const off_t last_at = (off_t)(checkpoint_master_offset(h) + (h.num_params - 1) * sizeof(float));
+        if (fwrite(&a, sizeof(a), 1, f) != 1 || fflush(f) != 0 || ftruncate(fileno(f), end) != 0 || fseeko(f, last_at, SEEK_SET) != 0 ||
+            fwrite(&last, 4, 1, f) != 1 || fseeko(f, end, SEEK_SET) != 0)   // the payload ends where the writer stops
+            fail("writing %s failed", tmp.c_str());
+    });
+    const size_t step_kb = 32 << 10, headroom_kb = 64 << 10, weights_kb = h.num_params * sizeof(float) >> 10;
+    size_t start_kb = 0;
+    std::string err;
+    auto data_limit = [](size_t kb) {
+        ChildLimits limits;
+        limits.data_bytes = (rlim_t)kb << 10;
+        return limits;
+    };
+    for (size_t kb = step_kb; kb <= (8u << 20) && start_kb == 0; kb += step_kb) {
+        run_train_fp8({"export", run.file("missing"), out.path}, logs.file("stderr.txt"), &err, nullptr, data_limit(kb));
+        if (err.find("no such checkpoint") != std::string::npos) start_kb = kb;
+    }
+    expect(start_kb > step_kb, "./train_fp8 should be refused under the smallest data limit (%zu KB), and start under one up to 8 GB "
+           "(it started under %zu KB): %s", step_kb, start_kb, err.c_str());
+    if (start_kb == 0) return;
+    const size_t limit_kb = start_kb + headroom_kb;
+    const int status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err, nullptr, data_limit(limit_kb));
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    ./train_fp8 starts under a data limit of %zu KB; exports %zu KB of master weights under %zu KB: exit %d %s\n", start_kb,
+           weights_kb, limit_kb, status, err.c_str());
+    expect(status == 0, "the export should fit %zu KB above the program's start (exit %d): %s", headroom_kb, status, err.c_str());
+    const std::vector<char> st = read_whole_file(out.file("model.safetensors"));
+    uint64_t header_bytes = 0;
+    if (st.size() >= 8) memcpy(&header_bytes, st.data(), 8);
+    const bf16 want = __float2bfloat16(last);
+    expect(st.size() == 8 + header_bytes + 2 * h.num_params && st.size() >= 2 && memcmp(st.data() + st.size() - 2, &want, 2) == 0,
+           "model.safetensors: %zu bytes, want %llu ending in BF16 1.5", st.size(), (unsigned long long)(8 + header_bytes + 2 * h.num_params));
 }
 
 // The program's own logits (the GPU model loaded from a checkpoint that checkpoint_save wrote) against the exported
@@ -5858,9 +6083,9 @@ GPU_TEST(export_matches_program_logits) {
     CheckpointHeader h = checkpoint_header_for(c, o);
     h.step = 5;
     const std::string path = checkpoint_save(run.path, h, 2, {&opt}, {&m});
-    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16");
+    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16", false);
     expect(err.empty(), "export hf: %s", err.c_str());
-    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32");
+    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32", false);
     expect(err.empty(), "export llama2c: %s", err.c_str());
 
     const std::vector<int> tokens = model_test_tokens(T, c.vocab_size);
