@@ -389,10 +389,14 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
                              o->export_dtype.c_str());
         return "";
     }
-    for (const std::string& name : given)
+    for (const std::string& name : given) {
+        if (name == "--force")
+            return "--force is an option of export and prepare (./train_fp8 export CKPT OUT_DIR --force, ./train_fp8 prepare "
+                   "TEXT OUT_PREFIX --force), not of training";
         if (is_export_flag(name))
             return strprintf("%s is an option of export (./train_fp8 export CKPT OUT_DIR %s ...), not of training",
                              name.c_str(), name.c_str());
+    }
     // cross-flag rules
     bool known = false;
     for (const char* p : TRAIN_MODEL_PRESETS) known |= o->model == p;
