@@ -9,6 +9,7 @@
 #   make train              build, prepare data, train the default preset into out/default (refused if it holds a run
 #                           already: the message gives the command that continues it)
 #   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab")
+#   make soak               kill-and-resume soak: a run killed (SIGKILL) and resumed 5 times ends as an uninterrupted one (soak.sh)
 #   make clean
 PRECISION ?= FP8
 GPU_ARCH  ?= sm_90a
@@ -124,6 +125,13 @@ STUDY_FLAGS ?=
 study: train_fp8 train_fp8_bf16 data
 	./study.sh $(STUDY_FLAGS)
 
-.PHONY: all test sanitize bench data train study clean
+# The kill-and-resume soak (soak.sh --help): the default preset straight through, and again killed with SIGKILL at 5
+# seeded moments (mid-step, mid-checkpoint) and resumed each time; the final checkpoints must be byte-identical and the
+# logs equal but for their timing columns. Needs a GPU. SOAK_FLAGS adds flags (e.g. --seed 2 --kills 8).
+SOAK_FLAGS ?=
+soak: train_fp8 data
+	./soak.sh $(SOAK_FLAGS)
+
+.PHONY: all test sanitize bench data train study soak clean
 clean:
 	rm -f train_fp8 train_fp8_bf16 test_fp8 $(STAMP)

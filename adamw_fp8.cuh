@@ -22,7 +22,7 @@
 //         the amax of the FP8 weight copies (llama2.cuh, model_weight_amax_slots)
 //   void  adamw_export_weights(const AdamW* opt, bf16* weights, cudaStream_t stream)   BF16 weights from the
 //         master weights (after adamw_load; a step writes them itself)
-//   void  adamw_save(const AdamW* opt, FILE* f)                       the state, in the order documented below
+//   void  adamw_save(const AdamW* opt, FILE* f, const char* path)     the state, in the order documented below
 //   void  adamw_load(AdamW* opt, FILE* f, const char* path)           into an AdamW created with the same
 //         tensors and moment dtypes; a mismatch is a clear error naming `path`
 //   size_t adamw_moment_bytes_per_param(const AdamWConfig& c);  void adamw_print_memory(const AdamW* opt)
@@ -781,16 +781,16 @@ inline AdamWFileHeader adamw_file_header(const AdamW* opt) {
 
 constexpr size_t ADAMW_IO_CHUNK = 64u << 20;   // device <-> file through a 64 MiB host buffer
 
-inline void adamw_save(const AdamW* opt, FILE* f) {
+inline void adamw_save(const AdamW* opt, FILE* f, const char* path) {
     cudaCheck(cudaDeviceSynchronize());
     AdamWFileHeader h = adamw_file_header(opt);
-    if (fwrite(&h, sizeof(h), 1, f) != 1) fail("adamw_save: writing the optimizer header failed (disk full?)");
+    if (fwrite(&h, sizeof(h), 1, f) != 1) fail("writing the optimizer header to %s failed: %s (disk full?)", path, strerror(errno));
     std::vector<char> buffer(ADAMW_IO_CHUNK);
     for (const AdamWPart& part : adamw_state_parts(opt)) {
         for (size_t done = 0; done < part.bytes; done += ADAMW_IO_CHUNK) {
             size_t n = std::min(ADAMW_IO_CHUNK, part.bytes - done);
             cudaCheck(cudaMemcpy(buffer.data(), (char*)part.ptr + done, n, cudaMemcpyDeviceToHost));
-            if (fwrite(buffer.data(), 1, n, f) != n) fail("adamw_save: writing the %s failed (disk full?)", part.name);
+            if (fwrite(buffer.data(), 1, n, f) != n) fail("writing the %s to %s failed: %s (disk full?)", part.name, path, strerror(errno));
         }
     }
 }

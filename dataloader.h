@@ -6,8 +6,9 @@
 //
 // API. Functions that return std::string return "" on success, else the whole error message (which file,
 // what was expected, what was found, and what to do), so that tests can check each kind of failure.
-//   std::string prepare_byte_shards(const char* text_path, const char* out_prefix);
-//       any file as bytes (vocab 256): the first 90% -> OUT_PREFIX_train.bin, the last 10% -> OUT_PREFIX_val.bin
+//   std::string prepare_byte_shards(const char* text_path, const char* out_prefix, bool force);
+//       any file as bytes (vocab 256): the first 90% -> OUT_PREFIX_train.bin, the last 10% -> OUT_PREFIX_val.bin,
+//       both or neither; existing shards replaced only with force
 //   std::string write_shard(const char* path, const uint16_t* tokens, size_t n, int vocab_hint);
 //   int choose_vocab_size(int largest_token, int header_hint);
 //   std::string dataloader_open(DataLoader* dl, const char* pattern, int B, int T, int rank, int world_size,
@@ -69,41 +70,58 @@ inline std::string strprintf(const char* fmt, ...) {
 // ----------------------------------------------------------------------------------------------
 // Writing shards.
 
-// One shard at `path`, written to path.tmp and then renamed, so a reader never sees half a file.
-inline std::string write_shard(const char* path, const uint16_t* tokens, size_t n, int vocab_hint) {
+// One shard written to `path` + ".tmp" (removed again if the write fails).
+inline std::string write_shard_tmp(const std::string& path, const uint16_t* tokens, size_t n, int vocab_hint) {
     if (n > (size_t)INT32_MAX)
         return strprintf("%s: %zu tokens do not fit one shard (the header counts them in an int32, at most %d); "
-                         "split the data into several shards", path, n, INT32_MAX);
+                         "split the data into several shards", path.c_str(), n, INT32_MAX);
     int32_t header[SHARD_HEADER_INTS] = {};
     header[0] = SHARD_MAGIC;
     header[1] = SHARD_VERSION;
     header[2] = (int32_t)n;
     header[3] = vocab_hint;
-    std::string tmp = std::string(path) + ".tmp";
+    const std::string tmp = path + ".tmp";
     FILE* f = fopen(tmp.c_str(), "wb");
     if (!f) return strprintf("cannot write '%s': %s; check that its folder exists and is writable", tmp.c_str(), strerror(errno));
     bool ok = fwrite(header, sizeof(int32_t), SHARD_HEADER_INTS, f) == (size_t)SHARD_HEADER_INTS &&
               fwrite(tokens, sizeof(uint16_t), n, f) == n;
     ok = (fclose(f) == 0) && ok;
-    if (!ok) {
-        std::string err = strprintf("writing '%s' failed: %s; check the free disk space", tmp.c_str(), strerror(errno));
+    if (ok) return "";
+    std::string err = strprintf("writing '%s' failed: %s; check the free disk space", tmp.c_str(), strerror(errno));
+    remove(tmp.c_str());
+    return err;
+}
+
+// One shard at `path`, written to path.tmp and then renamed, so a reader never sees half a file.
+inline std::string write_shard(const char* path, const uint16_t* tokens, size_t n, int vocab_hint) {
+    std::string err = write_shard_tmp(path, tokens, n, vocab_hint);
+    const std::string tmp = std::string(path) + ".tmp";
+    if (err.empty() && rename(tmp.c_str(), path) != 0) {
+        err = strprintf("cannot rename '%s' to '%s': %s", tmp.c_str(), path, strerror(errno));
         remove(tmp.c_str());
-        return err;
     }
-    if (rename(tmp.c_str(), path) != 0) {
-        std::string err = strprintf("cannot rename '%s' to '%s': %s", tmp.c_str(), path, strerror(errno));
-        remove(tmp.c_str());
-        return err;
-    }
-    return "";
+    return err;
 }
 
 // Any file as bytes, vocab 256: the first 90% of the bytes -> OUT_PREFIX_train.bin, the last 10% (rounded
-// down) -> OUT_PREFIX_val.bin. Prints one line per shard written.
-inline std::string prepare_byte_shards(const char* text_path, const char* out_prefix) {
+// down) -> OUT_PREFIX_val.bin. Existing shards are replaced only with `force`. All or nothing: both shards are
+// written to .tmp files first and renamed after, so that a failure leaves neither (no train shard without its val
+// shard). Prints one line per shard written.
+inline std::string prepare_byte_shards(const char* text_path, const char* out_prefix, bool force) {
+    const std::string prefix = out_prefix, train_path = prefix + "_train.bin", val_path = prefix + "_val.bin";
+    if (prefix.empty() || prefix.back() == '/')
+        return strprintf("OUT_PREFIX '%s' has no file name: give the shards' path without its ending, e.g. data/kjv for "
+                         "data/kjv_train.bin and data/kjv_val.bin", out_prefix);
     FILE* f = fopen(text_path, "rb");
     if (!f) return strprintf("cannot read '%s': %s; give the path of a text file (make data prepares data/kjv.txt)",
                              text_path, strerror(errno));
+    for (const std::string& out : {train_path, val_path}) {
+        struct stat st;
+        if (!force && stat(out.c_str(), &st) == 0) {
+            fclose(f);
+            return strprintf("'%s' exists: delete it, choose another OUT_PREFIX, or add --force to replace it", out.c_str());
+        }
+    }
     std::vector<uint8_t> bytes;
     uint8_t chunk[1 << 16];
     size_t got;
@@ -116,10 +134,20 @@ inline std::string prepare_byte_shards(const char* text_path, const char* out_pr
                          "practice far more: a batch takes B*T+1 tokens, one per byte", text_path, bytes.size());
     size_t n_val = bytes.size() / 10, n_train = bytes.size() - n_val;
     std::vector<uint16_t> tokens(bytes.begin(), bytes.end());
-    std::string train_path = std::string(out_prefix) + "_train.bin", val_path = std::string(out_prefix) + "_val.bin";
-    std::string err = write_shard(train_path.c_str(), tokens.data(), n_train, BYTE_VOCAB);
-    if (err.empty()) err = write_shard(val_path.c_str(), tokens.data() + n_train, n_val, BYTE_VOCAB);
-    if (!err.empty()) return err;
+    const std::string train_tmp = train_path + ".tmp", val_tmp = val_path + ".tmp";
+    std::string err = write_shard_tmp(train_path, tokens.data(), n_train, BYTE_VOCAB);
+    if (err.empty()) err = write_shard_tmp(val_path, tokens.data() + n_train, n_val, BYTE_VOCAB);
+    for (const std::string& out : {train_path, val_path})
+        if (err.empty() && rename((out + ".tmp").c_str(), out.c_str()) != 0) {
+            err = strprintf("cannot rename '%s.tmp' to '%s': %s", out.c_str(), out.c_str(), strerror(errno));
+            remove(train_path.c_str());   // neither shard stays (with force, the old ones were to be replaced)
+            remove(val_path.c_str());
+        }
+    if (!err.empty()) {
+        remove(train_tmp.c_str());
+        remove(val_tmp.c_str());
+        return err;
+    }
     printf("wrote %s: %zu tokens (bytes), vocab %d\n", train_path.c_str(), n_train, BYTE_VOCAB);
     printf("wrote %s: %zu tokens (bytes), vocab %d\n", val_path.c_str(), n_val, BYTE_VOCAB);
     return "";

@@ -21,7 +21,8 @@
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
 //  13. export                 train_fp8.cu 4: HF safetensors and llama2.c files read back and run in float64
-//  14. whole training runs    train_fp8.cu 6: resume, CUDA graphs, the profile, the tiny model against float64
+//  14. whole training runs    train_fp8.cu 5-6: resume, CUDA graphs, the profile, the tiny model against float64,
+//                             non-finite steps, a failed checkpoint write, evaluation and sampling
 //  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's groups and ranks: shards, TP 1 through NCCL, 2 and 4 ranks
 //  16. benchmarks             ./test_fp8 --bench: tables of ratios measured in one run
 //  17. main                   the filters, the run of the tests, the summary line
@@ -36,6 +37,8 @@
 #include <mutex>
 #include <condition_variable>
 #include <sys/wait.h>
+#include <sys/resource.h>
+#include <csignal>
 
 // ==============================================================================================
 // 1. Test infrastructure. The harness: named tests registered at static-init time; a test fails if any expectation
@@ -2759,7 +2762,7 @@ GPU_TEST(adamw_save_load_exact) {
     }
     FILE* f = tmpfile();
     if (!f) fail("adamw_save_load_exact: tmpfile() failed");
-    adamw_save(&a, f);
+    adamw_save(&a, f, "a temporary file");
     long bytes = ftell(f);
     rewind(f);
     adamw_load(&b, f, "tmpfile");
@@ -4350,7 +4353,7 @@ HOST_TEST(dataloader_prepare_byte_shards) {
     FILE* f = fopen(text_path.c_str(), "wb");
     expect(f && fwrite(text.data(), 1, text.size(), f) == text.size(), "could not write %s", text_path.c_str());
     if (f) fclose(f);
-    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str());
+    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
     expect(err.empty(), "prepare failed: %s", err.c_str());
     int32_t h_train[SHARD_HEADER_INTS] = {}, h_val[SHARD_HEADER_INTS] = {};
     std::vector<uint16_t> train = read_shard_tokens(prefix + "_train.bin", h_train), val = read_shard_tokens(prefix + "_val.bin", h_val);
@@ -4370,11 +4373,11 @@ HOST_TEST(dataloader_prepare_byte_shards) {
     std::string empty_path = dir.file("empty.txt");
     FILE* e = fopen(empty_path.c_str(), "wb");
     if (e) fclose(e);
-    const Bad bad[] = {{"missing file", dir.file("nope.txt"), prefix, "cannot read"},
-                       {"empty file", empty_path, prefix, "has 0 bytes"},
+    const Bad bad[] = {{"missing file", dir.file("nope.txt"), dir.file("u"), "cannot read"},
+                       {"empty file", empty_path, dir.file("u"), "has 0 bytes"},
                        {"unwritable folder", text_path, dir.file("no_such_folder/t"), "cannot write"}};
     for (const Bad& b : bad) {
-        err = prepare_byte_shards(b.path.c_str(), b.prefix.c_str());
+        err = prepare_byte_shards(b.path.c_str(), b.prefix.c_str(), false);
         printf("    %-22s -> %s\n", b.what, err.c_str());
         expect(err.find(b.piece) != std::string::npos, "%s: want an error with '%s', got '%s'", b.what, b.piece.c_str(), err.c_str());
     }
@@ -4731,6 +4734,8 @@ static void write_synthetic_corpus(const TempDir& dir) {
     write_shard_or_die(dir.file("train.bin"), train, BYTE_VOCAB);
     write_shard_or_die(dir.file("val.bin"), val, BYTE_VOCAB);
 }
+// The flags of the tiny model's runs on the synthetic corpus in `data`, then `more`: for train() (tiny_run_options) and for
+// ./train_fp8 itself (run_train_fp8).
 static std::vector<std::string> tiny_run_args(const TempDir& data, const std::vector<std::string>& more) {
     std::vector<std::string> args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data", data.file("val.bin"),
                                      "--batch", "4", "--seq", "32", "--total-batch", "256", "--eval-every", "0",
@@ -4738,10 +4743,9 @@ static std::vector<std::string> tiny_run_args(const TempDir& data, const std::ve
     args.insert(args.end(), more.begin(), more.end());
     return args;
 }
-static TrainOptions tiny_run_options(const TempDir& data, std::vector<std::string> more) {
-    const std::vector<std::string> args = tiny_run_args(data, more);
+static TrainOptions tiny_run_options(const TempDir& data, const std::vector<std::string>& more) {
     TrainOptions o;
-    std::string err = parse_list(args, &o);
+    std::string err = parse_list(tiny_run_args(data, more), &o);
     if (!err.empty()) fail("tiny run options rejected: %s", err.c_str());
     return o;
 }
@@ -4856,25 +4860,48 @@ HOST_TEST(train_xxh64_known_values) {
     }
 }
 
-// A checkpoint written on the host (no GPU) through checkpoint_write: header h, and the payload as far as
-// checkpoint_read_master reads it (P = 1: the AdamW header, then the master weights; P > 1: the whole master
-// weights), then `tail_bytes` random bytes standing in for the moments and FP8 scales. Returns its path.
+// The payload bytes of a checkpoint of header h whose moments are m and v, as README.md's checkpoint tables lay it out:
+// P = 1: the optimizer state (its 40-byte header, master weights, m, v, each FP8 moment's per-tensor scales), then the K
+// FP8 scale records; P > 1: the whole master weights, then P optimizer states of a shard each, then P x K records.
+static uint64_t host_payload_bytes(const CheckpointHeader& h, DType m, DType v) {
+    const ModelConfig c = checkpoint_model_config(h);
+    const uint64_t P = h.tp_size, shard = model_num_params(c, (int)P), tensors = model_param_specs(c, (int)P).size();
+    const uint64_t scales = ((dtype_is_fp8(m) ? tensors : 0) + (dtype_is_fp8(v) ? tensors : 0)) * sizeof(Fp8Meta);
+    const uint64_t state = sizeof(AdamWFileHeader) + shard * (4 + dtype_size(m) + dtype_size(v)) + scales;
+    return (P > 1 ? h.num_params * 4 : 0) + P * (state + h.fp8_meta_count * sizeof(Fp8Meta));
+}
+
+// The header of each optimizer state (a shard's) in a checkpoint of header h with the build's moment types.
+static AdamWFileHeader host_adamw_header(const CheckpointHeader& h) {
+    const AdamWConfig types;
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    return {ADAMW_MAGIC, ADAMW_VERSION, (uint32_t)types.m_dtype, (uint32_t)types.v_dtype, (uint32_t)model_param_specs(c, P).size(),
+            0, model_num_params(c, P), 0};
+}
+
+// A checkpoint written on the host (no GPU) through checkpoint_write, of header h and the build's moment types, laid out
+// as host_payload_bytes has it: the master weights `master` where checkpoint_read_master reads them, each optimizer
+// state's header, and random bytes for the rest (the shards, moments, scales). Returns its path.
 static std::string write_host_checkpoint(const std::string& dir, const CheckpointHeader& h, const std::vector<float>& master,
-                                         int keep, size_t tail_bytes = 4096) {
-    std::vector<char> tail(tail_bytes);
-    for (char& b : tail) b = (char)(test_rng()() & 0xFF);
+                                         int keep) {
+    const AdamWFileHeader a = host_adamw_header(h);
+    const int P = (int)h.tp_size;
+    const uint64_t whole = P > 1 ? master.size() * 4 : 0, records = h.fp8_meta_count * sizeof(Fp8Meta);
+    const uint64_t state = (host_payload_bytes(h, (DType)a.m_dtype, (DType)a.v_dtype) - whole) / P - records;   // one optimizer state
+    std::vector<char> random(std::max(state, P * records));
+    for (char& b : random) b = (char)(test_rng()() & 0xFF);
     return checkpoint_write(dir, h, keep, [&](FILE* f, const std::string& tmp) {
-        if (h.tp_size <= 1) {
-            AdamWFileHeader a;
-            memset(&a, 0, sizeof(a));
-            a.magic = ADAMW_MAGIC;
-            a.version = ADAMW_VERSION;
-            a.num_params = master.size();
-            if (fwrite(&a, sizeof(a), 1, f) != 1) fail("writing %s failed", tmp.c_str());
+        auto put = [&](const void* p, uint64_t bytes) {
+            if (bytes > 0 && fwrite(p, 1, bytes, f) != bytes) fail("writing %s failed", tmp.c_str());
+        };
+        put(master.data(), whole);
+        for (int r = 0; r < P; r++) {
+            put(&a, sizeof(a));
+            if (P == 1) put(master.data(), master.size() * 4);
+            put(random.data(), state - sizeof(a) - (P == 1 ? master.size() * 4 : 0));
         }
-        if (fwrite(master.data(), sizeof(float), master.size(), f) != master.size() ||
-            fwrite(tail.data(), 1, tail.size(), f) != tail.size())
-            fail("writing %s failed", tmp.c_str());
+        put(random.data(), P * records);
     });
 }
 // The header of checkpoint `path` changed by poke, with its checksum made right again (a valid header saying
@@ -4886,6 +4913,23 @@ static void rewrite_checkpoint_header(const std::string& path, const std::functi
     poke(&h);
     h.header_xxh64 = checkpoint_header_xxh64(h);
     if (fseek(f, 0, SEEK_SET) != 0 || fwrite(&h, sizeof(h), 1, f) != 1) fail("cannot write %s", path.c_str());
+    fclose(f);
+}
+// The payload of checkpoint `path` (bytes 256 on) changed by poke, which may also resize it, with the header's payload size
+// and both checksums made right again (a file whose checksums all match).
+static void rewrite_checkpoint_payload(const std::string& path, const std::function<void(std::vector<char>*)>& poke) {
+    const std::vector<char> bytes = read_whole_file(path);
+    if (bytes.size() < sizeof(CheckpointHeader)) fail("%s: no checkpoint header", path.c_str());
+    CheckpointHeader h;
+    memcpy(&h, bytes.data(), sizeof(h));
+    std::vector<char> payload(bytes.begin() + sizeof(h), bytes.end());
+    poke(&payload);
+    h.payload_bytes = payload.size();
+    h.payload_xxh64 = xxh64(payload.data(), payload.size());
+    h.header_xxh64 = checkpoint_header_xxh64(h);
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f || fwrite(&h, sizeof(h), 1, f) != 1 || fwrite(payload.data(), 1, payload.size(), f) != payload.size())
+        fail("cannot write %s", path.c_str());
     fclose(f);
 }
 static void flip_byte(const std::string& path, long offset) {
@@ -4950,7 +4994,7 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
     const uint64_t end = sizeof(CheckpointHeader) + back.payload_bytes;
     printf("    %s: %llu bytes, payload xxh64 %016llx: %s\n", good.c_str(), (unsigned long long)end,
            (unsigned long long)back.payload_xxh64, err.empty() ? "verified" : err.c_str());
-    expect(err.empty() && back.step == 12 && back.payload_bytes == sizeof(AdamWFileHeader) + master.size() * 4 + 4096 &&
+    expect(err.empty() && back.step == 12 && back.payload_bytes == host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype) &&
            read_whole_file(good).size() == end, "the intact checkpoint should verify, its size the header's: %s", err.c_str());
     expect(checkpoint_read_master(good, back) == master, "the master weights do not read back");
 
@@ -4971,15 +5015,6 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         {"version 3", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->version = 3; }); },
          {"version 3", "reads version 2"}},
         {"short file", [&](const std::string& p) { expect(truncate(p.c_str(), 100) == 0, "truncate"); }, {"100 bytes", "header"}},
-        // valid checksums over invalid fields: each field named with its value
-        {"header size", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->header_bytes = 300; }); },
-         {"valid checksum", "header size 300, not 256"}},
-        {"precision", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->precision = 7; }); },
-         {"valid checksum", "build precision 7, not 8 (FP8) or 16 (BF16)"}},
-        {"tp size 0", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->tp_size = 0; }); },
-         {"valid checksum", "tensor-parallel size 0"}},
-        {"dim", [&](const std::string& p) { rewrite_checkpoint_header(p, [](CheckpointHeader* x) { x->dim = 100; }); },
-         {"valid checksum", "model: "}},
     };
     for (const Case& k : cases) {
         const std::string copy = dir.file("damaged.bin");
@@ -4990,13 +5025,132 @@ HOST_TEST(train_checkpoint_verify_names_the_damage) {
         printf("    %-12s -> %s\n", k.what, err.c_str());
         expect(!err.empty() && err.find(copy) != std::string::npos && missing.empty(),
                "%s: should be refused naming the file and %s", k.what, missing.c_str());
-        expect(err.find("(;") == std::string::npos && err.find("; ;") == std::string::npos, "%s: a list with an empty item", k.what);
         const size_t stored = err.find("stored "), computed = err.find("computed ");
         expect(stored == std::string::npos || computed == std::string::npos || err.substr(stored + 7, 16) != err.substr(computed + 9, 16),
                "%s: a checksum 'mismatch' of two equal values", k.what);
     }
     err = checkpoint_verify(dir.file("missing.bin"), &back);
     expect(err.find("missing.bin") != std::string::npos, "a missing file should be named: '%s'", err.c_str());
+}
+
+// A checkpoint whose checksums match but whose contents cannot be right (a defective writer, or a file made by hand) is
+// refused by checkpoint_verify at once, before any of its numbers sizes an allocation or a loop, naming the file, the
+// field, its value and its bound (the fields that stand alone each, in one list): each header field changed with the
+// header's checksum made right again, and the payload's layout against the model (its size, the optimizer state's
+// moment types) with the payload's checksum made right. The same header through export writes nothing.
+HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
+    TempDir dir;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 12, &master);
+    const std::string good = write_host_checkpoint(dir.path, h, master, 0);
+    const uint64_t payload = host_payload_bytes(h, AdamWConfig().m_dtype, AdamWConfig().v_dtype);
+    CheckpointHeader back;
+    std::string err = checkpoint_verify(good, &back);
+    expect(err.empty(), "the intact checkpoint should verify: %s", err.c_str());
+    const float inf = INFINITY, nan = NAN;
+    using Poke = std::function<void(CheckpointHeader*)>;
+    auto header = [](Poke poke) { return [poke](const std::string& p) { rewrite_checkpoint_header(p, poke); }; };
+    auto payload_poke = [](std::function<void(std::vector<char>*)> poke) {
+        return [poke](const std::string& p) { rewrite_checkpoint_payload(p, poke); };
+    };
+    struct Case { std::function<void(const std::string&)> damage; std::vector<std::string> pieces; };
+    // the tiny model: dim 128, 2 layers, 2 heads of 64, seq 32; its payload (master weights, moments, scales) would hold
+    // the FP32 master weights of a few layers more (3 in the FP8 build, whose E4M3 and BF16 moments are smaller)
+    const Case cases[] = {
+        {header([](CheckpointHeader* x) { x->header_bytes = 300; }), {"header_bytes 300: must be 256"}},
+        {header([](CheckpointHeader* x) { x->precision = 7; }), {"precision 7: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)"}},
+        {header([](CheckpointHeader* x) { x->precision = 7; x->tp_size = 0; }), {"(precision 7", "; tp_size 0: must be in [1, 1024]"}},
+        {header([](CheckpointHeader* x) { x->tp_size = 1u << 31; }), {"tp_size 2147483648", "[1, 1024]"}},
+        {header([](CheckpointHeader* x) { x->n_layers = INT_MAX; }), {"n_layers 2147483647: at most ", "payload"}},
+        {header([](CheckpointHeader* x) { x->n_layers = 0; }), {"n_layers 0", "[1, 2147483647]"}},
+        {header([](CheckpointHeader* x) { x->n_layers = -3; }), {"n_layers -3"}},
+        {header([](CheckpointHeader* x) { x->max_seq_len = INT_MAX; }), {"max_seq_len 2147483647", "[1, 4096]", "--seq"}},
+        {header([](CheckpointHeader* x) { x->dim = 0; }), {"dim 0", "[16, 4194240]"}},
+        {header([](CheckpointHeader* x) { x->dim = -128; }), {"dim -128", "[16, 4194240]"}},
+        {header([](CheckpointHeader* x) { x->dim = 100; }), {"n_heads 2", "dim 100"}},
+        {header([](CheckpointHeader* x) { x->n_heads = 3; }), {"n_heads 3", "dim 128"}},
+        {header([](CheckpointHeader* x) { x->n_heads = INT_MAX; }), {"n_heads 2147483647", "[1, 2]"}},
+        {header([](CheckpointHeader* x) { x->n_kv_heads = -1; }), {"n_kv_heads -1", "[1, 2]"}},
+        {header([](CheckpointHeader* x) { x->head_dim = 128; }), {"head_dim 128", "dim 128"}},
+        {header([](CheckpointHeader* x) { x->ffn_dim = 1 << 30; }), {"ffn_dim 1073741824", "[16, 2097120]"}},
+        {header([](CheckpointHeader* x) { x->vocab_size = INT_MAX - 15; }), {"vocab_size 2147483632", "at most ", "payload"}},
+        {header([](CheckpointHeader* x) { x->vocab_size = -256; }), {"vocab_size -256", "[16, 2147483647]"}},
+        {header([](CheckpointHeader* x) { x->batch = 0; }), {"batch 0"}},
+        {header([](CheckpointHeader* x) { x->seq = -32; }), {"seq -32"}},
+        {header([](CheckpointHeader* x) { x->seq = INT_MAX; }), {"seq 2147483647", "[16, 4194240]"}},
+        {header([](CheckpointHeader* x) { x->total_batch = 100; }), {"total_batch 100", "128"}},
+        {header([](CheckpointHeader* x) { x->num_params += 16; }), {"num_params " + std::to_string(h.num_params + 16), std::to_string(h.num_params)}},
+        {header([&](CheckpointHeader* x) { x->rope_theta = inf; }), {"rope_theta inf", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->rope_theta = nan; }), {"rope_theta nan", "finite and > 0"}},
+        {header([](CheckpointHeader* x) { x->rope_theta = 0.0f; }), {"rope_theta 0", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->norm_eps = inf; }), {"norm_eps inf", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->norm_eps = nan; }), {"norm_eps nan", "finite and > 0"}},
+        {header([](CheckpointHeader* x) { x->norm_eps = -1e-5f; }), {"norm_eps -1e-05", "finite and > 0"}},
+        {header([&](CheckpointHeader* x) { x->qkv_clip = inf; }), {"qkv_clip inf", "finite"}},
+        {header([&](CheckpointHeader* x) { x->smooth_quant = nan; }), {"smooth_quant nan", "[0, 1]"}},
+        {payload_poke([](std::vector<char>* b) { b->resize(b->size() + 64); }),
+         {"payload_bytes " + std::to_string(payload + 64), std::to_string(payload)}},
+        {payload_poke([](std::vector<char>* b) { (*b)[offsetof(AdamWFileHeader, v_dtype)] = 9; }), {"moment types", "9"}},
+    };
+    const std::string copy = dir.file("invalid.bin");
+    for (const Case& k : cases) {
+        copy_file(good, copy);
+        k.damage(copy);
+        const auto t0 = std::chrono::steady_clock::now();
+        err = checkpoint_verify(copy, &back);
+        const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        const std::string missing = error_pieces_missing(err, k.pieces);
+        const size_t why = err.find("contents (");
+        printf("    %.2f ms: %s\n", ms, err.empty() ? "ACCEPTED" : err.substr(why == std::string::npos ? 0 : why + 10).c_str());
+        expect(err.find(copy) != std::string::npos && err.find("valid checksum but invalid contents") != std::string::npos &&
+               missing.empty() && err.find("(;") == std::string::npos && err.find("; ;") == std::string::npos, "should be refused as invalid contents naming the file and %s: '%s'",
+               missing.c_str(), err.c_str());
+    }
+    // the same header through export: refused before anything is written (rope_theta inf is not a JSON number)
+    TempDir out;
+    copy_file(good, copy);
+    rewrite_checkpoint_header(copy, [&](CheckpointHeader* x) { x->rope_theta = inf; });
+    err = export_checkpoint(copy, out.path, "hf", "bf16", false);
+    expect(err.find("rope_theta inf") != std::string::npos && folder_snapshot(out.path).empty(),
+           "export of a header with rope_theta inf: '%s', %zu files written", err.c_str(), folder_snapshot(out.path).size());
+}
+
+// prepare's outputs: an OUT_PREFIX without a file name is refused (an empty one would write _train.bin), existing
+// shards are replaced only with --force, and a failed write of the val shard leaves no train shard and no .tmp.
+HOST_TEST(train_prepare_outputs) {
+    TempDir dir;
+    const std::string text_path = dir.file("t.txt"), prefix = dir.file("t");
+    FILE* f = fopen(text_path.c_str(), "wb");
+    for (int i = 0; i < 1000; i++) fputc('a' + i % 26, f);
+    fclose(f);
+    struct stat st;
+    for (const std::string& bad : {std::string(""), dir.path + "/"}) {
+        const std::string err = prepare_byte_shards(text_path.c_str(), bad.c_str(), false);
+        printf("    OUT_PREFIX '%s': %s\n", bad.c_str(), err.c_str());
+        expect(err.find("no file name") != std::string::npos && stat((bad + "_train.bin").c_str(), &st) != 0,
+               "OUT_PREFIX '%s' should be refused, writing nothing: '%s'", bad.c_str(), err.c_str());
+    }
+    // the val shard cannot be written (its .tmp is a folder): neither shard, nor any .tmp, is left
+    const std::string blocker = prefix + "_val.bin.tmp";
+    expect(mkdir(blocker.c_str(), 0755) == 0, "mkdir %s", blocker.c_str());
+    std::string err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+    printf("    val shard unwritable: %s\n", err.c_str());
+    expect(!err.empty() && stat((prefix + "_train.bin").c_str(), &st) != 0 && stat((prefix + "_train.bin.tmp").c_str(), &st) != 0 &&
+           stat((prefix + "_val.bin").c_str(), &st) != 0, "a failed val write should leave no train shard: '%s'", err.c_str());
+    rmdir(blocker.c_str());
+    err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+    expect(err.empty(), "prepare: %s", err.c_str());
+    const auto before = folder_snapshot(dir.path);
+    for (const char* gone : {"_val.bin", ""}) {   // one shard there, then both: refused, nothing changed
+        if (*gone) remove((prefix + gone).c_str());
+        const auto now = folder_snapshot(dir.path);
+        err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), false);
+        printf("    existing shards: %s\n", err.c_str());
+        expect(err.find(prefix + "_train.bin") != std::string::npos && err.find("--force") != std::string::npos &&
+               folder_snapshot(dir.path) == now, "existing shards should be refused naming one and --force: '%s'", err.c_str());
+    }
+    err = prepare_byte_shards(text_path.c_str(), prefix.c_str(), true);
+    expect(err.empty() && folder_snapshot(dir.path) == before, "prepare --force: '%s'", err.c_str());
 }
 
 HOST_TEST(train_keep_checkpoints_rotation) {
@@ -5014,7 +5168,7 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     };
     for (long step = 100; step <= 500; step += 100) {   // --keep-checkpoints 2
         h.step = step;
-        write_host_checkpoint(dir.path, h, master, 2, 64);
+        write_host_checkpoint(dir.path, h, master, 2);
         const std::string want = step == 100 ? "ckpt-00000100.bin " : checkpoint_file_name(step - 100) + " " + checkpoint_file_name(step) + " ";
         expect(listing() == want && latest() == checkpoint_file_name(step), "after step %ld with K = 2: files '%s' (want '%s'), latest %s",
                step, listing().c_str(), want.c_str(), latest().c_str());
@@ -5022,13 +5176,13 @@ HOST_TEST(train_keep_checkpoints_rotation) {
     printf("    K = 2 after 5 checkpoints: %s(latest: %s)\n", listing().c_str(), latest().c_str());
     for (long step : {600L, 700L}) {   // --keep-checkpoints 0: all stay
         h.step = step;
-        write_host_checkpoint(dir.path, h, master, 0, 64);
+        write_host_checkpoint(dir.path, h, master, 0);
     }
     expect(checkpoint_files_in(dir.path).size() == 4, "K = 0 should keep every file: %s", listing().c_str());
     // a run resumed from step 400's file that saves step 450 with K = 1: of the files up to step 450 only its own
     // stays; the later ones (500 .. 700, from the run that went on) are left for it to replace as it gets there
     h.step = 450;
-    write_host_checkpoint(dir.path, h, master, 1, 64);
+    write_host_checkpoint(dir.path, h, master, 1);
     std::string want = "ckpt-00000450.bin ckpt-00000500.bin ckpt-00000600.bin ckpt-00000700.bin ";
     printf("    resumed at 400, saved 450 with K = 1: %s(latest: %s)\n", listing().c_str(), latest().c_str());
     expect(listing() == want && latest() == "ckpt-00000450.bin", "files '%s' (want '%s'), latest %s", listing().c_str(), want.c_str(),
@@ -5077,10 +5231,17 @@ static std::string train_fp8_binary() {
     if (access(bin.c_str(), X_OK) != 0) fail("%s is missing: build it first (make)", bin.c_str());
     return bin;
 }
+// Limits on a program started by spawn_program (0: none). file_bytes: no file it writes may grow past that many bytes
+// (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails with EFBIG, as it would on a full disk). data_bytes: its
+// heap and data segment (RLIMIT_DATA; malloc fails past it).
+struct ChildLimits {
+    rlim_t file_bytes = 0;
+    rlim_t data_bytes = 0;
+};
 // Starts `program` (found on PATH) with `args`, its stdout into out_file and its stderr into err_file ("": /dev/null;
-// the same file for both: the two in the order they are written). Returns its process id.
+// the same file for both: the two in the order they are written), under `limits`. Returns its process id.
 static pid_t spawn_program(const std::string& program, const std::vector<std::string>& args, const std::string& out_file,
-                           const std::string& err_file) {
+                           const std::string& err_file, const ChildLimits& limits = {}) {
     std::vector<std::string> words = {program};
     words.insert(words.end(), args.begin(), args.end());
     std::vector<char*> argv;
@@ -5095,6 +5256,15 @@ static pid_t spawn_program(const std::string& program, const std::vector<std::st
         const int fo = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         const int fe = err == out ? fo : open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
         if (fo < 0 || fe < 0 || dup2(fo, 1) < 0 || dup2(fe, 2) < 0) _exit(126);
+        auto limit = [](int resource, rlim_t bytes) {
+            rlimit r;
+            if (bytes == 0) return true;
+            if (getrlimit(resource, &r) != 0) return false;
+            r.rlim_cur = bytes;
+            return setrlimit(resource, &r) == 0;
+        };
+        const bool xfsz = limits.file_bytes == 0 || signal(SIGXFSZ, SIG_IGN) != SIG_ERR;   // ignored stays ignored through exec
+        if (!xfsz || !limit(RLIMIT_FSIZE, limits.file_bytes) || !limit(RLIMIT_DATA, limits.data_bytes)) _exit(125);
         execvp(argv[0], argv.data());
         _exit(127);
     }
@@ -5120,10 +5290,14 @@ static int run_program(const std::string& program, const std::vector<std::string
     if (err_text) *err_text = read_text(scratch + ".err");
     return status;
 }
-// ./train_fp8 with `args`: its exit status, and its stderr in *err_text (by way of the file err_file).
-static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text) {
-    const int status = wait_status(spawn_program(train_fp8_binary(), args, "", err_file));
+// ./train_fp8 with `args` under `limits`: its exit status, its stderr in *err_text (by way of the file err_file), and its
+// stdout in *out_text if one is given (by way of err_file.stdout).
+static int run_train_fp8(const std::vector<std::string>& args, const std::string& err_file, std::string* err_text,
+                         std::string* out_text = nullptr, const ChildLimits& limits = {}) {
+    const std::string out_file = out_text ? err_file + ".stdout" : "";
+    const int status = wait_status(spawn_program(train_fp8_binary(), args, out_file, err_file, limits));
     *err_text = read_text(err_file);
+    if (out_text) *out_text = read_text(out_file);
     return status;
 }
 // ./train_fp8 with `args` must refuse them: a non-zero exit, and a message holding every one of `pieces` (printed with
@@ -5356,9 +5530,9 @@ HOST_TEST(train_output_a_person_can_follow) {
            "the data line (stdout) should come before the error (stderr)");
     struct Help { std::vector<std::string> args; std::vector<std::string> pieces; };
     const Help helps[] = {
-        {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32"}},
-        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX", "_train.bin"}},
-        {{"--help"}, {"usage: ", "--dry-run", "SIGINT"}},
+        {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32", "[--force]", "  --force "}},
+        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX [--force]", "_train.bin", "  --force "}},
+        {{"--help"}, {"usage: ", "--dry-run", "SIGINT", "prepare TEXT OUT_PREFIX [--force]", "[--dtype bf16|fp32] [--force]"}},
     };
     for (const Help& h : helps) {
         std::string out, err;
@@ -5498,6 +5672,74 @@ HOST_TEST(makefile_arch_rule_and_dry_make) {
         expect(read_text(".build-settings") == stamp_before, "make -n %s rewrote .build-settings ('%s', was '%s')", line.c_str(),
                read_text(".build-settings").c_str(), stamp_before.c_str());
     }
+}
+
+// DIR/latest, damaged (garbage, empty, a name that is not a checkpoint's, a file that is gone): ./train_fp8 --resume DIR
+// refuses it naming DIR/latest and the fix (name a checkpoint file), exits non-zero and changes nothing, before any GPU
+// work; the checkpoint named directly, the fix, resolves.
+HOST_TEST(train_resume_refuses_a_damaged_latest) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> args = tiny_run_args(data, {"--steps", "20", "--warmup", "2"});
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header(args, 8, &master);
+    struct Case { const char* what; std::string latest; std::vector<std::string> pieces; };
+    const Case cases[] = {
+        {"garbage", std::string("\x7f" "ELF\0\x02\x01 junk\n", 12), {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"empty", "", {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"another path", "../ckpt-00000008.bin\n", {"does not name a checkpoint", "name a checkpoint file of"}},
+        {"missing file", "ckpt-00000009.bin\n", {"names ckpt-00000009.bin, which is missing", "name another checkpoint file of"}},
+    };
+    for (const Case& k : cases) {
+        TempDir run;
+        const std::string ckpt = write_host_checkpoint(run.path, h, master, 2);
+        FILE* f = fopen(run.file("latest").c_str(), "wb");
+        expect(f && fwrite(k.latest.data(), 1, k.latest.size(), f) == k.latest.size(), "cannot write latest");
+        if (f) fclose(f);
+        const auto before = folder_snapshot(run.path);
+        std::vector<std::string> a = args, pieces = k.pieces;
+        a.insert(a.end(), {"--resume", run.path});
+        pieces.push_back(run.file("latest"));
+        expect_train_fp8_refuses(k.what, a, pieces, data.file("stderr.txt"));
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.what);
+        std::string path;
+        expect(checkpoint_resolve(ckpt, &path).empty() && path == ckpt, "%s: the checkpoint named directly should resolve", k.what);
+    }
+}
+
+// Resuming at the TP size that wrote the checkpoint reads its AdamW moments as they are, so another --m-dtype or
+// --v-dtype is refused before any GPU work (this runs without one), naming the file and both types as flags; the run
+// folder is left as it was. At another TP size the moments start over (train_create_ranks): any types are taken there.
+HOST_TEST(train_resume_refuses_other_moment_types) {
+    TempDir data, run;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> args = tiny_run_args(data, {"--steps", "20", "--warmup", "2"});
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header(args, 8, &master);
+    const std::string ckpt = write_host_checkpoint(run.path, h, master, 2);   // the build's moment types
+    const AdamWConfig saved;
+    const std::string m_saved = moment_dtype_flag(saved.m_dtype), v_saved = moment_dtype_flag(saved.v_dtype);
+    const std::string m_other = m_saved == "fp32" ? "bf16" : "fp32", v_other = v_saved == "fp32" ? "bf16" : "fp32";
+    const auto before = folder_snapshot(run.path);
+    struct Case { std::vector<std::string> flags, pieces; };
+    const Case cases[] = {{{"--m-dtype", m_other}, {"--m-dtype " + m_saved, "--m-dtype " + m_other}},
+                          {{"--v-dtype", v_other}, {"--v-dtype " + v_saved, "--v-dtype " + v_other}}};
+    for (const Case& k : cases) {
+        std::vector<std::string> a = args, pieces = k.pieces;
+        a.insert(a.end(), k.flags.begin(), k.flags.end());
+        a.insert(a.end(), {"--resume", run.path});
+        pieces.push_back(ckpt);
+        expect_train_fp8_refuses((k.flags[0] + " " + k.flags[1]).c_str(), a, pieces, data.file("stderr.txt"));
+        expect(folder_snapshot(run.path) == before, "%s: the run folder changed", k.flags[0].c_str());
+    }
+    TrainOptions other;
+    std::vector<std::string> a = args;
+    a.insert(a.end(), {"--m-dtype", m_other});
+    expect(parse_list(a, &other).empty(), "options rejected");
+    const AdamWConfig other_types = adamw_config_from_options(other);
+    expect(checkpoint_moments_check(ckpt, h, saved, 1).empty(), "the checkpoint's own types should be taken");
+    expect(!checkpoint_moments_check(ckpt, h, other_types, 1).empty() && checkpoint_moments_check(ckpt, h, other_types, 2).empty(),
+           "other types: refused at the TP size that wrote the file, taken at another (the moments start over)");
 }
 
 // The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
@@ -5751,6 +5993,7 @@ static std::vector<float> export_test_weights(const ModelConfig& c) {
 }
 static CheckpointHeader export_test_header(const ModelConfig& c, int tp) {
     TrainOptions o;
+    o.total_batch = (long)o.batch * o.seq;   // as parse_args sets it
     CheckpointHeader h = checkpoint_header_for(c, o);
     h.step = 77;
     h.tp_size = tp;
@@ -5778,7 +6021,7 @@ HOST_TEST(export_hf_safetensors_round_trip) {
     for (const char* dtype : {"fp32", "bf16"}) {
         TempDir out;
         const bool as_bf16 = strcmp(dtype, "bf16") == 0;
-        std::string err = export_checkpoint(run.path, out.path, "hf", dtype);
+        std::string err = export_checkpoint(run.path, out.path, "hf", dtype, false);
         expect(err.empty(), "export --dtype %s: %s", dtype, err.c_str());
         std::string problems;
         auto tensors = read_safetensors(out.file("model.safetensors"), &problems);
@@ -5842,12 +6085,12 @@ HOST_TEST(export_hf_safetensors_round_trip) {
 }
 
 HOST_TEST(export_llama2c_round_trip) {
-    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_read_master's other path)
+    // a byte-level model, saved at TP = 2 (the whole master weights first: checkpoint_master_offset's other case)
     TempDir run, out;
     const ModelConfig c = export_test_config(BYTE_VOCAB);
     const std::vector<float> master = export_test_weights(c);
     write_host_checkpoint(run.path, export_test_header(c, 2), master, 2);
-    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32");
+    std::string err = export_checkpoint(run.path, out.path, "llama2c", "fp32", false);
     expect(err.empty(), "export --format llama2c: %s", err.c_str());
     const RefConfig rc = ref_config_of(c, false);
     Llama2cFile f = read_llama2c(out.file("model.bin"), rc, c.max_seq_len);
@@ -5884,7 +6127,7 @@ HOST_TEST(export_llama2c_round_trip) {
     TempDir run32, out32;
     const ModelConfig c32 = export_test_config(32);
     write_host_checkpoint(run32.path, export_test_header(c32, 1), export_test_weights(c32), 2);
-    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32");
+    err = export_checkpoint(run32.path, out32.path, "llama2c", "fp32", false);
     struct stat st;
     expect(err.empty() && stat(out32.file("model.bin").c_str(), &st) == 0 && stat(out32.file("tokenizer.bin").c_str(), &st) != 0,
            "a 32-token vocabulary: model.bin and no tokenizer.bin (%s)", err.c_str());
@@ -5896,7 +6139,7 @@ HOST_TEST(export_refuses_bad_input) {
     const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
     const std::string target = out.path + "/model";   // must not be created by a refused export
     struct stat st;
-    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16");
+    std::string err = export_checkpoint(run.path + "/nothing", target, "hf", "bf16", false);
     printf("    missing: %s\n", err.c_str());
     expect(err.find("no such checkpoint") != std::string::npos, "a missing checkpoint: '%s'", err.c_str());
     // llama2.c's run.c fixes theta and eps: a model with another theta goes to HF only
@@ -5904,7 +6147,7 @@ HOST_TEST(export_refuses_bad_input) {
     CheckpointHeader h = export_test_header(c, 1);
     h.rope_theta = 500000.0f;
     write_host_checkpoint(run_theta.path, h, export_test_weights(c), 2);
-    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32");
+    err = export_checkpoint(run_theta.path, target, "llama2c", "fp32", false);
     printf("    rope_theta 500000 to llama2c: %s\n", err.c_str());
     expect(err.find("rope_theta") != std::string::npos && err.find("--format hf") != std::string::npos, "theta: '%s'", err.c_str());
     // the ablations that transformers' and llama2.c's models cannot compute
@@ -5915,14 +6158,14 @@ HOST_TEST(export_refuses_bad_input) {
         else ca.qkv_clip = 30.0f;
         write_host_checkpoint(run_ablation.path, export_test_header(ca, 1), export_test_weights(ca), 2);
         for (const char* format : {"hf", "llama2c"}) {
-            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32");
+            err = export_checkpoint(run_ablation.path, target, format, strcmp(format, "hf") == 0 ? "bf16" : "fp32", false);
             printf("    %s to %s: %s\n", k == 0 ? "--qk-norm" : "--qkv-clip", format, err.c_str());
             expect(err.find(k == 0 ? "--qk-norm" : "--qkv-clip") != std::string::npos && err.find("not exported") != std::string::npos,
                    "an export of a model trained with %s should be refused naming it: '%s'", k == 0 ? "--qk-norm" : "--qkv-clip", err.c_str());
         }
     }
     flip_byte(path, 5000);
-    err = export_checkpoint(run.path, target, "hf", "bf16");
+    err = export_checkpoint(run.path, target, "hf", "bf16", false);
     printf("    damaged: %s\n", err.c_str());
     expect(err.find(path) != std::string::npos && err.find("checksum") != std::string::npos, "a damaged checkpoint: '%s'", err.c_str());
     expect(stat(target.c_str(), &st) != 0, "a refused export created %s", target.c_str());
@@ -5948,6 +6191,181 @@ HOST_TEST(export_refuses_bad_input) {
            o.export_dtype == "bf16", "export defaults: %s", err.c_str());
     err = parse_list({"export", "runs/a", "l2c", "--format", "llama2c"}, &o);
     expect(err.empty() && o.export_format == "llama2c" && o.export_dtype == "fp32", "llama2c's dtype default: %s", err.c_str());
+}
+
+// The export reads the master weights from the checkpoint file a run of consecutive rows at a time: each tensor of both
+// formats, read in chunks of one row, of three rows and a bit, and of the default size, gives the bytes of the same
+// tensor taken from the weights in memory.
+HOST_TEST(export_streams_tensors_in_chunks) {
+    TempDir run;
+    const ModelConfig c = export_test_config(32);
+    const std::vector<float> master = export_test_weights(c);
+    const std::string path = write_host_checkpoint(run.path, export_test_header(c, 1), master, 2);
+    CheckpointHeader h;
+    const std::string err = checkpoint_verify(path, &h);
+    const uint64_t offset = checkpoint_master_offset(h);
+    expect(err.empty() && offset == sizeof(CheckpointHeader) + sizeof(AdamWFileHeader), "%s (offset %llu)", err.c_str(),
+           (unsigned long long)offset);
+    const int fd = open(path.c_str(), O_RDONLY);
+    std::vector<float> rope_cos, rope_sin;
+    rope_tables(&rope_cos, &rope_sin, c.max_seq_len, c.head_dim, c.rope_theta);
+    auto bytes_of = [&](const ExportTensor& t, bool as_bf16, size_t chunk) {
+        char* buffer = nullptr;
+        size_t size = 0;
+        FILE* f = open_memstream(&buffer, &size);
+        export_write_tensor(f, "memory", fd, path, t, as_bf16, chunk);
+        fclose(f);
+        std::string out(buffer, size);
+        free(buffer);
+        return out;
+    };
+    int tensors = 0, differ = 0;
+    for (bool hf : {true, false}) {
+        const auto from_file = hf ? export_tensors_hf(c, offset) : export_tensors_llama2c(c, offset, rope_cos.data(), rope_sin.data());
+        for (const ExportTensor& t : from_file) {
+            ExportTensor in_memory = t;
+            if (!t.src) in_memory.src = master.data() + (t.offset - offset) / sizeof(float);
+            const size_t row = (size_t)t.cols * sizeof(float);
+            for (bool as_bf16 : {false, true}) {
+                const std::string want = bytes_of(in_memory, as_bf16, CKPT_IO_CHUNK);
+                for (size_t chunk : {row, 3 * row + 5, CKPT_IO_CHUNK}) {
+                    const std::string got = bytes_of(t, as_bf16, chunk);
+                    if (got != want || got.size() != export_tensor_bytes(t, as_bf16)) differ++;
+                }
+            }
+            tensors++;
+        }
+    }
+    close(fd);
+    printf("    %d tensors (hf and llama2c) x FP32 and BF16 x 3 chunk sizes: %d differ from the tensor in memory\n", tensors, differ);
+    expect(tensors > 0 && differ == 0, "%d exports differ from the tensor in memory", differ);
+}
+
+// OUT_DIR: empty (it would write into "/") and a file are refused; a folder that holds files only with --force (the
+// export's files replaced, the others kept); a refused export changes nothing. And export's and prepare's flags.
+HOST_TEST(export_refuses_output_paths) {
+    TempDir run, out, full;
+    const ModelConfig c = export_test_config(32);
+    write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    std::string err = export_checkpoint(run.path, "", "hf", "bf16", false);
+    printf("    empty OUT_DIR: %s\n", err.c_str());
+    expect(err.find("OUT_DIR is empty") != std::string::npos, "an empty OUT_DIR: '%s'", err.c_str());
+    const std::string latest = run.file("latest");
+    err = export_checkpoint(run.path, latest, "hf", "bf16", false);
+    printf("    a file as OUT_DIR: %s\n", err.c_str());
+    expect(err.find(latest) != std::string::npos && err.find("not a folder") != std::string::npos, "a file as OUT_DIR: '%s'", err.c_str());
+    FILE* f = fopen(full.file("notes.txt").c_str(), "wb");
+    fputs("mine", f);
+    fclose(f);
+    const auto before = folder_snapshot(full.path);
+    err = export_checkpoint(run.path, full.path, "hf", "bf16", false);
+    printf("    a folder with files: %s\n", err.c_str());
+    expect(err.find(full.path) != std::string::npos && err.find("notes.txt") != std::string::npos &&
+           err.find("--force") != std::string::npos && folder_snapshot(full.path) == before,
+           "a folder with files should be refused naming one and --force, and left as it was: '%s'", err.c_str());
+    for (int k = 0; k < 2; k++) {   // --force into it, twice: the second time over the first export
+        err = export_checkpoint(run.path, full.path, "hf", "bf16", true);
+        const auto after = folder_snapshot(full.path);
+        expect(err.empty() && after.size() == 3 && after.count("model.safetensors") && after.count("config.json") &&
+               after.at("notes.txt") == before.at("notes.txt"), "--force: '%s', %zu files", err.c_str(), after.size());
+    }
+    err = export_checkpoint(run.path, out.path, "hf", "bf16", false);   // an empty folder needs no --force
+    expect(err.empty(), "into an empty folder: '%s'", err.c_str());
+    TrainOptions o;
+    err = parse_list({"export", "runs/a", "hf/a", "--force", "--format", "llama2c"}, &o);
+    expect(err.empty() && o.do_export && o.force && o.export_format == "llama2c", "export --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--force"}, &o);
+    expect(err.empty() && o.prepare && o.force && o.prepare_prefix == "data/a", "prepare --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a"}, &o);
+    expect(err.empty() && o.prepare && !o.force, "prepare without --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--batch"}, &o);
+    expect(err.find("usage: prepare TEXT OUT_PREFIX [--force]") != std::string::npos, "prepare with another flag: '%s'", err.c_str());
+    err = parse_list({"--force"}, &o);
+    expect(err.find("--force is an option of export and prepare") != std::string::npos, "--force in training: '%s'", err.c_str());
+}
+
+// A write that fails part-way (a file-size limit of 64 KiB, as a full disk; the exports are ~1.1 MB) exits non-zero naming
+// the file and the cause, leaves the file it was replacing as it was and no temporary file: ./train_fp8 export of each
+// format into an empty folder leaves it empty, and over an earlier export (--force) leaves that byte for byte. Checkpoints
+// and `latest` are written the same way (write_file_durably); train_failed_checkpoint_write_keeps_the_last runs out of
+// space in a training run (GPU).
+HOST_TEST(export_failed_write_keeps_the_old_files) {
+    TempDir run, logs;
+    std::vector<float> master;
+    const CheckpointHeader h = host_checkpoint_header({"--model", "tiny", "--batch", "4", "--seq", "32"}, 5, &master);
+    write_host_checkpoint(run.path, h, master, 2);
+    ChildLimits small_files;
+    small_files.file_bytes = 64 << 10;
+    for (const std::string format : {"hf", "llama2c"}) {
+        TempDir out;
+        const std::vector<std::string> args = {"export", run.path, out.path, "--format", format, "--force"};
+        const std::string first = out.file(format == "hf" ? "model.safetensors.tmp" : "model.bin.tmp");
+        std::string err;
+        for (bool earlier : {false, true}) {
+            if (earlier) expect(run_train_fp8(args, logs.file("stderr.txt"), &err) == 0, "the export without a limit: %s", err.c_str());
+            const auto before = folder_snapshot(out.path);
+            const int status = run_train_fp8(args, logs.file("stderr.txt"), &err, nullptr, small_files);
+            const std::string missing = error_pieces_missing(err, {first, "File too large"});
+            err.erase(err.find_last_not_of('\n') + 1);
+            std::string files;
+            for (auto& kv : folder_snapshot(out.path)) files += kv.first + " ";
+            printf("    --format %s, %s, 64 KiB files: exit %d, left %s: %s\n", format.c_str(), earlier ? "over an export" : "empty folder",
+                   status, files.empty() ? "nothing" : files.c_str(), err.c_str());
+            expect(status == 1 && missing.empty(), "--format %s: the failed write should exit 1 with a message holding %s",
+                   format.c_str(), missing.c_str());
+            expect(folder_snapshot(out.path) == before && before.size() == (earlier ? 2u : 0u),
+                   "--format %s: the folder should be as it was (%s), and hold nothing else: %s", format.c_str(),
+                   earlier ? "the earlier export" : "empty", files.c_str());
+        }
+    }
+}
+
+// Export memory is bounded by its chunk, not by the model: ./train_fp8 exports a checkpoint of 188 MB of master weights
+// under a data limit (RLIMIT_DATA) of 64 MB above what the program needs to start, found first by refusing a missing
+// checkpoint under rising limits. Reading all the weights at once does not fit. The payload is zeros (the file is
+// sparse) but for the optimizer state's header and a last master weight of 1.5, found at the end of the output.
+HOST_TEST(export_memory_bounded) {
+    TempDir run, out, logs;
+    ModelConfig c = model_config_preset("tiny", 4096);
+    c.dim = 1024; c.n_heads = 16; c.n_kv_heads = 16; c.head_dim = 64; c.ffn_dim = 2816; c.n_layers = 3;
+    model_config_validate(c);
+    const CheckpointHeader h = export_test_header(c, 1);
+    const float last = 1.5f;
+    const AdamWFileHeader a = host_adamw_header(h);
+    checkpoint_write(run.path, h, 2, [&](FILE* f, const std::string& tmp) {
+        const off_t end = (off_t)(sizeof(CheckpointHeader) + host_payload_bytes(h, (DType)a.m_dtype, (DType)a.v_dtype));
+        const off_t last_at = (off_t)(checkpoint_master_offset(h) + (h.num_params - 1) * sizeof(float));
+        if (fwrite(&a, sizeof(a), 1, f) != 1 || fflush(f) != 0 || ftruncate(fileno(f), end) != 0 || fseeko(f, last_at, SEEK_SET) != 0 ||
+            fwrite(&last, 4, 1, f) != 1 || fseeko(f, end, SEEK_SET) != 0)   // the payload ends where the writer stops
+            fail("writing %s failed", tmp.c_str());
+    });
+    const size_t step_kb = 32 << 10, headroom_kb = 64 << 10, weights_kb = h.num_params * sizeof(float) >> 10;
+    size_t start_kb = 0;
+    std::string err;
+    auto data_limit = [](size_t kb) {
+        ChildLimits limits;
+        limits.data_bytes = (rlim_t)kb << 10;
+        return limits;
+    };
+    for (size_t kb = step_kb; kb <= (8u << 20) && start_kb == 0; kb += step_kb) {
+        run_train_fp8({"export", run.file("missing"), out.path}, logs.file("stderr.txt"), &err, nullptr, data_limit(kb));
+        if (err.find("no such checkpoint") != std::string::npos) start_kb = kb;
+    }
+    expect(start_kb > step_kb, "./train_fp8 should be refused under the smallest data limit (%zu KB), and start under one up to 8 GB "
+           "(it started under %zu KB): %s", step_kb, start_kb, err.c_str());
+    if (start_kb == 0) return;
+    const size_t limit_kb = start_kb + headroom_kb;
+    const int status = run_train_fp8({"export", run.path, out.path}, logs.file("stderr.txt"), &err, nullptr, data_limit(limit_kb));
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    ./train_fp8 starts under a data limit of %zu KB; exports %zu KB of master weights under %zu KB: exit %d %s\n", start_kb,
+           weights_kb, limit_kb, status, err.c_str());
+    expect(status == 0, "the export should fit %zu KB above the program's start (exit %d): %s", headroom_kb, status, err.c_str());
+    const std::vector<char> st = read_whole_file(out.file("model.safetensors"));
+    uint64_t header_bytes = 0;
+    if (st.size() >= 8) memcpy(&header_bytes, st.data(), 8);
+    const bf16 want = __float2bfloat16(last);
+    expect(st.size() == 8 + header_bytes + 2 * h.num_params && st.size() >= 2 && memcmp(st.data() + st.size() - 2, &want, 2) == 0,
+           "model.safetensors: %zu bytes, want %llu ending in BF16 1.5", st.size(), (unsigned long long)(8 + header_bytes + 2 * h.num_params));
 }
 
 // The program's own logits (the GPU model loaded from a checkpoint that checkpoint_save wrote) against the exported
@@ -5978,9 +6396,9 @@ GPU_TEST(export_matches_program_logits) {
     CheckpointHeader h = checkpoint_header_for(c, o);
     h.step = 5;
     const std::string path = checkpoint_save(run.path, h, 2, {&opt}, {&m});
-    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16");
+    std::string err = export_checkpoint(run.path, out_hf.path, "hf", "bf16", false);
     expect(err.empty(), "export hf: %s", err.c_str());
-    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32");
+    err = export_checkpoint(path, out_l2c.path, "llama2c", "fp32", false);
     expect(err.empty(), "export llama2c: %s", err.c_str());
 
     const std::vector<int> tokens = model_test_tokens(T, c.vocab_size);
@@ -6012,7 +6430,9 @@ GPU_TEST(export_matches_program_logits) {
 
 // ==============================================================================================
 // 14. Whole training runs on the GPU (train_fp8.cu section 6), on the synthetic byte corpus of section 12: resume
-// equals an uninterrupted run bit for bit; the tiny model follows the float64 reference.
+// equals an uninterrupted run bit for bit; the tiny model follows the float64 reference; non-finite steps are skipped
+// and --max-bad-steps of them stop the run; a failed checkpoint write keeps the last one. Then evaluation and sampling
+// (section 5) against the model's own losses and logits.
 
 // 6 steps straight, against a run that stops after step 5 (--stop-after 5, the same schedule) with checkpoints at
 // steps 3 and 5, resumed from its step-3 file for steps 4 to 6, as if it had crashed after step 5 before saving: the
@@ -6300,6 +6720,265 @@ GPU_TEST(train_tiny_follows_float64_reference) {
         }
         expect_close(("w_20 - w_0 " + s.name).c_str(), moved_gpu.data(), moved_ref.data(), s.numel, 5e-2, 0.5);
     }
+}
+
+// A step whose loss or gradient norm is not finite changes nothing of the optimizer (master weights, moments, their
+// scales, the update count) and is counted; the next finite step updates again and ends the run of bad steps. Through
+// train()'s own steps, with a NaN put into the BF16 copy of the final norm's weight (every logit NaN) before step 2 and
+// the copy made again from the master weights before step 3.
+GPU_TEST(train_nonfinite_step_skips_the_update) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const TrainOptions o = tiny_run_options(data, {"--steps", "3", "--warmup", "1", "--lr", "3e-3"});
+    TrainRun run;
+    train_check_inputs(&run, o);
+    train_create_ranks(&run);
+    train_open_logs(&run);
+    TrainRank& r = run.ranks[0];
+    auto optimizer_state = [&] {   // every byte adamw_save writes after its header
+        std::vector<char> bytes;
+        for (const AdamWPart& part : adamw_state_parts(&r.opt)) {
+            std::vector<char> b(part.bytes);
+            cudaCheck(cudaMemcpy(b.data(), part.ptr, part.bytes, cudaMemcpyDeviceToHost));
+            bytes.insert(bytes.end(), b.begin(), b.end());
+        }
+        return bytes;
+    };
+    const StepStats s1 = train_step(&run, 1);
+    const std::vector<char> after_1 = optimizer_state();
+    const bf16 nan = __float2bfloat16(NAN);
+    cudaCheck(cudaMemcpy(r.model.weights + r.model.params[param_final_norm(run.config)].offset, &nan, sizeof(nan), cudaMemcpyHostToDevice));
+    const StepStats s2 = train_step(&run, 2);
+    const bool unchanged = optimizer_state() == after_1;
+    const long bad_after_2 = run.bad_in_row;
+    adamw_export_weights(&r.opt, r.model.weights, r.model.stream);
+    model_weights_changed(&r.model);
+    const StepStats s3 = train_step(&run, 3);
+    printf("    step 1: loss %.5f, norm %.5f | step 2: loss %g, norm %g, skipped %d | step 3: loss %.5f, skipped %d; %ld skipped\n",
+           s1.loss, s1.grad_norm, s2.loss, s2.grad_norm, s2.bad, s3.loss, s3.bad, run.result.bad_steps);
+    expect(!s1.bad && std::isfinite(s1.loss), "step 1 should be finite");
+    expect(s2.bad && !std::isfinite(s2.loss) && bad_after_2 == 1 && unchanged,
+           "step 2 (NaN logits) should be skipped and counted (in a row: %ld), the optimizer state unchanged (%s)", bad_after_2,
+           unchanged ? "it is" : "it changed");
+    expect(!s3.bad && std::isfinite(s3.loss) && run.bad_in_row == 0 && run.result.bad_steps == 1 && r.opt.step == 2 &&
+           optimizer_state() != after_1, "step 3 should update (updates %d, want 2) and end the row (in a row %ld, skipped %ld)",
+           r.opt.step, run.bad_in_row, run.result.bad_steps);
+    profile_destroy(&run.profile);
+    train_close(&run);
+}
+
+// --max-bad-steps N: N non-finite steps in a row end the run with a message and exit status 1, and write no checkpoint
+// after them (the last one holds the weights from before). A NaN in the master weights of step 2's checkpoint (its
+// checksums made right again) makes every later step non-finite. Resumed for steps 3 and 4 with --max-bad-steps 5, the
+// run skips both, and its step-4 checkpoint holds step 2's optimizer state byte for byte, with 2 steps skipped, 2 of them
+// in a row (log.csv: skipped 1). Resumed from that by ./train_fp8 with --max-bad-steps 3 and a checkpoint every step, it
+// stops after step 5 (3 in a row: the count carries over the resume) and leaves the checkpoints and `latest` as they were.
+GPU_TEST(train_max_bad_steps_stops_the_run) {
+    TempDir data, dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "6", "--warmup", "1", "--lr", "3e-3", "--out", dir.path};
+    auto with = [&](std::vector<std::string> more) { more.insert(more.begin(), common.begin(), common.end()); return more; };
+    train(tiny_run_options(data, with({"--stop-after", "2", "--checkpoint-every", "2"})));
+    const std::string ckpt2 = dir.file(checkpoint_file_name(2).c_str()), ckpt4 = dir.file(checkpoint_file_name(4).c_str());
+    const ModelConfig c = model_config_from_options(tiny_run_options(data, {}), BYTE_VOCAB);
+    const size_t nan_at = sizeof(AdamWFileHeader) + model_param_specs(c)[param_final_norm(c)].offset * sizeof(float);
+    rewrite_checkpoint_payload(ckpt2, [&](std::vector<char>* p) { const float nan = NAN; memcpy(p->data() + nan_at, &nan, 4); });
+    const TrainResult r = train(tiny_run_options(data, with({"--resume", dir.path, "--stop-after", "4", "--checkpoint-every", "2",
+                                                             "--max-bad-steps", "5"})));
+    expect(r.losses.size() == 2 && !std::isfinite(r.losses[0]) && !std::isfinite(r.losses.back()) && r.bad_steps == 2 &&
+           !r.stopped_on_bad_steps, "steps 3 and 4: %zu steps, %ld skipped (want 2 and 2), stopped %d", r.losses.size(), r.bad_steps,
+           r.stopped_on_bad_steps);
+    CheckpointHeader h2, h4;
+    const std::string err = checkpoint_verify(ckpt2, &h2) + checkpoint_verify(ckpt4, &h4);
+    const std::vector<char> b2 = read_whole_file(ckpt2), b4 = read_whole_file(ckpt4);
+    const size_t state = h2.payload_bytes - h2.fp8_meta_count * sizeof(Fp8Meta);   // P = 1: the optimizer state, then the FP8 records
+    expect(err.empty() && b2.size() == b4.size() && memcmp(b2.data() + 256, b4.data() + 256, state) == 0,
+           "step 4's checkpoint should hold step 2's optimizer state byte for byte: %s", err.c_str());
+    expect(h4.step == 4 && h4.bad_steps == 2 && h4.bad_in_row == 2, "step 4's checkpoint: step %lld, %lld skipped, %lld in a row",
+           (long long)h4.step, (long long)h4.bad_steps, (long long)h4.bad_in_row);
+    for (const std::string& row : log_rows_without_timing(dir.file("log.csv"))) {
+        if (!isdigit((unsigned char)row[0])) continue;   // the header
+        const bool skipped = row.size() >= 3 && row.compare(row.size() - 3, 3, ",1,") == 0;
+        expect(skipped == (atoi(row.c_str()) >= 3), "log.csv row '%s': skipped should be 1 exactly from step 3", row.c_str());
+    }
+    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    const auto before = checkpoint_files();
+    std::vector<std::string> args = tiny_run_args(data, with({"--resume", dir.path, "--checkpoint-every", "1", "--max-bad-steps", "3"}));
+    std::string err_text, out_text;
+    const int status = run_train_fp8(args, data.file("stderr.txt"), &err_text, &out_text);
+    const std::string want = "stopping: 3 non-finite steps in a row (--max-bad-steps 3), 3 in the whole run";
+    const size_t at = out_text.find("stopping:");
+    printf("    ./train_fp8 --resume (step 4, 2 in a row) --max-bad-steps 3: exit %d: %s\n", status,
+           at == std::string::npos ? "(no stopping line)" : out_text.substr(at, out_text.find('\n', at) - at).c_str());
+    expect(status == 1 && out_text.find(want) != std::string::npos && out_text.find("step     6/6") == std::string::npos,
+           "the run should stop after step 5 with exit 1 and '%s'; stderr: %s", want.c_str(), err_text.c_str());
+    expect(before.size() == 3 && checkpoint_files() == before, "the checkpoints and latest should be as they were (%zu files)",
+           checkpoint_files().size());
+}
+
+// A checkpoint write that fails part-way (every file limited to 1 MiB, as a full disk; the tiny model's checkpoint is
+// 4 MB and more) ends ./train_fp8 with a message naming the file and the cause and a non-zero exit; the previous
+// checkpoint and `latest` stay byte for byte, and no temporary file is left.
+GPU_TEST(train_failed_checkpoint_write_keeps_the_last) {
+    TempDir data, dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "4", "--warmup", "1", "--lr", "3e-3", "--checkpoint-every", "2", "--out", dir.path};
+    std::vector<std::string> first = common;
+    first.insert(first.end(), {"--stop-after", "2"});
+    train(tiny_run_options(data, first));
+    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    const auto before = checkpoint_files();
+    std::vector<std::string> resumed = tiny_run_args(data, common);
+    resumed.insert(resumed.end(), {"--resume", dir.path, "--tp", "0"});   // --tp 0: no NCCL, only the program's files meet the limit
+    std::string err;
+    const int status = run_train_fp8(resumed, data.file("stderr.txt"), &err, nullptr, ChildLimits{1 << 20});
+    const std::string missing = error_pieces_missing(err, {dir.file(checkpoint_file_name(4).c_str()) + ".tmp", "File too large"});
+    err.erase(err.find_last_not_of('\n') + 1);
+    printf("    resumed with 1 MiB files: exit %d: %s\n", status, err.c_str());
+    expect(status != 0 && missing.empty(), "the failed checkpoint should exit non-zero with a message holding %s", missing.c_str());
+    std::string files;
+    for (auto& kv : checkpoint_files()) files += kv.first + " ";
+    expect(before.size() == 2 && checkpoint_files() == before, "step 2's checkpoint and latest should be as they were, and "
+           "nothing else: %s", files.c_str());
+}
+
+// sample_text: each token from the logits at the last position of its context (its last T tokens: the 28-token prompt
+// and 12 new tokens pass T = 32, so the window slides). Temperature 0: their argmax, which is the float64 reference's
+// wherever the reference's two largest logits lie further apart than twice the GPU's largest logit error there (then no
+// error can swap them). Temperature 0.8: the draw of softmax(logits / 0.8) at one RNG number per token, replayed here;
+// temperature 1 would draw otherwise. The same seed draws the same tokens, another seed others; 1e-4 draws the argmax.
+GPU_TEST(train_sampler_draws_from_its_logits) {
+    const int T = 32, count = 12;
+    Model m;
+    std::vector<float> w;
+    model_test_setup(&m, 1, T, &w);
+    const ModelConfig& c = m.config;
+    const int V = c.vocab_size;
+    DeviceBuffer<int> d_inputs(T);
+    DeviceBuffer<float> d_logits((size_t)T * V);
+    const std::vector<int> prompt = model_test_tokens(28, V);
+    auto sample = [&](float temperature, uint64_t seed, uint64_t* rng_after) {
+        uint64_t rng = seed;
+        std::vector<int> out = sample_text(&m, prompt, count, temperature, &rng, d_inputs.ptr, d_logits.ptr);
+        if (rng_after) *rng_after = rng;
+        return out;
+    };
+    auto last_tokens = [&](const std::vector<int>& context) {
+        return std::vector<int>(context.end() - std::min((int)context.size(), T), context.end());
+    };
+    auto next_logits = [&](const std::vector<int>& context) {   // the window: the last T tokens from position 0, then zeros
+        std::vector<int> window = last_tokens(context);
+        const size_t len = window.size();
+        window.resize(T, 0);
+        d_inputs.upload(window);
+        model_logits(&m, d_inputs.ptr, 1, T, d_logits.ptr);
+        const std::vector<float> all = d_logits.download();
+        return std::vector<float>(all.begin() + (len - 1) * V, all.begin() + len * V);
+    };
+    std::vector<float> wb(w.size());
+    for (size_t i = 0; i < w.size(); i++) wb[i] = to_float(__float2bfloat16(w[i]));
+    const RefConfig rc = ref_config_of(c, false);
+    const RefTensors params = ref_tensors_from_flat(rc, wb.data());
+    const std::vector<int> greedy = sample(0.0f, 1, nullptr);
+    std::vector<int> context = prompt;
+    int decided = 0;
+    for (int k = 0; k < count; k++) {
+        const std::vector<float> gpu = next_logits(context);
+        const std::vector<int> last = last_tokens(context);
+        const std::vector<double> all_ref = ref_logits(rc, params, last);
+        const double* ref = all_ref.data() + (last.size() - 1) * V;
+        const int gpu_best = (int)(std::max_element(gpu.begin(), gpu.end()) - gpu.begin());
+        const int ref_best = (int)(std::max_element(ref, ref + V) - ref);
+        double err = 0.0, second = -INFINITY;
+        for (int i = 0; i < V; i++) {
+            err = std::max(err, fabs(gpu[i] - ref[i]));
+            if (i != ref_best) second = std::max(second, ref[i]);
+        }
+        const bool decidable = ref[ref_best] - second > 2 * err;
+        decided += decidable;
+        expect(greedy[k] == gpu_best && (!decidable || greedy[k] == ref_best), "token %d: greedy %d, argmax of its logits %d, of the "
+               "reference %d (gap %.2e, error %.2e)", k, greedy[k], gpu_best, ref_best, ref[ref_best] - second, err);
+        context.push_back(greedy[k]);
+    }
+    printf("    greedy: %d of %d tokens decided by the float64 reference's logits (gap > 2 x the GPU's error), all its argmax\n",
+           decided, count);
+    expect(decided >= count / 2, "only %d of %d tokens decidable against the reference: the test proves little", decided, count);
+
+    const float temperature = 0.8f;
+    uint64_t rng_a = 0, rng_b = 0;
+    const std::vector<int> drawn = sample(temperature, 99, &rng_a);
+    expect(sample(temperature, 99, &rng_b) == drawn && rng_a == rng_b, "the same seed should draw the same tokens");
+    expect(sample(temperature, 100, nullptr) != drawn, "another seed should draw other tokens");
+    expect(sample(1e-4f, 5, nullptr) == greedy, "temperature 1e-4 should draw the argmax at every token");
+    auto draw = [&](const std::vector<float>& logits, float temp, float u01) {   // the inverse CDF of softmax(logits / temp)
+        const double mx = *std::max_element(logits.begin(), logits.end());
+        std::vector<double> p(V);
+        double sum = 0.0;
+        for (int i = 0; i < V; i++) sum += p[i] = exp((logits[i] - mx) / temp);
+        double u = u01 * sum;
+        for (int i = 0; i < V; i++) if ((u -= p[i]) < 0.0) return i;
+        return V - 1;
+    };
+    uint64_t rng = 99;
+    int differ_at_1 = 0;
+    context = prompt;
+    for (int k = 0; k < count; k++) {
+        const std::vector<float> logits = next_logits(context);
+        const float u01 = sample_uniform(&rng);
+        const int want = draw(logits, temperature, u01);
+        differ_at_1 += draw(logits, 1.0f, u01) != want;
+        expect(drawn[k] == want && drawn[k] >= 0 && drawn[k] < V, "token %d at temperature %g: %d, the replay draws %d", k,
+               temperature, drawn[k], want);
+        context.push_back(drawn[k]);
+    }
+    printf("    temperature %g: %d tokens as replayed; temperature 1 would have drawn %d of them otherwise\n", temperature, count,
+           differ_at_1);
+    expect(rng == rng_a, "one RNG number per token: the sampler's RNG should end where the replay's does");
+    expect(differ_at_1 > 0, "temperature 1 would draw the same tokens: this test could not see the temperature ignored");
+    model_destroy(&m);
+}
+
+// evaluate_val_loss: the mean of the model's losses on the first `batches` batches of the validation data, batch i the
+// windows i*B .. i*B + B - 1 in file order (tokens w*T .. w*T + T of window w), from the start whatever the loader read
+// before. Computed here from the tokens written and model_loss on each batch: equal bit for bit.
+GPU_TEST(train_val_loss_is_the_mean_of_its_batches) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::string val_text = synthetic_text(60000, TEST_SEED).substr(50000);   // val.bin, as write_synthetic_corpus cut it
+    const int B = 2, T = 32, batches = 3;
+    Model m;
+    std::vector<float> w;
+    model_test_setup(&m, B, T, &w);
+    DataLoader val;
+    const std::string err = dataloader_open(&val, data.file("val.bin").c_str(), B, T, 0, 1, m.config.vocab_size, false, 0);
+    expect(err.empty(), "validation loader: %s", err.c_str());
+    if (!err.empty()) return;
+    DeviceBuffer<int> d_inputs((size_t)B * T), d_targets((size_t)B * T);
+    std::vector<float> losses;
+    double sum = 0.0;
+    for (int i = 0; i < batches; i++) {
+        std::vector<int> inputs(B * T), targets(B * T);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const size_t at = (size_t)(i * B + b) * T + t;
+                inputs[b * T + t] = (unsigned char)val_text[at];
+                targets[b * T + t] = (unsigned char)val_text[at + 1];
+            }
+        d_inputs.upload(inputs);
+        d_targets.upload(targets);
+        losses.push_back(model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T));
+        sum += losses.back();
+    }
+    const float want = (float)(sum / batches);
+    dataloader_next_batch(&val);   // the loader elsewhere: the evaluation starts over
+    const float got = evaluate_val_loss(&m, &val, batches, d_inputs.ptr, d_targets.ptr);
+    const float first = evaluate_val_loss(&m, &val, 1, d_inputs.ptr, d_targets.ptr);
+    printf("    batch losses %.6f %.6f %.6f: mean %.9g, evaluate_val_loss %.9g; 1 batch %.9g\n", losses[0], losses[1], losses[2],
+           want, got, first);
+    expect(memcmp(&got, &want, 4) == 0 && memcmp(&first, &losses[0], 4) == 0, "evaluate_val_loss should be the mean of its batches' losses");
+    expect(losses[0] != losses[1] && losses[1] != losses[2], "the batches should differ in loss, else the windows read are not seen");
+    dataloader_free(&val);
+    model_destroy(&m);
 }
 
 // ==============================================================================================

@@ -105,6 +105,7 @@ struct TrainOptions {
     std::string export_ckpt, export_dir;
     std::string export_format = "hf";        // hf or llama2c
     std::string export_dtype;                // bf16 or fp32; empty = the format's default (hf bf16, llama2c fp32)
+    bool force = false;                      // export and prepare: write over existing output files
     bool help = false;                       // --help: training's flags, or the usage of prepare or export
     bool dry_run = false;                    // --dry-run: every check before the GPU work, then exit
     std::vector<std::string> command;        // the command line's words, for the line that says how to resume
@@ -174,6 +175,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
+        flag_switch("--force", "export and prepare only: write into an OUT_DIR that holds files, or over existing OUT_PREFIX shards", &o->force),
         flag_float("--smooth-quant", "ALPHA", "SmoothQuant for the FP8 linears: X/s and W*s per input channel, s = amax(X)^ALPHA / amax(W)^(1-ALPHA) (X's of the last step) rounded to a power of two, new with the weights every step (0 = off; FP8 build)", &o->smooth_quant, 0, 1),
         flag_float("--qkv-clip", "C", "clamp the QKV projection's output to [-C, C] before RoPE; no gradient where clamped (0 = off)", &o->qkv_clip, 0, 1e30),
         flag_switch("--qk-norm", "RMSNorm with a learned weight on each head of Q and of K before RoPE (one [head_dim] weight for Q and one for K per layer; not with --tp > 1, not exportable)", &o->qk_norm),
@@ -200,33 +202,37 @@ inline std::string flag_value_string(const TrainFlag& f) {
 
 // --help: training's flags; prepare --help and export --help: the usage of the subcommand.
 inline void print_help(const char* argv0, const TrainOptions& o) {
+    TrainOptions defaults;
+    auto usage = [](const TrainFlag& f) { return f.kind == FLAG_SWITCH ? std::string(f.name) : std::string(f.name) + " " + f.value_name; };
+    auto print_flags = [&](std::initializer_list<const char*> names) {   // the lines of the table's flags `names`
+        for (const TrainFlag& f : train_flags(&defaults))
+            for (const char* name : names)
+                if (strcmp(f.name, name) == 0) printf("  %-22s %s\n", usage(f).c_str(), f.help);
+    };
     if (o.prepare) {
-        printf("usage: %s prepare TEXT OUT_PREFIX\n"
+        printf("usage: %s prepare TEXT OUT_PREFIX [--force]\n"
                "  any file TEXT as bytes (vocab 256): the first 90%% to OUT_PREFIX_train.bin, the last 10%% to OUT_PREFIX_val.bin\n"
                "  (token shards for --data and --val-data)\n", argv0);
+        print_flags({"--force"});
         return;
     }
     if (o.do_export) {
-        printf("usage: %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]\n"
+        printf("usage: %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force]\n"
                "  the model of checkpoint CKPT (a file, or a run's folder: its newest checkpoint), into folder OUT_DIR\n", argv0);
-        TrainOptions defaults;
-        for (const TrainFlag& f : train_flags(&defaults))
-            if (strcmp(f.name, "--format") == 0 || strcmp(f.name, "--dtype") == 0)
-                printf("  %-22s %s\n", (std::string(f.name) + " " + f.value_name).c_str(), f.help);
+        print_flags({"--format", "--dtype", "--force"});
         return;
     }
-    TrainOptions defaults;
     printf("usage: %s [flags]                   train (defaults: the King James Bible, bytes, preset %s)\n", argv0, defaults.model.c_str());
-    printf("       %s prepare TEXT OUT_PREFIX   write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (bytes, last 10%% val)\n", argv0);
-    printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]\n"
+    printf("       %s prepare TEXT OUT_PREFIX [--force]\n"
+           "                                        write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (bytes, last 10%% val)\n", argv0);
+    printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force]\n"
            "                                        the model of checkpoint CKPT (a file, or a run's folder: its newest)\n"
            "                                        for transformers (hf) or llama2.c's run (llama2c), into OUT_DIR\n", argv0);
     printf("       (prepare --help, export --help: the usage of each)\n");
     printf("flags (default in brackets):\n");
     for (const TrainFlag& f : train_flags(&defaults)) {
-        std::string lhs = f.kind == FLAG_SWITCH ? f.name : std::string(f.name) + " " + f.value_name;
         std::string def = flag_value_string(f);
-        printf("  %-22s %s [%s]\n", lhs.c_str(), f.help, def.empty() ? "none" : def.c_str());
+        printf("  %-22s %s [%s]\n", usage(f).c_str(), f.help, def.empty() ? "none" : def.c_str());
     }
     printf("  %-22s check the flags, the data, --out and --resume (all that can be checked before the GPU), then exit\n", "--dry-run");
     printf("  %-22s this text\n", "--help");
@@ -323,9 +329,9 @@ inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& 
 }
 
 // Fills *o from argv; returns "" or the reason for rejecting the command line (naming the flag and value).
-//   prepare TEXT OUT_PREFIX                      two words, no flags
-//   export CKPT OUT_DIR [--format F] [--dtype T]  two words, then only those two flags
-//   [flags]                                      training: every flag but --format and --dtype
+//   prepare TEXT OUT_PREFIX [--force]                        two words, then only --force
+//   export CKPT OUT_DIR [--format F] [--dtype T] [--force]   two words, then only those three flags
+//   [flags]                                                  training: every flag but --format, --dtype and --force
 // --help (or -h) anywhere asks for the usage: of prepare or export after their names, else of training.
 inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     *o = TrainOptions();
@@ -336,9 +342,11 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         o->prepare = true;
         o->help = help;
         if (help) return "";
-        if (argc != 4) return "usage: prepare TEXT OUT_PREFIX (two arguments; prepare --help says more)";
+        const bool force = argc == 5 && strcmp(argv[4], "--force") == 0;
+        if (argc != 4 && !force) return "usage: prepare TEXT OUT_PREFIX [--force] (two arguments; prepare --help says more)";
         o->prepare_text = argv[2];
         o->prepare_prefix = argv[3];
+        o->force = force;
         return "";
     }
     int first = 1;
@@ -347,8 +355,8 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         o->help = help;
         if (help) return "";
         if (argc < 4 || argv[2][0] == '-' || argv[3][0] == '-')
-            return "usage: export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] (a checkpoint file or a run's "
-                   "folder, and the folder to write; export --help says more)";
+            return "usage: export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force] (a checkpoint file or a "
+                   "run's folder, and the folder to write; export --help says more)";
         o->export_ckpt = argv[2];
         o->export_dir = argv[3];
         first = 4;
@@ -367,10 +375,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         std::string err = parse_flag_value(*f, argv[++i]);
         if (!err.empty()) return err;
     }
-    auto is_export_flag = [](const std::string& name) { return name == "--format" || name == "--dtype"; };
+    auto is_export_flag = [](const std::string& name) { return name == "--format" || name == "--dtype" || name == "--force"; };
     if (o->do_export) {
         for (const std::string& name : given)
-            if (!is_export_flag(name)) return strprintf("export takes only --format and --dtype, not %s", name.c_str());
+            if (!is_export_flag(name)) return strprintf("export takes only --format, --dtype and --force, not %s", name.c_str());
         if (o->export_format != "hf" && o->export_format != "llama2c")
             return strprintf("--format %s: hf (transformers) or llama2c (llama2.c)", o->export_format.c_str());
         if (o->export_dtype.empty()) o->export_dtype = o->export_format == "hf" ? "bf16" : "fp32";
@@ -381,10 +389,14 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
                              o->export_dtype.c_str());
         return "";
     }
-    for (const std::string& name : given)
+    for (const std::string& name : given) {
+        if (name == "--force")
+            return "--force is an option of export and prepare (./train_fp8 export CKPT OUT_DIR --force, ./train_fp8 prepare "
+                   "TEXT OUT_PREFIX --force), not of training";
         if (is_export_flag(name))
             return strprintf("%s is an option of export (./train_fp8 export CKPT OUT_DIR %s ...), not of training",
                              name.c_str(), name.c_str());
+    }
     // cross-flag rules
     bool known = false;
     for (const char* p : TRAIN_MODEL_PRESETS) known |= o->model == p;
@@ -708,6 +720,82 @@ inline std::string checkpoint_read_header(const char* path, CheckpointHeader* h)
     return "";
 }
 
+// "" if the fields of a header whose checksum matched (its payload_bytes the file's) can describe a checkpoint, else
+// each field at fault, its value and its bound: not a file this program wrote, or a defective writer (the checksum only
+// says that the bytes are the ones written). Every number is bounded before it sizes an allocation or a loop: each size
+// within the program's limits (section 1), the floats finite, and the model's FP32 master weights (4 bytes a parameter)
+// within the payload, which bounds vocab_size and n_layers. The fields that stand alone are each named (of the integer
+// bounds the first that fails: a bound may use the fields above it); the model, its size and the batch once they pass.
+inline std::string checkpoint_header_problem(const CheckpointHeader& h) {
+    std::vector<std::string> problems;
+    if (h.header_bytes != sizeof(CheckpointHeader))
+        problems.push_back(strprintf("header_bytes %u: must be %zu", h.header_bytes, sizeof(CheckpointHeader)));
+    if (h.precision != 8 && h.precision != 16)
+        problems.push_back(strprintf("precision %u: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)", h.precision));
+    int preset_seq = 0;   // the longest preset's max_seq_len; a run's is that of its preset, or --seq if longer
+    for (const char* name : TRAIN_MODEL_PRESETS) preset_seq = std::max(preset_seq, model_config_preset(name, BYTE_VOCAB).max_seq_len);
+    struct Bound { const char* field; long long value, lo, hi; std::string why; };
+    const Bound bounds[] = {   // in order: a bound may use the fields above it
+        {"tp_size", h.tp_size, 1, 1024, "the range of --tp"},
+        {"dim", h.dim, 16, MAX_CAST_TRANSPOSE_ROWS, "the rows of a weight"},
+        {"n_heads", h.n_heads, 1, std::max(1, h.dim / 64), strprintf("dim %d / 64: a head is 64 or 128 wide", h.dim)},
+        {"n_kv_heads", h.n_kv_heads, 1, h.n_heads, "n_heads"},
+        {"ffn_dim", h.ffn_dim, 16, MAX_CAST_TRANSPOSE_ROWS / 2, "w_gate_up has 2 x ffn_dim rows, at most the rows of a weight"},
+        {"vocab_size", h.vocab_size, 16, INT_MAX, "a positive multiple of 16"},
+        {"n_layers", h.n_layers, 1, INT_MAX, "at least one"},
+        {"batch", h.batch, 1, INT_MAX, "at least one sequence"},
+        {"seq", h.seq, 16, MAX_CAST_TRANSPOSE_ROWS, "the tokens of a micro-batch"},
+        {"max_seq_len", h.max_seq_len, 1, std::max(preset_seq, h.seq), "the longest preset's or the run's --seq, whichever is longer"},
+    };
+    for (const Bound& b : bounds)
+        if (b.value < b.lo || b.value > b.hi) {
+            problems.push_back(strprintf("%s %lld: must be in [%lld, %lld] (%s)", b.field, b.value, b.lo, b.hi, b.why.c_str()));
+            break;
+        }
+    const struct { const char* field; float value; bool ok; const char* bound; } floats[] = {
+        {"norm_eps", h.norm_eps, std::isfinite(h.norm_eps) && h.norm_eps > 0.0f, "finite and > 0"},
+        {"rope_theta", h.rope_theta, std::isfinite(h.rope_theta) && h.rope_theta > 0.0f, "finite and > 0"},
+        {"qkv_clip", h.qkv_clip, std::isfinite(h.qkv_clip) && h.qkv_clip >= 0.0f, "finite and >= 0 (0 = off)"},
+        {"smooth_quant", h.smooth_quant, h.smooth_quant >= 0.0f && h.smooth_quant <= 1.0f, "in [0, 1] (0 = off)"},
+    };
+    for (const auto& f : floats)
+        if (!f.ok) problems.push_back(strprintf("%s %g: must be %s", f.field, f.value, f.bound));
+    if (!problems.empty()) {
+        std::string list;
+        for (const std::string& q : problems) list += (list.empty() ? "" : "; ") + q;
+        return list;
+    }
+    const ModelConfig c = checkpoint_model_config(h);
+    std::string problem = model_config_problem(c);
+    if (problem.empty()) problem = model_tp_problem(c, (int)h.tp_size);
+    if (!problem.empty()) return problem;
+    // Parameters per layer and per vocabulary entry, from the parameter table of one and two small models of this shape.
+    ModelConfig one = c, two = c, wide = c;
+    one.n_layers = 1, one.vocab_size = 16;
+    two.n_layers = 2, two.vocab_size = 16;
+    wide.n_layers = 1, wide.vocab_size = 32;
+    const uint64_t layer = model_num_params(two) - model_num_params(one), entry = (model_num_params(wide) - model_num_params(one)) / 16;
+    const uint64_t rest = model_num_params(one) - layer - 16 * entry, fits = h.payload_bytes / sizeof(float);
+    if (rest + layer + 16 * entry > fits)
+        return strprintf("dim %d, n_heads %d, ffn_dim %d: one layer is %llu parameters, more FP32 master weights than the "
+                         "payload of %llu bytes holds", h.dim, h.n_heads, h.ffn_dim, (unsigned long long)layer,
+                         (unsigned long long)h.payload_bytes);
+    const uint64_t vocab_max = (fits - rest - layer) / entry, layers_max = (fits - rest - entry * std::min<uint64_t>(h.vocab_size, vocab_max)) / layer;
+    if ((uint64_t)h.vocab_size > vocab_max || (uint64_t)h.n_layers > layers_max) {
+        const bool vocab = (uint64_t)h.vocab_size > vocab_max;
+        return strprintf("%s %d: at most %llu, the most whose FP32 master weights the payload of %llu bytes holds (4 bytes a "
+                         "parameter, %llu per %s)", vocab ? "vocab_size" : "n_layers", vocab ? h.vocab_size : h.n_layers,
+                         (unsigned long long)(vocab ? vocab_max : layers_max), (unsigned long long)h.payload_bytes,
+                         (unsigned long long)(vocab ? entry : layer), vocab ? "vocabulary entry" : "layer");
+    }
+    if (h.num_params != model_num_params(c))
+        return strprintf("num_params %llu: its model has %llu", (unsigned long long)h.num_params, (unsigned long long)model_num_params(c));
+    const int64_t bt = (int64_t)h.batch * h.seq;
+    if (h.total_batch < bt || h.total_batch % bt != 0)
+        return strprintf("total_batch %lld: must be a positive multiple of batch x seq = %lld", (long long)h.total_batch, (long long)bt);
+    return "";
+}
+
 // ----------------------------------------------------------------------------------------------
 // 3. Checkpoint files, and the run's CSV logs.
 // Every file is written durably: to NAME.tmp, flushed to the disk (fsync), renamed over NAME, then the folder
@@ -747,16 +835,32 @@ inline void write_bytes(FILE* f, const void* data, size_t bytes, const std::stri
     if (bytes > 0 && fwrite(data, 1, bytes, f) != bytes) fail("writing %s failed: %s (disk full?)", path.c_str(), strerror(errno));
 }
 
+// The temporary file that write_file_durably is filling ("" between writes). An exit before its rename (an error:
+// fail() exits from inside the writers) removes it, so that a failed write leaves no partial file, which on a full disk
+// holds the space a retry needs.
+inline std::string& durable_write_in_progress() {
+    static std::string* tmp = new std::string();   // never destroyed: the exit handler may run after static destructors
+    return *tmp;
+}
+inline void remove_durable_write_in_progress() {
+    if (!durable_write_in_progress().empty()) remove(durable_write_in_progress().c_str());
+}
+
 // Writes `path` durably: write(f, tmp_path) fills PATH.tmp (opened for writing and reading), then fsync, rename over
-// `path`, fsync of the folder. An error is fatal and leaves `path` as it was.
+// `path`, fsync of the folder. An error is fatal, leaves `path` as it was and removes PATH.tmp. Checkpoints, `latest`,
+// a log cut back on resume and export's files are all written through it.
 inline void write_file_durably(const std::string& path, const std::function<void(FILE*, const std::string&)>& write) {
+    static const bool removed_at_exit = atexit(remove_durable_write_in_progress) == 0;
+    if (!removed_at_exit) fail("atexit failed: a failed write could leave its temporary file behind");
     const std::string tmp = path + ".tmp";
     FILE* f = fopen(tmp.c_str(), "w+b");
     if (!f) fail("cannot write %s: %s", tmp.c_str(), strerror(errno));
+    durable_write_in_progress() = tmp;
     write(f, tmp);
     if (fflush(f) != 0 || fsync(fileno(f)) != 0) fail("writing %s failed: %s (disk full?)", tmp.c_str(), strerror(errno));
     if (fclose(f) != 0) fail("closing %s failed: %s", tmp.c_str(), strerror(errno));
     if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
+    durable_write_in_progress().clear();
     fsync_folder(path_folder(path));
 }
 
@@ -854,9 +958,42 @@ inline std::string checkpoint_resolve(const std::string& where, std::string* pat
     return "";
 }
 
-// Reads and checks checkpoint `path` whole before anything of it is used: the header (magic, version, its checksum,
-// a valid model), the file's size against the header's, and the payload's checksum. "" or the reason, naming the
-// file and the bytes at fault.
+// The moment types of checkpoint `path` (header h, its checksums verified), from rank 0's optimizer state, which must
+// be there: at the start of the payload (P = 1) or after the whole master weights (P > 1), an AdamW state of a shard's
+// parameters with known moment types. "" or the reason.
+inline std::string checkpoint_moment_types(const std::string& path, const CheckpointHeader& h, DType* m, DType* v) {
+    const uint64_t at = sizeof(CheckpointHeader) + (h.tp_size > 1 ? h.num_params * sizeof(float) : 0);
+    const uint64_t shard = model_num_params(checkpoint_model_config(h), (int)h.tp_size);
+    AdamWFileHeader a = {};
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) return strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
+    const bool read = fseeko(f, (off_t)at, SEEK_SET) == 0 && fread(&a, sizeof(a), 1, f) == 1;
+    fclose(f);
+    if (!read || a.magic != ADAMW_MAGIC || a.num_params != shard || a.m_dtype > DT_E5M2 || a.v_dtype > DT_E5M2)
+        return strprintf("%s: a payload with a valid checksum but invalid contents (no optimizer state of %llu parameters with "
+                         "known moment types at byte %llu: magic 0x%08x, %llu parameters, moment types %u and %u): written "
+                         "by a defective build; use another checkpoint", path.c_str(), (unsigned long long)shard,
+                         (unsigned long long)at, a.magic, (unsigned long long)a.num_params, a.m_dtype, a.v_dtype);
+    *m = (DType)a.m_dtype;
+    *v = (DType)a.v_dtype;
+    return "";
+}
+
+// The payload bytes of a checkpoint of header h (valid) with moments of types m and v, as section 2 lays it out: P
+// optimizer states of a shard each (master weights, m, v, each FP8 moment's per-tensor scales; after the whole master
+// weights if P > 1), then P x K FP8 scale records.
+inline uint64_t checkpoint_payload_bytes(const CheckpointHeader& h, DType m, DType v) {
+    const ModelConfig c = checkpoint_model_config(h);
+    const int P = (int)h.tp_size;
+    const uint64_t shard = model_num_params(c, P), tensors = model_param_specs(c, P).size();
+    const uint64_t state = sizeof(AdamWFileHeader) + shard * (sizeof(float) + dtype_size(m) + dtype_size(v)) +
+                           ((dtype_is_fp8(m) ? tensors : 0) + (dtype_is_fp8(v) ? tensors : 0)) * h.fp8_meta_bytes;
+    return (P > 1 ? h.num_params * sizeof(float) : 0) + P * (state + h.fp8_meta_count * h.fp8_meta_bytes);
+}
+
+// Reads and checks checkpoint `path` whole before anything of it is used: the header (magic, version, its checksum),
+// the file's size against the header's, the header's contents (checkpoint_header_problem), the payload's checksum, and
+// the payload's size against the model's. "" or the reason, naming the file and the bytes or the field at fault.
 inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* h) {
     const char* p = path.c_str();
     std::string err = checkpoint_read_header(p, h);
@@ -872,35 +1009,22 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
         return strprintf("%s: bytes 0 to %zu (the header) do not match their checksum (stored %016llx, computed %016llx): the "
                          "file is damaged; use another checkpoint", p, offsetof(CheckpointHeader, header_xxh64) - 1,
                          (unsigned long long)h->header_xxh64, (unsigned long long)header_sum);
-    // a valid checksum over invalid fields: each one that is wrong, named with its value
-    std::vector<std::string> problems;
-    if (h->header_bytes != sizeof(CheckpointHeader))
-        problems.push_back(strprintf("header size %u, not %zu", h->header_bytes, sizeof(CheckpointHeader)));
-    if (h->precision != 8 && h->precision != 16)
-        problems.push_back(strprintf("build precision %u, not 8 (FP8) or 16 (BF16)", h->precision));
-    if (h->tp_size < 1) problems.push_back("tensor-parallel size 0");
-    const ModelConfig c = checkpoint_model_config(*h);
-    std::string model_problem = model_config_problem(c);
-    if (model_problem.empty() && h->tp_size >= 1) model_problem = model_tp_problem(c, (int)h->tp_size);
-    if (!model_problem.empty()) problems.push_back("model: " + model_problem);
-    else if (h->num_params != model_num_params(c))
-        problems.push_back(strprintf("%llu parameters, its model has %zu", (unsigned long long)h->num_params, model_num_params(c)));
-    if (!problems.empty()) {
-        std::string list;
-        for (const std::string& q : problems) list += (list.empty() ? "" : "; ") + q;
-        return strprintf("%s: a header with a valid checksum but invalid contents (%s): not a checkpoint this program wrote, "
-                         "or written by a defective build; use another checkpoint", p, list.c_str());
-    }
     struct stat st;
     if (stat(p, &st) != 0) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
     const uint64_t size = (uint64_t)st.st_size, want = sizeof(CheckpointHeader) + h->payload_bytes;
-    if (size < want)
+    if (h->payload_bytes > size - sizeof(CheckpointHeader))
         return strprintf("%s: %llu bytes, its header says %llu (256 + %llu of payload): truncated, bytes %llu to %llu are "
                          "missing; use another checkpoint", p, (unsigned long long)size, (unsigned long long)want,
                          (unsigned long long)h->payload_bytes, (unsigned long long)size, (unsigned long long)want - 1);
     if (size > want)
         return strprintf("%s: %llu bytes, its header says %llu: bytes %llu to %llu are extra; damaged file", p,
                          (unsigned long long)size, (unsigned long long)want, (unsigned long long)want, (unsigned long long)size - 1);
+    auto invalid_contents = [p](const std::string& problem) {
+        return strprintf("%s: a header with a valid checksum but invalid contents (%s): not a checkpoint this program wrote, "
+                         "or written by a defective build; use another checkpoint", p, problem.c_str());
+    };
+    const std::string problem = checkpoint_header_problem(*h);
+    if (!problem.empty()) return invalid_contents(problem);
     FILE* f = fopen(p, "rb");
     if (!f) return strprintf("cannot open checkpoint %s: %s", p, strerror(errno));
     uint64_t payload_sum = 0;
@@ -912,6 +1036,29 @@ inline std::string checkpoint_verify(const std::string& path, CheckpointHeader* 
                          "checksum (stored %016llx, computed %016llx): the file is damaged; use another checkpoint (the run "
                          "folder keeps the newest --keep-checkpoints of them)", p, (unsigned long long)want - 1,
                          (unsigned long long)h->payload_xxh64, (unsigned long long)payload_sum);
+    DType m = DT_FP32, v = DT_FP32;
+    err = checkpoint_moment_types(path, *h, &m, &v);
+    if (!err.empty()) return err;
+    const uint64_t model_bytes = checkpoint_payload_bytes(*h, m, v);
+    if (h->payload_bytes != model_bytes)
+        return invalid_contents(strprintf("payload_bytes %llu: its model at tp %u with moments %s and %s takes %llu",
+                                          (unsigned long long)h->payload_bytes, h->tp_size, dtype_name(m), dtype_name(v),
+                                          (unsigned long long)model_bytes));
+    return "";
+}
+
+// "" if the optimizer state of checkpoint `path` (header h, verified) can continue a run of P ranks with moments of
+// `run`'s types: at the TP size that wrote it the moments are read as they are, so their types must be the run's; at
+// another they start over (train_create_ranks), in any types.
+inline std::string checkpoint_moments_check(const std::string& path, const CheckpointHeader& h, const AdamWConfig& run, int P) {
+    if (h.tp_size != (uint32_t)P) return "";
+    DType m = DT_FP32, v = DT_FP32;
+    std::string err = checkpoint_moment_types(path, h, &m, &v);
+    if (!err.empty()) return err;
+    if (m != run.m_dtype || v != run.v_dtype)
+        return strprintf("%s: its AdamW moments are --m-dtype %s --v-dtype %s, this run has --m-dtype %s --v-dtype %s: resume "
+                         "with the moment types of the run that wrote it", path.c_str(), moment_dtype_flag(m).c_str(),
+                         moment_dtype_flag(v).c_str(), moment_dtype_flag(run.m_dtype).c_str(), moment_dtype_flag(run.v_dtype).c_str());
     return "";
 }
 
@@ -939,7 +1086,7 @@ inline std::string checkpoint_save(const std::string& dir, const CheckpointHeade
             }
             write_bytes(f, whole.data(), whole.size() * sizeof(float), tmp);
         }
-        for (const AdamW* opt : opts) adamw_save(opt, f);
+        for (const AdamW* opt : opts) adamw_save(opt, f, tmp.c_str());
         std::vector<Fp8Meta> metas(h.fp8_meta_count);
         for (Model* model : models) {
             if (metas.empty()) break;
@@ -976,21 +1123,22 @@ inline void checkpoint_load_rank(const std::string& path, const CheckpointHeader
     fclose(f);
 }
 
-// The whole FP32 master weights of checkpoint `path` (header h, verified), whatever TP size wrote it: for resuming
-// at another TP size (the caller cuts them into the new shards) and for export (section 4). Host only.
+// The byte of a checkpoint (header h, verified: its optimizer states are where checkpoint_verify found them) at which
+// the whole FP32 master weights begin, whatever TP size wrote it: at P = 1 after the AdamW state's header, at P > 1
+// right after the checkpoint header.
+inline uint64_t checkpoint_master_offset(const CheckpointHeader& h) {
+    return sizeof(CheckpointHeader) + (h.tp_size > 1 ? 0 : sizeof(AdamWFileHeader));
+}
+
+// The whole FP32 master weights of checkpoint `path` (header h, verified), for resuming at another TP size (the
+// caller cuts them into the new shards). Host only.
 inline std::vector<float> checkpoint_read_master(const std::string& path, const CheckpointHeader& h) {
-    FILE* f = fopen(path.c_str(), "rb");
-    if (!f) fail("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
-    if (fseek(f, sizeof(CheckpointHeader), SEEK_SET) != 0) fail("%s: cannot seek past the header", path.c_str());
-    if (h.tp_size <= 1) {   // the master weights are the first part of the optimizer state
-        AdamWFileHeader a;
-        if (fread(&a, sizeof(a), 1, f) != 1 || a.magic != ADAMW_MAGIC || a.num_params != h.num_params)
-            fail("%s: no AdamW state of %llu parameters after the header: damaged file", path.c_str(), (unsigned long long)h.num_params);
-    }
+    const uint64_t offset = checkpoint_master_offset(h);
     std::vector<float> master(h.num_params);
-    if (fread(master.data(), sizeof(float), master.size(), f) != master.size())
-        fail("%s: the master weights end early (truncated file)", path.c_str());
-    fclose(f);
+    const int fd = open(path.c_str(), O_RDONLY);
+    const bool ok = fd >= 0 && read_exact(fd, master.data(), master.size() * sizeof(float), offset);
+    if (fd >= 0) close(fd);
+    if (!ok) fail("%s: the master weights end early (truncated file)", path.c_str());
     return master;
 }
 
@@ -1038,10 +1186,12 @@ inline FILE* open_run_csv(const std::string& dir, const char* name, const char* 
 // they are. wqkv splits into q_proj, k_proj, v_proj (llama2.c: wq, wk, wv), w_gate_up into gate_proj and up_proj
 // (llama2.c: w1 and w3).
 
-// One exported tensor: row i is row rows[i] of a row-major FP32 source `cols` wide (a 1-D tensor: one row).
+// One exported tensor: row i is row rows[i] of a row-major FP32 source `cols` wide (a 1-D tensor: one row), either
+// in the checkpoint file from byte `offset` on (src null: the master weights) or in host memory at src (the RoPE tables).
 struct ExportTensor {
     std::string name;
     std::vector<int64_t> shape;
+    uint64_t offset;
     const float* src;
     int cols;
     std::vector<int> rows;
@@ -1058,75 +1208,99 @@ inline std::vector<int> export_rope_rows_to_halves(int first, int heads, int HD)
         for (int r = 0; r < HD; r++) rows.push_back(first + h * HD + (r < HD / 2 ? 2 * r : 2 * (r - HD / 2) + 1));
     return rows;
 }
-// Tensor `param` of the flat master weights (model_param_specs order): a matrix, its rows `rows` (default all).
-inline ExportTensor export_matrix(const ModelConfig& c, const float* master, int param, const std::string& name,
+// Tensor `param` of the master weights that begin at byte `master` of the checkpoint (laid out by `specs`,
+// model_param_specs): a matrix, its rows `rows` (default all).
+inline ExportTensor export_matrix(const std::vector<TensorSpec>& specs, uint64_t master, int param, const std::string& name,
                                   std::vector<int> rows = {}) {
-    const TensorSpec s = model_param_specs(c)[param];
+    const TensorSpec& s = specs[param];
     if (rows.empty()) rows = export_row_range(0, s.rows);
-    return ExportTensor{name, {(int64_t)rows.size(), s.cols}, master + s.offset, s.cols, rows};
+    return ExportTensor{name, {(int64_t)rows.size(), s.cols}, master + s.offset * sizeof(float), nullptr, s.cols, rows};
 }
-inline ExportTensor export_vector(const ModelConfig& c, const float* master, int param, const std::string& name) {
-    const TensorSpec s = model_param_specs(c)[param];
-    return ExportTensor{name, {(int64_t)s.numel}, master + s.offset, (int)s.numel, {0}};
+inline ExportTensor export_vector(const std::vector<TensorSpec>& specs, uint64_t master, int param, const std::string& name) {
+    const TensorSpec& s = specs[param];
+    return ExportTensor{name, {(int64_t)s.numel}, master + s.offset * sizeof(float), nullptr, (int)s.numel, {0}};
 }
 
-// transformers' names, q_proj and k_proj in rotate_half order.
-inline std::vector<ExportTensor> export_tensors_hf(const ModelConfig& c, const float* master) {
+// transformers' names, q_proj and k_proj in rotate_half order; the master weights at byte `master` of the checkpoint.
+inline std::vector<ExportTensor> export_tensors_hf(const ModelConfig& c, uint64_t master) {
     const int HD = c.head_dim, QD = c.n_heads * HD, KVD = c.n_kv_heads * HD, F = c.ffn_dim;
-    std::vector<ExportTensor> t = {export_matrix(c, master, PARAM_TOK_EMBEDDING, "model.embed_tokens.weight")};
+    const std::vector<TensorSpec> specs = model_param_specs(c);
+    std::vector<ExportTensor> t = {export_matrix(specs, master, PARAM_TOK_EMBEDDING, "model.embed_tokens.weight")};
     for (int l = 0; l < c.n_layers; l++) {
         const std::string p = "model.layers." + std::to_string(l) + ".";
-        t.push_back(export_vector(c, master, param_layer(l, ATTN_NORM), p + "input_layernorm.weight"));
-        t.push_back(export_matrix(c, master, param_layer(l, WQKV), p + "self_attn.q_proj.weight", export_rope_rows_to_halves(0, c.n_heads, HD)));
-        t.push_back(export_matrix(c, master, param_layer(l, WQKV), p + "self_attn.k_proj.weight", export_rope_rows_to_halves(QD, c.n_kv_heads, HD)));
-        t.push_back(export_matrix(c, master, param_layer(l, WQKV), p + "self_attn.v_proj.weight", export_row_range(QD + KVD, KVD)));
-        t.push_back(export_matrix(c, master, param_layer(l, WO), p + "self_attn.o_proj.weight"));
-        t.push_back(export_vector(c, master, param_layer(l, FFN_NORM), p + "post_attention_layernorm.weight"));
-        t.push_back(export_matrix(c, master, param_layer(l, W_GATE_UP), p + "mlp.gate_proj.weight", export_row_range(0, F)));
-        t.push_back(export_matrix(c, master, param_layer(l, W_GATE_UP), p + "mlp.up_proj.weight", export_row_range(F, F)));
-        t.push_back(export_matrix(c, master, param_layer(l, W_DOWN), p + "mlp.down_proj.weight"));
+        t.push_back(export_vector(specs, master, param_layer(l, ATTN_NORM), p + "input_layernorm.weight"));
+        t.push_back(export_matrix(specs, master, param_layer(l, WQKV), p + "self_attn.q_proj.weight", export_rope_rows_to_halves(0, c.n_heads, HD)));
+        t.push_back(export_matrix(specs, master, param_layer(l, WQKV), p + "self_attn.k_proj.weight", export_rope_rows_to_halves(QD, c.n_kv_heads, HD)));
+        t.push_back(export_matrix(specs, master, param_layer(l, WQKV), p + "self_attn.v_proj.weight", export_row_range(QD + KVD, KVD)));
+        t.push_back(export_matrix(specs, master, param_layer(l, WO), p + "self_attn.o_proj.weight"));
+        t.push_back(export_vector(specs, master, param_layer(l, FFN_NORM), p + "post_attention_layernorm.weight"));
+        t.push_back(export_matrix(specs, master, param_layer(l, W_GATE_UP), p + "mlp.gate_proj.weight", export_row_range(0, F)));
+        t.push_back(export_matrix(specs, master, param_layer(l, W_GATE_UP), p + "mlp.up_proj.weight", export_row_range(F, F)));
+        t.push_back(export_matrix(specs, master, param_layer(l, W_DOWN), p + "mlp.down_proj.weight"));
     }
-    t.push_back(export_vector(c, master, param_final_norm(c), "model.norm.weight"));
-    t.push_back(export_matrix(c, master, param_lm_head(c), "lm_head.weight"));
+    t.push_back(export_vector(specs, master, param_final_norm(c), "model.norm.weight"));
+    t.push_back(export_matrix(specs, master, param_lm_head(c), "lm_head.weight"));
     return t;
 }
 
 // llama2.c's order (run.c, memory_map_weights): each kind of tensor for all layers in turn; the RoPE tables
 // [max_seq_len, HD/2] (rope_cos, rope_sin) that older run.c versions read and newer ones skip; lm_head last (unshared).
-inline std::vector<ExportTensor> export_tensors_llama2c(const ModelConfig& c, const float* master, const float* rope_cos,
+inline std::vector<ExportTensor> export_tensors_llama2c(const ModelConfig& c, uint64_t master, const float* rope_cos,
                                                         const float* rope_sin) {
     const int QD = c.n_heads * c.head_dim, KVD = c.n_kv_heads * c.head_dim, F = c.ffn_dim;
-    std::vector<ExportTensor> t = {export_matrix(c, master, PARAM_TOK_EMBEDDING, "token_embedding_table")};
+    const std::vector<TensorSpec> specs = model_param_specs(c);
+    std::vector<ExportTensor> t = {export_matrix(specs, master, PARAM_TOK_EMBEDDING, "token_embedding_table")};
     auto each_layer = [&](const char* name, const std::function<ExportTensor(int, const std::string&)>& one) {
         for (int l = 0; l < c.n_layers; l++) t.push_back(one(l, strprintf("%s[%d]", name, l)));
     };
-    each_layer("rms_att_weight", [&](int l, const std::string& n) { return export_vector(c, master, param_layer(l, ATTN_NORM), n); });
-    each_layer("wq", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WQKV), n, export_row_range(0, QD)); });
-    each_layer("wk", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WQKV), n, export_row_range(QD, KVD)); });
-    each_layer("wv", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WQKV), n, export_row_range(QD + KVD, KVD)); });
-    each_layer("wo", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, WO), n); });
-    each_layer("rms_ffn_weight", [&](int l, const std::string& n) { return export_vector(c, master, param_layer(l, FFN_NORM), n); });
-    each_layer("w1", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, W_GATE_UP), n, export_row_range(0, F)); });
-    each_layer("w2", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, W_DOWN), n); });
-    each_layer("w3", [&](int l, const std::string& n) { return export_matrix(c, master, param_layer(l, W_GATE_UP), n, export_row_range(F, F)); });
-    t.push_back(export_vector(c, master, param_final_norm(c), "rms_final_weight"));
+    each_layer("rms_att_weight", [&](int l, const std::string& n) { return export_vector(specs, master, param_layer(l, ATTN_NORM), n); });
+    each_layer("wq", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, WQKV), n, export_row_range(0, QD)); });
+    each_layer("wk", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, WQKV), n, export_row_range(QD, KVD)); });
+    each_layer("wv", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, WQKV), n, export_row_range(QD + KVD, KVD)); });
+    each_layer("wo", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, WO), n); });
+    each_layer("rms_ffn_weight", [&](int l, const std::string& n) { return export_vector(specs, master, param_layer(l, FFN_NORM), n); });
+    each_layer("w1", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, W_GATE_UP), n, export_row_range(0, F)); });
+    each_layer("w2", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, W_DOWN), n); });
+    each_layer("w3", [&](int l, const std::string& n) { return export_matrix(specs, master, param_layer(l, W_GATE_UP), n, export_row_range(F, F)); });
+    t.push_back(export_vector(specs, master, param_final_norm(c), "rms_final_weight"));
     const int table_cols = c.head_dim / 2;
-    t.push_back(ExportTensor{"freq_cis_real", {c.max_seq_len, table_cols}, rope_cos, table_cols, export_row_range(0, c.max_seq_len)});
-    t.push_back(ExportTensor{"freq_cis_imag", {c.max_seq_len, table_cols}, rope_sin, table_cols, export_row_range(0, c.max_seq_len)});
-    t.push_back(export_matrix(c, master, param_lm_head(c), "wcls"));
+    t.push_back(ExportTensor{"freq_cis_real", {c.max_seq_len, table_cols}, 0, rope_cos, table_cols, export_row_range(0, c.max_seq_len)});
+    t.push_back(ExportTensor{"freq_cis_imag", {c.max_seq_len, table_cols}, 0, rope_sin, table_cols, export_row_range(0, c.max_seq_len)});
+    t.push_back(export_matrix(specs, master, param_lm_head(c), "wcls"));
     return t;
 }
 
 inline uint64_t export_tensor_bytes(const ExportTensor& t, bool as_bf16) { return (uint64_t)t.rows.size() * t.cols * (as_bf16 ? 2 : 4); }
 
-// The tensor's rows into f, as FP32 or as BF16 (round to nearest even, as torch's .to(torch.bfloat16)).
-inline void export_write_tensor(FILE* f, const ExportTensor& t, bool as_bf16, const std::string& path) {
-    std::vector<bf16> row16(as_bf16 ? t.cols : 0);
-    for (int r : t.rows) {
-        const float* row = t.src + (size_t)r * t.cols;
-        for (int i = 0; i < (int)row16.size(); i++) row16[i] = __float2bfloat16(row[i]);
-        if (as_bf16) write_bytes(f, row16.data(), row16.size() * sizeof(bf16), path);
-        else write_bytes(f, row, (size_t)t.cols * sizeof(float), path);
+// The tensor's rows into f (the file `path`), as FP32 or as BF16 (round to nearest even, as torch's
+// .to(torch.bfloat16)). Rows from the checkpoint `ckpt` (open as fd) are read a run of consecutive ones at a time, at
+// most chunk_bytes (or one row): the memory of an export is that chunk, whatever the size of the model.
+inline void export_write_tensor(FILE* f, const std::string& path, int fd, const std::string& ckpt, const ExportTensor& t,
+                                bool as_bf16, size_t chunk_bytes = CKPT_IO_CHUNK) {
+    const size_t row_bytes = (size_t)t.cols * sizeof(float);
+    std::vector<float> chunk;
+    std::vector<bf16> chunk16;
+    for (size_t i = 0, n; i < t.rows.size(); i += n) {
+        for (n = 1; i + n < t.rows.size() && t.rows[i + n] == t.rows[i] + (int)n && (n + 1) * row_bytes <= chunk_bytes;) n++;
+        const float* x;
+        if (t.src) {
+            x = t.src + (size_t)t.rows[i] * t.cols;
+        } else {
+            const uint64_t at = t.offset + (uint64_t)t.rows[i] * row_bytes;
+            chunk.resize(n * t.cols);
+            errno = 0;
+            if (!read_exact(fd, chunk.data(), n * row_bytes, at))
+                fail("%s: cannot read bytes %llu to %llu (%s): %s", ckpt.c_str(), (unsigned long long)at,
+                     (unsigned long long)(at + n * row_bytes - 1), t.name.c_str(), errno ? strerror(errno) : "the file ends early");
+            x = chunk.data();
+        }
+        if (!as_bf16) {
+            write_bytes(f, x, n * row_bytes, path);
+            continue;
+        }
+        chunk16.resize(n * t.cols);
+        for (size_t k = 0; k < chunk16.size(); k++) chunk16[k] = __float2bfloat16(x[k]);
+        write_bytes(f, chunk16.data(), chunk16.size() * sizeof(bf16), path);
     }
 }
 
@@ -1189,11 +1363,32 @@ inline std::string hf_config_json(const ModelConfig& c, bool as_bf16) {
         json_float(c.norm_eps).c_str(), json_float(c.rope_theta).c_str(), as_bf16 ? "bfloat16" : "float32");
 }
 
-// ./train_fp8 export CKPT OUT_DIR: "" or the reason it cannot (the checkpoint is checked whole first; nothing is
-// written then). format "hf" or "llama2c", dtype "bf16" or "fp32" (llama2c: fp32), as parse_args checked them.
+// "" if the export may write into folder `dir`: a new folder, an empty one, or with --force (`force`) one that holds
+// files already (the export's own files are replaced, the others stay); else the reason.
+inline std::string export_folder_problem(const std::string& dir, bool force) {
+    if (dir.empty()) return "OUT_DIR is empty: name the folder to write (it is created if missing)";
+    struct stat st;
+    if (stat(dir.c_str(), &st) != 0) return "";
+    if (!S_ISDIR(st.st_mode)) return strprintf("%s exists and is not a folder: name a new or empty folder for OUT_DIR", dir.c_str());
+    DIR* d = opendir(dir.c_str());
+    if (!d) return strprintf("cannot list folder %s: %s", dir.c_str(), strerror(errno));
+    std::string first;
+    for (dirent* e = readdir(d); e && first.empty(); e = readdir(d))
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) first = e->d_name;
+    closedir(d);
+    if (first.empty() || force) return "";
+    return strprintf("%s already holds files (%s, ...): export into a new or empty folder, or add --force to write the "
+                     "export's files over the ones there", dir.c_str(), first.c_str());
+}
+
+// ./train_fp8 export CKPT OUT_DIR: "" or the reason it cannot (the output folder and the checkpoint are checked whole
+// first; nothing is written then). format "hf" or "llama2c", dtype "bf16" or "fp32" (llama2c: fp32), as parse_args
+// checked them; force: write into a folder that holds files (export_folder_problem). The weights are read from the
+// file tensor by tensor, so a model larger than the host's memory exports too.
 inline std::string export_checkpoint(const std::string& ckpt, const std::string& out_dir, const std::string& format,
-                                     const std::string& dtype) {
-    std::string path, err = checkpoint_resolve(ckpt, &path);
+                                     const std::string& dtype, bool force) {
+    std::string path, err = export_folder_problem(out_dir, force);
+    if (err.empty()) err = checkpoint_resolve(ckpt, &path);
     CheckpointHeader h;
     if (err.empty()) err = checkpoint_verify(path, &h);
     if (!err.empty()) return err;
@@ -1208,18 +1403,21 @@ inline std::string export_checkpoint(const std::string& ckpt, const std::string&
     if (llama2c && (c.rope_theta != 10000.0f || c.norm_eps != 1e-5f))
         return strprintf("%s: the model has rope_theta %g and norm_eps %g; llama2.c's run.c has 10000 and 1e-5 built in: "
                          "export it with --format hf", path.c_str(), c.rope_theta, c.norm_eps);
-    const std::vector<float> master = checkpoint_read_master(path, h);
+    const uint64_t master = checkpoint_master_offset(h);
+    const int fd = open(path.c_str(), O_RDONLY);
+    if (fd < 0) return strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
     make_dirs(out_dir);
     printf("export: %s (step %lld, %llu parameters)\n", path.c_str(), (long long)h.step, (unsigned long long)h.num_params);
     if (!llama2c) {
-        const std::vector<ExportTensor> tensors = export_tensors_hf(c, master.data());
+        const std::vector<ExportTensor> tensors = export_tensors_hf(c, master);
         const std::string header = safetensors_header(tensors, as_bf16), st = out_dir + "/model.safetensors";
         write_file_durably(st, [&](FILE* f, const std::string& tmp) {
             const uint64_t n = header.size();
             write_bytes(f, &n, 8, tmp);
             write_bytes(f, header.data(), n, tmp);
-            for (const ExportTensor& t : tensors) export_write_tensor(f, t, as_bf16, tmp);
+            for (const ExportTensor& t : tensors) export_write_tensor(f, tmp, fd, path, t, as_bf16);
         });
+        close(fd);
         const std::string config = hf_config_json(c, as_bf16);
         write_file_durably(out_dir + "/config.json", [&](FILE* f, const std::string& tmp) { write_bytes(f, config.data(), config.size(), tmp); });
         printf("wrote %s (%zu tensors, %s) and %s/config.json: LlamaForCausalLM.from_pretrained(\"%s\")%s\n", st.c_str(),
@@ -1229,14 +1427,15 @@ inline std::string export_checkpoint(const std::string& ckpt, const std::string&
     }
     std::vector<float> rope_cos, rope_sin;
     rope_tables(&rope_cos, &rope_sin, c.max_seq_len, c.head_dim, c.rope_theta);
-    const std::vector<ExportTensor> tensors = export_tensors_llama2c(c, master.data(), rope_cos.data(), rope_sin.data());
+    const std::vector<ExportTensor> tensors = export_tensors_llama2c(c, master, rope_cos.data(), rope_sin.data());
     // run.c's Config; a negative vocab_size says that the classifier (lm_head) is stored, not tied to the embedding
     const int32_t config[7] = {c.dim, c.ffn_dim, c.n_layers, c.n_heads, c.n_kv_heads, -c.vocab_size, c.max_seq_len};
     const std::string bin = out_dir + "/model.bin";
     write_file_durably(bin, [&](FILE* f, const std::string& tmp) {
         write_bytes(f, config, sizeof(config), tmp);
-        for (const ExportTensor& t : tensors) export_write_tensor(f, t, false, tmp);
+        for (const ExportTensor& t : tensors) export_write_tensor(f, tmp, fd, path, t, false);
     });
+    close(fd);
     printf("wrote %s (FP32)\n", bin.c_str());
     if (bytes) {   // run.c's tokenizer.bin: max token length, then per token a score, a length and the bytes
         const std::string tok = out_dir + "/tokenizer.bin";
@@ -1679,6 +1878,7 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         err = checkpoint_resolve(o.resume, &run->resume_path);
         if (err.empty()) err = checkpoint_verify(run->resume_path, &run->saved);
         if (err.empty()) err = checkpoint_header_check(run->saved, run->header, run->resume_path.c_str());
+        if (err.empty()) err = checkpoint_moments_check(run->resume_path, run->saved, run->adamw_config, std::max(1, o.tp));
         if (err.empty()) err = dataloader_set_state(&run->train_data, {run->saved.loader_epoch, run->saved.loader_position});
         if (!err.empty()) fail("--resume %s: %s", o.resume.c_str(), err.c_str());
         err = train_resume_range_problem(o, run->saved.step);
@@ -2156,12 +2356,12 @@ int main(int argc, char** argv) {
         return 0;
     }
     if (o.prepare) {
-        err = prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str());
+        err = prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str(), o.force);
         if (!err.empty()) fail("%s", err.c_str());
         return 0;
     }
     if (o.do_export) {
-        err = export_checkpoint(o.export_ckpt, o.export_dir, o.export_format, o.export_dtype);
+        err = export_checkpoint(o.export_ckpt, o.export_dir, o.export_format, o.export_dtype, o.force);
         if (!err.empty()) fail("export: %s", err.c_str());
         return 0;
     }
