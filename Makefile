@@ -8,6 +8,7 @@
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
 #   make train              build, prepare data, train the default preset
 #   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab")
+#   make mutants            mutation testing: each bug of mutants.txt built and tested in scratch-mutants/ (mutate.sh --help)
 #   make clean
 PRECISION ?= FP8
 GPU_ARCH  ?= sm_90a
@@ -106,6 +107,13 @@ STUDY_FLAGS ?=
 study: train_fp8 train_fp8_bf16 data
 	./study.sh $(STUDY_FLAGS)
 
-.PHONY: all test sanitize bench data train study clean
+# Mutation testing: the tests must catch every mutant of mutants.txt, in each build it names (MUTATE_FLAGS adds
+# options, e.g. MUTATE_FLAGS="--host-only" on a machine without a GPU, or "--jobs 8 --parallel 4" on a GPU machine).
+MUTATE_FLAGS ?=
+mutants:
+	./mutate.sh $(MUTATE_FLAGS)
+
+.PHONY: all test sanitize bench data train study mutants clean
 clean:
 	rm -f train_fp8 train_fp8_bf16 test_fp8 $(STAMP)
+	rm -rf scratch-mutants
