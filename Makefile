@@ -10,6 +10,7 @@
 #                           already: the message gives the command that continues it)
 #   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab")
 #   make soak               kill-and-resume soak: a run killed (SIGKILL) and resumed 5 times ends as an uninterrupted one (soak.sh)
+#   make mutants            mutation testing: each bug of mutants.txt built and tested in scratch-mutants/ (mutate.sh --help)
 #   make clean
 PRECISION ?= FP8
 GPU_ARCH  ?= sm_90a
@@ -132,6 +133,13 @@ SOAK_FLAGS ?=
 soak: train_fp8 data
 	./soak.sh $(SOAK_FLAGS)
 
-.PHONY: all test sanitize bench data train study soak clean
+# Mutation testing: the tests must catch every mutant of mutants.txt, in each build it names (MUTATE_FLAGS adds
+# options, e.g. MUTATE_FLAGS="--host-only" on a machine without a GPU, or "--jobs 8 --parallel 4" on a GPU machine).
+MUTATE_FLAGS ?=
+mutants:
+	./mutate.sh $(MUTATE_FLAGS)
+
+.PHONY: all test sanitize bench data train study soak mutants clean
 clean:
 	rm -f train_fp8 train_fp8_bf16 test_fp8 $(STAMP)
+	rm -rf scratch-mutants

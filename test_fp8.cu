@@ -2,7 +2,9 @@
 // GPU kernel checked against them. Host-only tests always run; GPU tests are skipped (and counted) when
 // there is no GPU. The last line is "N passed, N failed, N skipped"; any failure exits non-zero.
 //   ./test_fp8                 all tests
-//   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs
+//   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs (a NAME that matches none is an error)
+//   ./test_fp8 --list          the tests' names, host or gpu beside each
+//   ./test_fp8 --fail-fast     stop at the first failing test;  --host-only: skip the GPU tests
 //   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   the benchmark tables (GPU): all, or those named
 // Sections, in the order of the source files after the spec; each holds its host references first, then its tests:
 //   1. test infrastructure    the harness (HOST_TEST / GPU_TEST, expect, error_stats), random inputs, device
@@ -2057,7 +2059,7 @@ GPU_TEST(attention_is_deterministic) {
 // the last query and key tiles ragged and the last groups of tiles short (9 key tiles in pairs; at HD = 128, 9
 // query tiles in groups of 2, its K/V of 132 blocks being 73 MB against the H200's 50 MB of L2).
 GPU_TEST(attention_hopper_many_waves) {
-    if (!attention_hopper_available) return;
+    if (!attention_hopper_available) return skip_test("the Hopper attention kernels are built only for GPU_ARCH=sm_90a");
     for (const AttentionShape& sh : {AttentionShape{32, 1088, 8, 2, 64}, AttentionShape{8, 1088, 8, 8, 128}}) {
         const int blocks = ceil_div(sh.T, HATTN_BWD_BN) * sh.NKV * sh.B;
         const int ntiles = ceil_div(sh.T, sh.HD == 64 ? HattnSmem<64>::FWD_BM : HattnSmem<128>::FWD_BM);
@@ -7935,18 +7937,54 @@ static void run_benchmarks(const std::vector<std::string>& which) {
 // ==============================================================================================
 // 17. main
 
+// Usage errors (an unknown option, a NAME that matches no test) exit with 2, failed tests with 1.
+static int usage_error(const char* prog, const std::string& msg) {
+    fprintf(stderr, "error: %s\n  %s --list   lists the tests; %s --help   the options\n", msg.c_str(), prog, prog);
+    return 2;
+}
+
 int main(int argc, char** argv) {
     setvbuf(stdout, nullptr, _IOLBF, 0);   // each line as it comes, into a pipe too (| tee), in order with stderr's
     std::vector<std::string> filters;
-    bool bench = false;
+    bool bench = false, list = false, fail_fast = false, host_only = false;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
         if (a == "--bench") bench = true;
+        else if (a == "--list") list = true;
+        else if (a == "--fail-fast") fail_fast = true;
+        else if (a == "--host-only") host_only = true;
         else if (a == "--help" || a == "-h") {
-            printf("usage: %s [NAME...]          run the tests (only those whose names contain a NAME)\n"
-                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   benchmark tables (GPU): all, or those named\n", argv[0], argv[0]);
+            printf("usage: %s [--fail-fast] [--host-only] [NAME...]   run the tests (only those whose names contain a NAME)\n"
+                   "         --fail-fast   stop after the first failing test\n"
+                   "         --host-only   skip the GPU tests even where there is a GPU\n"
+                   "       %s --list [NAME...]   the tests' names (host or gpu beside each), in the order they run\n"
+                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   benchmark tables (GPU): all, or those named\n",
+                   argv[0], argv[0], argv[0]);
             return 0;
-        } else filters.push_back(a);
+        } else if (a.size() > 1 && a[0] == '-') return usage_error(argv[0], "unknown option '" + a + "'");
+        else filters.push_back(a);
+    }
+    if (bench) {
+        const char* tables[] = {"gemm", "cast", "model", "tp", "optimizer", "attention"};
+        for (const std::string& f : filters)
+            if (std::find(std::begin(tables), std::end(tables), f) == std::end(tables))
+                return usage_error(argv[0], "--bench " + f + ": no such table; the tables are gemm, cast, model, tp, optimizer, attention");
+    } else {
+        for (const std::string& f : filters) {
+            bool matched = false;
+            for (const TestCase& t : test_registry()) matched |= strstr(t.name, f.c_str()) != nullptr;
+            if (!matched) return usage_error(argv[0], "NAME '" + f + "' matches no test (a NAME selects the tests whose names contain it)");
+        }
+    }
+    auto selected = [&](const TestCase& t) {
+        bool any = filters.empty();
+        for (const std::string& f : filters) any |= strstr(t.name, f.c_str()) != nullptr;
+        return any;
+    };
+    if (list) {
+        for (const TestCase& t : test_registry())
+            if (selected(t)) printf("%s %s\n", t.name, t.needs_gpu ? "gpu" : "host");
+        return 0;
     }
     int device_count = 0;
     g_have_gpu = cudaGetDeviceCount(&device_count) == cudaSuccess && device_count > 0;
@@ -7965,13 +8003,12 @@ int main(int argc, char** argv) {
         run_benchmarks(filters);
         return 0;
     }
-    int passed = 0, failed = 0, skipped = 0;
+    int passed = 0, failed = 0, skipped = 0, not_run = 0;
     for (const TestCase& t : test_registry()) {
-        bool selected = filters.empty();
-        for (auto& f : filters) selected |= strstr(t.name, f.c_str()) != nullptr;
-        if (!selected) continue;
-        if (t.needs_gpu && !g_have_gpu) {
-            printf("SKIP %s (no GPU)\n", t.name);
+        if (!selected(t)) continue;
+        if (fail_fast && failed > 0) { not_run++; continue; }
+        if (t.needs_gpu && (host_only || !g_have_gpu)) {
+            printf("SKIP %s (%s)\n", t.name, host_only ? "--host-only" : "no GPU");
             skipped++;
             continue;
         }
@@ -7987,6 +8024,7 @@ int main(int argc, char** argv) {
         else { printf("  FAILED %s (%d expectations)\n", t.name, g_test_failures); failed++; }
         fflush(stdout);
     }
+    if (not_run > 0) printf("--fail-fast: stopped at the first failure, %d selected tests not run\n", not_run);
     printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed == 0 ? 0 : 1;
 }
