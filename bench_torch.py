@@ -104,7 +104,7 @@ class Head(nn.Module):
 
     def forward(self, x, targets):
         logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 class Llama(nn.Module):

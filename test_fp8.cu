@@ -1856,12 +1856,13 @@ static void check_matmul(MatmulContext* ctx, int M, int N, int K, DType ta, DTyp
 GPU_TEST(matmul_vs_float64) {
     // Tolerances from the arithmetic (rel_l2; max_rel the same, the errors of sums being spread like the sums).
     // The products of FP8 or BF16 inputs are exact in FP32.
-    // BF16 operands: FP32 accumulation leaves ~sqrt(K) * 2^-24 relative (< 4e-6 at K = 4096): 1e-5.
+    // BF16 operands: FP32 accumulation leaves ~sqrt(K) * 2^-24 relative (measured up to 1.4e-6 / 1.7e-6 max_rel): 4e-6.
     // FP8 operands: Hopper's FP8 tensor cores add each K-chunk of one MMA with about 14 bits kept
-    // (cuBLASLt then promotes to FP32: "split accumulation"), so 2^-14 = 6e-5 per chunk: 2e-4.
+    // (cuBLASLt then promotes to FP32: "split accumulation"), so 2^-14 = 6e-5 per chunk (measured up to 1.3e-4,
+    // max_rel 3.9e-4): 2e-4, max_rel 8e-4.
     // A BF16 output adds one rounding to 8 bits, at most 2^-8 = 3.9e-3 of each element (~1.6e-3 rms): rel_l2 3e-3,
-    // max_rel BF16_ROUNDING_MAX_TOL.
-    // Fast accumulation (FP8 only) keeps the whole K in the tensor core; its error is printed, bounded at 1e-2.
+    // max_rel BF16_ROUNDING_MAX_TOL; accumulating into a BF16 D rounds twice (measured max_rel 6.3e-3): 1e-2.
+    // Fast accumulation (FP8 only) keeps the whole K in the tensor core (measured 1.3e-3, max_rel 3.2e-3): 4e-3, 8e-3.
     MatmulContext ctx;
     matmul_context_create(&ctx);
     int shapes[][3] = {{16, 16, 16}, {256, 256, 256}, {16, 512, 768}, {2048, 64, 256}, {96, 160, 1104}, {128, 2560, 512}, {64, 48, 4096}};
@@ -1871,13 +1872,13 @@ GPU_TEST(matmul_vs_float64) {
             for (DType td : {DT_BF16, DT_FP32})
                 for (bool acc : {false, true})
                     check_matmul(&ctx, s[0], s[1], s[2], p[0], p[1], td, false, false, acc, false,
-                                 td == DT_BF16 ? 3e-3 : p[0] == DT_BF16 ? 1e-5 : 2e-4,
-                                 td == DT_BF16 ? BF16_ROUNDING_MAX_TOL : p[0] == DT_BF16 ? 1e-5 : 2e-4);
+                                 td == DT_BF16 ? 3e-3 : p[0] == DT_BF16 ? 4e-6 : 2e-4,
+                                 td == DT_BF16 ? (acc ? 1e-2 : BF16_ROUNDING_MAX_TOL) : p[0] == DT_BF16 ? 4e-6 : 8e-4);
     // BF16 operands in every storage order (what the BF16 backward uses).
     for (bool at : {false, true})
-        for (bool bt : {false, true}) check_matmul(&ctx, 96, 160, 1104, DT_BF16, DT_BF16, DT_FP32, at, bt, true, false, 1e-5, 1e-5);
-    check_matmul(&ctx, 256, 256, 4096, DT_E4M3, DT_E4M3, DT_FP32, false, false, false, true, 1e-2, 1e-2);
-    check_matmul(&ctx, 256, 256, 4096, DT_E4M3, DT_E4M3, DT_FP32, false, false, false, false, 2e-4, 2e-4);
+        for (bool bt : {false, true}) check_matmul(&ctx, 96, 160, 1104, DT_BF16, DT_BF16, DT_FP32, at, bt, true, false, 4e-6, 4e-6);
+    check_matmul(&ctx, 256, 256, 4096, DT_E4M3, DT_E4M3, DT_FP32, false, false, false, true, 4e-3, 8e-3);
+    check_matmul(&ctx, 256, 256, 4096, DT_E4M3, DT_E4M3, DT_FP32, false, false, false, false, 2e-4, 8e-4);
     matmul_context_destroy(&ctx);
 }
 
@@ -3040,7 +3041,7 @@ GPU_TEST(embedding_forward_backward) {
         for (int n = 0; n < N; n++)
             for (int i = 0; i < D; i++) ref[(size_t)tokens[n] * D + i] += (double)to_float(dout[(size_t)n * D + i]);
         // FP32 sums of at most ~120 BF16-exact terms: relative error ~sqrt(n) 2^-24 < 1e-6
-        expect_close("d_tok_embedding (accumulated)", demb.data(), ref.data(), ref.size(), 1e-6, 1e-6);
+        expect_close("d_tok_embedding (accumulated)", demb.data(), ref.data(), ref.size(), 1e-7, 1.5e-7);   // measured 2.5e-8, 4.9e-8 (FP32 sums)
         d_demb.upload(demb0);
         embedding_backward(d_demb.ptr, d_dout.ptr, d_tokens.ptr, N, V, D, 0);
         expect(model_test_same_bits(d_demb.download(), demb), "embedding_backward differs between two runs");
@@ -3445,23 +3446,31 @@ static ModelRefResult model_ref_run(const ModelRefCase& k, bool no_rope = false)
 // sharp softmax turns the scores' rounding (~1e-2 absolute at scores of std ~4) into ~1% changes of the probabilities.
 // Estimated: ~1e-2 on the logits, a few 1e-2 on the gradients; a defect (a wrong index, sign, scale, head, tile,
 // missing term) is an error of order 1 (model_ref_is_sharp checks that RoPE alone moves them by far more).
-static const double MODEL_REF_LOSS_TOL = 1e-3;     // relative; the mean of 400 FP32 cross-entropies of those logits
-static const double MODEL_REF_LOGITS_TOL = 2e-2;   // rel_l2 and max_rel
-static const double MODEL_REF_GRAD_TOL = 5e-2;     // rel_l2 and max_rel, each tensor
-// The weights make RoPE matter: the reference without RoPE is far outside the tolerances, in the logits and in
-// every wqkv gradient (where a RoPE backward that turns the wrong way shows first).
-static void model_ref_is_sharp(const ModelRefCase& k, const ModelRefResult& ref) {
+// Measured on an H100, both builds alike: loss 1.1e-5 (B=1 T=16: 2.2e-4); plain model logits 1.6e-2 / 2.6e-2 (rel_l2 /
+// max_rel), gradients up to 3.5e-2 / 4.4e-2; with --qk-norm and the clip, logits 1.9e-2 / 4.4e-2 and gradients up to
+// 7.3e-2 / 1.7e-1: a qkv value within a BF16 rounding of C is clamped on one side and not on the other, an O(1)
+// difference in that element's gradient, and layer 0 inherits layer 1's. Each tolerance is ~2x its measurement.
+struct ModelRefTol { double logits_rel, logits_max, grad_rel, grad_max; };
+static const double MODEL_REF_LOSS_TOL = 4e-5;         // relative, the 400-token mean loss
+static const double MODEL_REF_SMALL_LOSS_TOL = 5e-4;   // relative, the loss of the first 16 tokens
+static const ModelRefTol MODEL_REF_TOL = {3e-2, 5e-2, 7e-2, 9e-2};
+static const ModelRefTol MODEL_REF_QK_CLIP_TOL = {4e-2, 9e-2, 1.5e-1, 3.3e-1};
+// The weights make RoPE matter: the reference without RoPE lies at least 3x outside each tolerance, in the logits and
+// in every wqkv gradient (where a RoPE backward that turns the wrong way shows first), so dropping RoPE or turning
+// its backward the wrong way fails the comparison.
+static void model_ref_moves(const char* what, const ErrorStats& e, double rel_tol, double max_tol) {
+    const double factor = std::min(e.rel_l2 / rel_tol, e.max_rel / max_tol);
+    printf("    without RoPE the reference moves: %s rel_l2 %.2e max_rel %.2e (%.1fx their tolerance)\n", what, e.rel_l2, e.max_rel, factor);
+    expect(factor >= 3, "not sharp: RoPE moves %s by only %.1fx the tolerance", what, factor);
+}
+static void model_ref_is_sharp(const ModelRefCase& k, const ModelRefResult& ref, const ModelRefTol& tol) {
     const ModelRefResult off = model_ref_run(k, true);
-    ErrorStats e = error_stats(off.logits.data(), ref.logits.data(), ref.logits.size());
-    printf("    without RoPE the reference moves: loss %.6f -> %.6f, logits rel_l2 %.2e max_rel %.2e (%.0fx their tolerance)\n", ref.loss,
-           off.loss, e.rel_l2, e.max_rel, std::min(e.rel_l2, e.max_rel) / MODEL_REF_LOGITS_TOL);
-    expect(std::min(e.rel_l2, e.max_rel) >= 10 * MODEL_REF_LOGITS_TOL, "not sharp: RoPE moves the logits by only %.2e", e.rel_l2);
+    printf("    without RoPE the reference's loss moves %.6f -> %.6f\n", ref.loss, off.loss);
+    model_ref_moves("the logits", error_stats(off.logits.data(), ref.logits.data(), ref.logits.size()), tol.logits_rel, tol.logits_max);
     for (int l = 0; l < k.c.n_layers; l++) {
         const std::string name = "layers." + std::to_string(l) + ".wqkv";
-        e = error_stats(off.grads.at(name).data(), ref.grads.at(name).data(), ref.grads.at(name).size());
-        printf("    without RoPE the reference moves: grad %s rel_l2 %.2e max_rel %.2e (%.0fx their tolerance)\n", name.c_str(), e.rel_l2,
-               e.max_rel, std::min(e.rel_l2, e.max_rel) / MODEL_REF_GRAD_TOL);
-        expect(std::min(e.rel_l2, e.max_rel) >= 10 * MODEL_REF_GRAD_TOL, "not sharp: RoPE moves grad %s by only %.2e", name.c_str(), e.rel_l2);
+        model_ref_moves(("grad " + name).c_str(), error_stats(off.grads.at(name).data(), ref.grads.at(name).data(), ref.grads.at(name).size()),
+                        tol.grad_rel, tol.grad_max);
     }
 }
 
@@ -3494,8 +3503,9 @@ static void check_model_vs_reference(bool qk_norm_clip) {
         printf("    --qkv-clip %g clamped %.1f%% of the qkv values (must be 5-50%%)\n", c.qkv_clip, 100 * share);
         expect(share > 0.05 && share < 0.5, "the clip %g clamps %.1f%% of qkv: it must bite, not flatten", c.qkv_clip, 100 * share);
     }
+    const ModelRefTol& tol = qk_norm_clip ? MODEL_REF_QK_CLIP_TOL : MODEL_REF_TOL;
     const ModelRefResult ref = model_ref_run(k);
-    model_ref_is_sharp(k, ref);
+    model_ref_is_sharp(k, ref, tol);
     double loss_err = fabs(loss - ref.loss) / ref.loss;
     printf("    loss %.6f, reference %.6f: relative error %.2e (%.2f of %.1e)\n", loss, ref.loss, loss_err, loss_err / MODEL_REF_LOSS_TOL,
            MODEL_REF_LOSS_TOL);
@@ -3503,10 +3513,9 @@ static void check_model_vs_reference(bool qk_norm_clip) {
     DeviceBuffer<float> d_logits((size_t)N * V);
     d_logits.poison();
     model_logits(&m, d_inputs.ptr, B, T, d_logits.ptr);
-    expect_close("logits", d_logits.download().data(), ref.logits.data(), ref.logits.size(), MODEL_REF_LOGITS_TOL, MODEL_REF_LOGITS_TOL);
+    expect_close("logits", d_logits.download().data(), ref.logits.data(), ref.logits.size(), tol.logits_rel, tol.logits_max);
     for (const TensorSpec& s : m.params)
-        expect_close(("grad " + s.name).c_str(), grads.data() + s.offset, ref.grads.at(s.name).data(), s.numel, MODEL_REF_GRAD_TOL,
-                     MODEL_REF_GRAD_TOL);
+        expect_close(("grad " + s.name).c_str(), grads.data() + s.offset, ref.grads.at(s.name).data(), s.numel, tol.grad_rel, tol.grad_max);
 
     // evaluation: the same batch gives the same loss; a smaller batch (the first 16 tokens) matches the reference
     float eval = model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T);
@@ -3518,8 +3527,8 @@ static void check_model_vs_reference(bool qk_norm_clip) {
                                                   nullptr, nullptr);
     double small_err = fabs(small - small_ref) / small_ref;
     printf("    loss of B=1 T=16: %.6f, reference %.6f: relative error %.2e (%.2f of %.1e)\n", small, small_ref, small_err,
-           small_err / MODEL_REF_LOSS_TOL, MODEL_REF_LOSS_TOL);
-    expect(small_err <= MODEL_REF_LOSS_TOL, "B=1 T=16 loss %g vs reference %g", small, small_ref);
+           small_err / MODEL_REF_SMALL_LOSS_TOL, MODEL_REF_SMALL_LOSS_TOL);
+    expect(small_err <= MODEL_REF_SMALL_LOSS_TOL, "B=1 T=16 loss %g vs reference %g", small, small_ref);
     model_destroy(&m);
 }
 
@@ -3555,7 +3564,7 @@ GPU_TEST(model_deterministic_accumulating_cached) {
            m.matmul.heuristic_queries - queries);
     std::vector<double> twice(g2.size());
     for (size_t i = 0; i < g2.size(); i++) twice[i] = 2.0 * g2[i];
-    expect_close("grads after two accumulated micro-batches vs 2 x one", g3.data(), twice.data(), twice.size(), 1e-6, 1e-6);
+    expect_close("grads after two accumulated micro-batches vs 2 x one", g3.data(), twice.data(), twice.size(), 1e-7, 1.5e-7);   // measured ~2e-8, 4e-8
     model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T);
     expect(m.matmul.heuristic_queries == queries, "an evaluation of the training shape made new heuristic queries");
     model_destroy(&m);
@@ -3676,7 +3685,7 @@ GPU_TEST(fp8_linear_vs_host) {
         std::vector<float> gdw = ddw.download();
         expect_close("Y vs dequantized operands", y.data(), y_q.data(), y_q.size(), 3e-3, BF16_ROUNDING_MAX_TOL);
         expect_close("dX vs dequantized operands", gdx.data(), dx_q.data(), dx_q.size(), 3e-3, BF16_ROUNDING_MAX_TOL);
-        expect_close("dW vs dequantized operands", gdw.data(), dw_q.data(), dw_q.size(), 2e-4, 2e-4);
+        expect_close("dW vs dequantized operands", gdw.data(), dw_q.data(), dw_q.size(), 2e-4, 5e-4);   // measured 9.8e-5, 2.2e-4
         // dW's SQNR is measured on the update alone (dw0 would hide the error).
         std::vector<float> gdw_only(gdw.size());
         std::vector<double> dw_e_only(gdw.size());
@@ -6372,10 +6381,11 @@ HOST_TEST(export_memory_bounded) {
 
 // The program's own logits (the GPU model loaded from a checkpoint that checkpoint_save wrote) against the exported
 // files run through the float64 reference: HF BF16 with rotate_half, and llama2.c's FP32 with our convention.
-// Tolerance: the GPU holds the weights in BF16 and every activation in BF16, the logits' tolerance of
-// model_matches_reference (MODEL_REF_LOGITS_TOL); the HF BF16 export holds the same BF16 weights, llama2.c's the FP32
-// ones (one more rounding, 2^-8 of a weight at most, far inside it). The tiny preset's weights with wqkv scaled up
+// Tolerance: the GPU holds the weights and every activation in BF16; the HF BF16 export holds the same BF16 weights,
+// llama2.c's the FP32 ones (one more rounding). Measured on an H100: 5.8e-3 (HF) and 6.8e-3 (llama2.c), rel_l2 and
+// max_rel alike; EXPORT_LOGITS_TOL is ~3x that. The tiny preset's weights with wqkv scaled up
 // so that attention, and RoPE with it, shape the logits (the wrong convention is printed as the contrast).
+static const double EXPORT_LOGITS_TOL = 2e-2;
 GPU_TEST(export_matches_program_logits) {
     TempDir run, out_hf, out_l2c;
     const int T = 32;
@@ -6415,8 +6425,7 @@ GPU_TEST(export_matches_program_logits) {
     expect(problems.empty(), "safetensors: %s", problems.c_str());
     const RefTensors hf_model = ref_tensors_from_hf(ref_config_of(c, true), hf_tensors);
     const std::vector<double> hf_logits = ref_logits(ref_config_of(c, true), hf_model, tokens);
-    expect_close("GPU logits vs HF export (rotate_half)", gpu.data(), hf_logits.data(), hf_logits.size(), MODEL_REF_LOGITS_TOL,
-                 MODEL_REF_LOGITS_TOL);
+    expect_close("GPU logits vs HF export (rotate_half)", gpu.data(), hf_logits.data(), hf_logits.size(), EXPORT_LOGITS_TOL, EXPORT_LOGITS_TOL);
     const std::vector<double> wrong = ref_logits(ref_config_of(c, false), hf_model, tokens);
     printf("    (the HF tensors run with our convention instead: rel_l2 %.2e from the GPU's)\n",
            error_stats(gpu.data(), wrong.data(), wrong.size()).rel_l2);
@@ -6424,8 +6433,7 @@ GPU_TEST(export_matches_program_logits) {
     Llama2cFile f = read_llama2c(out_l2c.file("model.bin"), rc, c.max_seq_len);
     expect(f.whole, "model.bin's size is wrong");
     const std::vector<double> l2c_logits = ref_logits(rc, f.tensors, tokens);
-    expect_close("GPU logits vs llama2.c export", gpu.data(), l2c_logits.data(), l2c_logits.size(), MODEL_REF_LOGITS_TOL,
-                 MODEL_REF_LOGITS_TOL);
+    expect_close("GPU logits vs llama2.c export", gpu.data(), l2c_logits.data(), l2c_logits.size(), EXPORT_LOGITS_TOL, EXPORT_LOGITS_TOL);
     adamw_destroy(&opt);
     model_destroy(&m);
 }
@@ -6562,7 +6570,8 @@ GPU_TEST(train_signal_stops_with_a_checkpoint) {
     const std::string resolve = checkpoint_resolve(twice.path, &latest);
     const std::string verify = resolve.empty() ? checkpoint_verify(latest, &h) : resolve;
     printf("    two SIGINTs: exit %d; latest %s: %s\n", status, latest.c_str(), verify.empty() ? "whole" : verify.c_str());
-    expect(status == 128 + SIGINT && verify.empty() && h.step >= 3, "after two SIGINTs latest should name a whole checkpoint");
+    // (the second signal may land while the step-3 checkpoint is being written: latest then names an earlier one)
+    expect(status == 128 + SIGINT && verify.empty() && h.step >= 1, "after two SIGINTs latest should name a whole checkpoint");
     int devices = 0;
     cudaCheck(cudaGetDeviceCount(&devices));
     if (devices < 2) return;
@@ -6652,9 +6661,10 @@ GPU_TEST(train_profile_adds_up) {
 // weights part: 1e-2 relative on every step's loss, BF16's tolerance in this project. The weights at the end (the
 // run's last checkpoint): what the 20 steps moved them, w_20 - w_0, tensor by tensor against float64's. AdamW
 // divides each gradient by its own RMS, so a gradient's relative error of ~1e-2 (two BF16 roundings) becomes about
-// that in its update: rel_l2 5e-2. But an element whose gradient lies within the BF16 noise of zero can step the other
-// way (Adam's first step is lr sign(g)), an error up to twice its update: max_rel 0.5, which a wrong tensor, sign or
-// decay (errors of order 1 over the whole tensor) still exceeds.
+// that in its update (measured on an H100: rel_l2 up to 3.6e-2): 7e-2. But an element whose gradient lies within the
+// BF16 noise of zero can step the other way (Adam's first step is lr sign(g)), an error up to twice its update
+// (measured max_rel 0.54, in the embedding's rarely seen rows; 0.13 elsewhere): 1.1, which a wrong tensor, sign or
+// decay (errors of order 1 over the whole tensor, in rel_l2 too) still exceeds.
 GPU_TEST(train_tiny_follows_float64_reference) {
     TempDir data, out;
     write_synthetic_corpus(data);
@@ -6720,7 +6730,7 @@ GPU_TEST(train_tiny_follows_float64_reference) {
             moved_gpu[i] = (double)gpu_master[s.offset + i] - init[s.offset + i];
             moved_ref[i] = opt.master[s.offset + i] - init[s.offset + i];
         }
-        expect_close(("w_20 - w_0 " + s.name).c_str(), moved_gpu.data(), moved_ref.data(), s.numel, 5e-2, 0.5);
+        expect_close(("w_20 - w_0 " + s.name).c_str(), moved_gpu.data(), moved_ref.data(), s.numel, 7e-2, 1.1);
     }
 }
 
