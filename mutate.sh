@@ -15,6 +15,8 @@
 #                        the host tests do not catch are reported "not run"; so are they wherever no GPU is found
 #     --all-failures     run the whole suite and list every failing test (default: stop at the first failure)
 #     --compile-only     build each mutant, run nothing (checks that every mutant still compiles)
+#     --baseline         also build and test the unmutated tree in each build: it must pass, else every catch
+#                        is suspect (a test that fails anyway, or fails only when test runs share the GPU)
 #     --timeout S        seconds for one test run before it counts as a hang (default 900)
 #     --keep             keep the scratch trees (default: only their logs, scratch-mutants/logs/)
 #     --list             the mutants: id, builds, needs, file, expected tests, the bug
@@ -40,10 +42,12 @@
 #     file: llama2.cuh
 #     expect: rmsnorm_forward_backward
 #     what: RMSNorm's backward without the term of d(rstd)/dx
-#     - float dx = rs * gk * to_float(wv[p].v[k]) - coef * xk;
-#     + float dx = rs * gk * to_float(wv[p].v[k]);
+#     - const float rs = cur.r, coef = rs * rs * rs * dot / D;
+#     + const float rs = cur.r, coef = 0.0f;
 # The "- " text must occur exactly once in the file (take more of the line if it does not); ./mutate.sh --check
-# says so, then ./mutate.sh --only ID shows that it is caught. A source change that touches a mutant's line
+# says so, then ./mutate.sh --only ID shows that it is caught. The builds treat warnings as errors, so a change
+# that leaves a variable unused does not compile: change the line that computes it instead (as above, coef = 0
+# rather than dropping "- coef * xk"). A source change that touches a mutant's line
 # makes it stale: --check (run by .ci/run) refuses it, and the mutant is rewritten against the new code.
 set -uo pipefail
 shopt -u patsub_replacement 2>/dev/null || true   # '&' in a replacement stays '&'
@@ -51,11 +55,11 @@ shopt -u patsub_replacement 2>/dev/null || true   # '&' in a replacement stays '
 ROOT=$(cd "$(dirname "$0")" && pwd)
 LIST="$ROOT/mutants.txt"
 SCRATCH="$ROOT/scratch-mutants"
-SOURCES=" fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h train_fp8.cu "
+SOURCES=" common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h train_fp8.cu "
 
 die() { echo "mutate.sh: $*" >&2; exit 2; }
 
-ONLY="" BUILDS="both" NEEDS="" JOBS="" PARALLEL=4 HOST_ONLY=0 ALL_FAILURES=0 COMPILE_ONLY=0 TIMEOUT=900 KEEP=0 MODE=run
+ONLY="" BUILDS="both" NEEDS="" JOBS="" PARALLEL=4 HOST_ONLY=0 ALL_FAILURES=0 COMPILE_ONLY=0 BASELINE=0 TIMEOUT=900 KEEP=0 MODE=run
 while [ $# -gt 0 ]; do
     case "$1" in
         --mutants) [ $# -ge 2 ] || die "--mutants needs a file"; LIST=$(realpath "$2"); shift ;;
@@ -68,6 +72,7 @@ while [ $# -gt 0 ]; do
         --host-only) HOST_ONLY=1 ;;
         --all-failures) ALL_FAILURES=1 ;;
         --compile-only) COMPILE_ONLY=1 ;;
+        --baseline) BASELINE=1 ;;
         --keep) KEEP=1 ;;
         --list) MODE=list ;;
         --check) MODE=check ;;
@@ -78,8 +83,8 @@ while [ $# -gt 0 ]; do
 done
 case "$BUILDS" in fp8|bf16|both) ;; *) die "--build $BUILDS: must be fp8, bf16 or both" ;; esac
 case "$NEEDS" in ""|host|gpu) ;; *) die "--needs $NEEDS: must be host or gpu" ;; esac
-[ -z "$JOBS" ] && JOBS=$(( $(nproc 2>/dev/null || echo 2) / 2 ))
-[ "$JOBS" -ge 1 ] 2>/dev/null || JOBS=1
+if [ -z "$JOBS" ]; then JOBS=$(( $(nproc 2>/dev/null || echo 2) / 2 )); [ "$JOBS" -ge 1 ] || JOBS=1; fi
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || die "--jobs $JOBS: must be a positive number"
 [[ "$PARALLEL" =~ ^[1-9][0-9]*$ ]] || die "--parallel $PARALLEL: must be a positive number"
 [[ "$TIMEOUT" =~ ^[1-9][0-9]*$ ]] || die "--timeout $TIMEOUT: must be a positive number of seconds"
 [ -f "$LIST" ] || die "$LIST not found"
@@ -177,9 +182,22 @@ for i in "${SEL[@]}"; do
         RUNS+=("$i.$b")
     done
 done
+# The baseline: one more entry, the tree as it is (no text to replace).
+if [ "$BASELINE" = 1 ]; then
+    M_ID[$COUNT]=baseline M_NEEDS[$COUNT]=host M_EXPECT[$COUNT]="" M_ORIG[$COUNT]="" M_REPL[$COUNT]=""
+    for b in fp8 bf16; do [ "$BUILDS" = both ] || [ "$BUILDS" = "$b" ] && RUNS=("$COUNT.$b" "${RUNS[@]}"); done
+fi
 [ ${#RUNS[@]} -gt 0 ] || die "no mutant of the selection applies to --build $BUILDS${NEEDS:+ with --needs $NEEDS}"
-git -C "$ROOT" rev-parse --is-inside-work-tree > /dev/null 2>&1 ||
-    die "$ROOT is not a git checkout: the scratch trees are copies of the files git tracks"
+# The files a scratch tree gets: those git tracks (their working-tree contents), or without git every file at
+# the top of the tree but the build outputs.
+tree_files() {
+    if git -C "$ROOT" rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+        (cd "$ROOT" && git ls-files -z | while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done)
+    else
+        (cd "$ROOT" && find . -maxdepth 1 -type f ! -name test_fp8 ! -name train_fp8 ! -name train_fp8_bf16 \
+                                              ! -name .build-settings -printf '%P\0')
+    fi
+}
 
 rm -rf "$SCRATCH"
 mkdir -p "$SCRATCH/logs" "$SCRATCH/results" "$SCRATCH/slots"
@@ -214,17 +232,18 @@ run_one() {
     local i=$1 b=$2 tag="${M_ID[$1]}.$2"
     local dir="$SCRATCH/$tag" log="$SCRATCH/logs/$tag" res="$SCRATCH/results/$tag" file content rc
     mkdir -p "$dir"
-    (cd "$ROOT" && git ls-files -z | while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done |
-        xargs -0 cp --parents -t "$dir")
-    file="$dir/${M_FILE[$i]}"
-    IFS= read -r -d '' content < "$file"
-    printf '%s' "${content/"${M_ORIG[$i]}"/"${M_REPL[$i]}"}" > "$file"
+    tree_files | (cd "$ROOT" && xargs -0 cp --parents -t "$dir")
+    if [ "$i" != "$COUNT" ]; then
+        file="$dir/${M_FILE[$i]}"
+        IFS= read -r -d '' content < "$file"
+        printf '%s' "${content/"${M_ORIG[$i]}"/"${M_REPL[$i]}"}" > "$file"
+    fi
     slot_acquire build "$JOBS"
     (cd "$dir" && make -j2 PRECISION="${b^^}" test_fp8 train_fp8) > "$log.build.log" 2>&1
     rc=$?
     slot_release
     if [ "$rc" != 0 ]; then
-        printf 'BUILD FAILED\tthe mutant does not compile: %s\n' "${log#$ROOT/}.build.log" > "$res"
+        printf 'BUILD FAILED\tdoes not compile: %s\n' "${log#$ROOT/}.build.log" > "$res"
     elif [ "$COMPILE_ONLY" = 1 ]; then
         printf 'built\t\n' > "$res"
     else
@@ -243,7 +262,10 @@ run_one() {
             grep -q '^GPU: none found' "$log.suite.log" && nogpu=1
         fi
         slot_release
-        if [ "$v1" = usage ] || [ "$v2" = usage ]; then
+        if [ "$i" = "$COUNT" ]; then
+            [ "$v2" = pass ] && printf 'ok\tthe unmutated tree passes\n' > "$res" ||
+                printf 'BASELINE FAILED\tthe unmutated tree fails: %s\n' "$v2" > "$res"
+        elif [ "$v1" = usage ] || [ "$v2" = usage ]; then
             printf 'LIST DEFECT\texpect names a test that does not exist: %s\n' "${M_EXPECT[$i]}" > "$res"
         elif [ -n "$v1" ] && [ "$v1" != pass ]; then
             printf 'yes\t%s\n' "$v1" > "$res"
@@ -279,6 +301,7 @@ for r in "${RUNS[@]}"; do
         NO) survived=$((survived + 1)) ;;
         "not run") notrun=$((notrun + 1)) ;;
         built) built=$((built + 1)) ;;
+        ok) ;;
         *) defects=$((defects + 1)) ;;
     esac
     printf '%-38s %-5s %-12s %s\n' "${M_ID[$i]}" "$b" "$status" "$detail"
