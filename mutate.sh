@@ -47,8 +47,8 @@
 # The "- " text must occur exactly once in the file (take more of the line if it does not); ./mutate.sh --check
 # says so, then ./mutate.sh --only ID shows that it is caught. The builds treat warnings as errors, so a change
 # that leaves a variable unused does not compile: change the line that computes it instead (as above, coef = 0
-# rather than dropping "- coef * xk"). A source change that touches a mutant's line
-# makes it stale: --check (run by .ci/run) refuses it, and the mutant is rewritten against the new code.
+# rather than dropping "- coef * xk"). A source change that touches a mutant's line makes it stale: --check (run by
+# .ci/run) refuses it, and the mutant is rewritten against the new code.
 set -uo pipefail
 shopt -u patsub_replacement 2>/dev/null || true   # '&' in a replacement stays '&'
 
