@@ -3276,13 +3276,15 @@ GPU_TEST(swiglu_forward_backward) {
 }
 
 GPU_TEST(cross_entropy_forward_backward) {
-    struct Shape { int N, V; };
-    // a vocabulary smaller than one sweep of the block (2048), one not a multiple of it, GPT-2's padded one
-    for (const Shape& sh : {Shape{5, 40}, Shape{37, 1000}, Shape{3, 50304}}) {
+    struct Shape { int N, V; float offset; };
+    // a vocabulary smaller than one sweep of the block (2048), one not a multiple of it, GPT-2's padded one; and logits
+    // around 100, whose exp overflows FP32 unless the row's max is subtracted first
+    for (const Shape& sh : {Shape{5, 40, 0.0f}, Shape{37, 1000, 0.0f}, Shape{3, 50304, 0.0f}, Shape{7, 1000, 100.0f}}) {
         const int N = sh.N, V = sh.V;
         const float grad_scale = 0.37f;
-        printf("  N=%d V=%d\n", N, V);
+        printf("  N=%d V=%d, logits around %g\n", N, V, sh.offset);
         std::vector<float> logits = random_normal((size_t)N * V, 3.0f);
+        for (float& x : logits) x += sh.offset;
         std::vector<int> targets = model_test_tokens(N, V);
         targets[0] = 0;
         targets[N - 1] = V - 1;
