@@ -188,11 +188,11 @@ if [ "$BASELINE" = 1 ]; then
     for b in fp8 bf16; do [ "$BUILDS" = both ] || [ "$BUILDS" = "$b" ] && RUNS=("$COUNT.$b" "${RUNS[@]}"); done
 fi
 [ ${#RUNS[@]} -gt 0 ] || die "no mutant of the selection applies to --build $BUILDS${NEEDS:+ with --needs $NEEDS}"
-# The files a scratch tree gets: those git tracks (their working-tree contents), or without git every file at
+# The files a scratch tree gets: those git tracks or would track (their working-tree contents), or without git every file at
 # the top of the tree but the build outputs.
 tree_files() {
     if git -C "$ROOT" rev-parse --is-inside-work-tree > /dev/null 2>&1; then
-        (cd "$ROOT" && git ls-files -z | while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done)
+        (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done)
     else
         (cd "$ROOT" && find . -maxdepth 1 -type f ! -name test_fp8 ! -name train_fp8 ! -name train_fp8_bf16 \
                                               ! -name .build-settings -printf '%P\0')
