@@ -46,5 +46,6 @@ fi
 mv data/kjv.txt.tmp data/kjv.txt
 echo "data: data/kjv.txt: $verses verses, $bytes bytes"
 
-./train_fp8 prepare data/kjv.txt data/kjv
+# --force: one of the two shards may be left from an earlier, interrupted preparation
+./train_fp8 prepare data/kjv.txt data/kjv --force
 ls -l data/kjv_train.bin data/kjv_val.bin
