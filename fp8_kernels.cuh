@@ -4,7 +4,8 @@
 //   3. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
 //   4. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
 //   5. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs,
-//                            the weight re-quantization after each optimizer step
+//                            the weight re-quantization after each optimizer step; the BF16 linear it replaces;
+//                            the SQNR of an FP8 result against the BF16 one (train_fp8 probe)
 #pragma once
 #include "common.cuh"
 #include <cuda_fp8.h>
@@ -780,6 +781,19 @@ inline void fp8_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, cu
     else fp8_cast_produced(o, CastPlain<bf16>{w, in}, out, in, stream, amax_gathered);
 }
 
+// The BF16 linear, which the FP8 one replaces (the BF16 build's and the first and last layers'): Y = X W^T;
+// dX = dY W and dW += dY^T X (FP32; written when accumulate is false). X [N,in], W [out,in], dY [N,out].
+inline void bf16_linear_forward(MatmulContext* mm, bf16* y, const bf16* x, const bf16* w, int N, int in, int out, cudaStream_t stream) {
+    ProfileRange range(PHASE_GEMM_FWD, stream, "BF16 GEMM forward");
+    matmul(mm, y, DT_BF16, {x, DT_BF16}, {w, DT_BF16}, N, out, in, false, false, stream);
+}
+inline void bf16_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w, int N, int in,
+                                 int out, cudaStream_t stream, bool accumulate = true) {
+    ProfileRange range(PHASE_GEMM_BWD, stream, "BF16 GEMMs backward");
+    matmul(mm, dx, DT_BF16, {dy, DT_BF16}, {w, DT_BF16, true}, N, in, out, false, false, stream);
+    matmul(mm, dw, DT_FP32, {dy, DT_BF16, true}, {x, DT_BF16, true}, out, in, N, accumulate, false, stream);
+}
+
 // Y = X8 W8^T, X8 [N,in] cast with lin->meta[FP8_X].
 inline void fp8_linear_forward(MatmulContext* mm, bf16* y, const fp8* x8, const Fp8Linear* lin, int N, int in, int out, bool fast_accum,
                                cudaStream_t stream) {
@@ -797,4 +811,38 @@ inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
            out, in, N, accumulate, false, stream);
+}
+
+// The two sums of a signal-to-quantization-noise ratio over n values, in double: sums[0] += sum ref^2 and
+// sums[1] += sum (got - ref)^2; SQNR = 10 log10(sums[0] / sums[1]) dB (train_fp8 probe: an FP8 GEMM's output
+// against the BF16 GEMM's on the same operands).
+template <class T>
+__global__ void sqnr_sums_kernel(double* sums, const T* got, const T* ref, size_t n) {
+    double signal = 0.0, noise = 0.0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const double r = to_float(ref[i]), e = (double)to_float(got[i]) - r;
+        signal += r * r;
+        noise += e * e;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        signal += __shfl_xor_sync(0xffffffffu, signal, o);
+        noise += __shfl_xor_sync(0xffffffffu, noise, o);
+    }
+    if (threadIdx.x % 32 == 0) {
+        atomicAdd(&sums[0], signal);
+        atomicAdd(&sums[1], noise);
+    }
+}
+// The SQNR in dB of got against ref (device arrays of n values); sums: 2 doubles of device scratch. Waits for the
+// stream. +inf when got equals ref; NaN when ref is all zeros.
+template <class T>
+double sqnr_db_on_device(const T* got, const T* ref, size_t n, double* sums, cudaStream_t stream) {
+    cudaCheck(cudaMemsetAsync(sums, 0, 2 * sizeof(double), stream));
+    const size_t threads = 256, blocks = std::max<size_t>(1, std::min<size_t>(1024, (n + threads - 1) / threads));
+    sqnr_sums_kernel<<<blocks, threads, 0, stream>>>(sums, got, ref, n);
+    cudaCheckLaunch();
+    double h[2];
+    cudaCheck(cudaMemcpyAsync(h, sums, sizeof(h), cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+    return h[0] == 0.0 ? NAN : 10.0 * log10(h[0] / h[1]);
 }

@@ -1316,6 +1316,8 @@ struct Model {
     int tp_size = 1, tp_rank = 0;
     int n_heads = 0, n_kv_heads = 0, ffn_dim = 0;
     ModelFp8 fp8;
+    // train_fp8 probe: called by linear_backward of each BF16 linear with its X [N,in] and dY [N,out], before its GEMMs
+    std::function<void(const Param& p, const bf16* x, const bf16* dy, int N)> linear_probe;
 };
 
 // Tensor `param` of the table as a Param.
@@ -1480,8 +1482,7 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p,
         fp8_linear_forward(&m->matmul, out, m->fp8.x8, lin, N, w.cols, w.rows, m->fp8_options.fast_accum, m->stream);
         return;
     }
-    ProfileRange range(PHASE_GEMM_FWD, m->stream, "BF16 GEMM forward");
-    matmul(&m->matmul, out, DT_BF16, {inp, DT_BF16}, {p.w, DT_BF16}, N, w.rows, w.cols, false, false, m->stream);
+    bf16_linear_forward(&m->matmul, out, inp, p.w, N, w.cols, w.rows, m->stream);
 }
 // inp is the forward's input; FP8 layers use their saved X8^T instead (inp may then be a dead buffer, and so may
 // dout when its producer cast it).
@@ -1504,10 +1505,8 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
         }
         return;
     }
-    ProfileRange range(PHASE_GEMM_BWD, m->stream, "BF16 GEMMs backward");
-    matmul(&m->matmul, dinp, DT_BF16, {dout, DT_BF16}, {p.w, DT_BF16, true}, N, w.cols, w.rows, false, false, m->stream);
-    matmul(&m->matmul, p.grad, DT_FP32, {dout, DT_BF16, true}, {inp, DT_BF16, true}, w.rows, w.cols, N, m->accumulate_grads,
-           false, m->stream);
+    if (m->linear_probe) m->linear_probe(p, inp, dout, N);
+    bf16_linear_backward(&m->matmul, dinp, p.grad, dout, inp, p.w, N, w.cols, w.rows, m->stream, m->accumulate_grads);
 }
 
 // The producers of the linears' inputs and output gradients, which know their consumer linear: BF16 into the
@@ -1762,36 +1761,35 @@ inline void model_fp8_stats_end(Model* m) {
     for (Fp8Linear& lin : m->fp8.linears) lin.health = nullptr;
 }
 
-// The counts since model_fp8_stats_begin, one CSV row per FP8 tensor (layer, linear, X/W/dY, format, amax,
-// log2 of the scale, saturated and flushed fractions), and the worst of each kind for the console.
-struct Fp8StatsSummary { double worst_saturated, worst_flushed; std::string saturated_at, flushed_at; };
-inline Fp8StatsSummary model_fp8_stats_write(Model* m, int step, FILE* csv) {
+// The counts since model_fp8_stats_begin: one record per FP8 tensor (X, W and dY of each FP8 linear), in the
+// order of ModelFp8::linears. Saturated: |x * scale| beyond the format's max (clipped); flushed: a non-zero value
+// whose code is +-0. Fractions of the values cast.
+constexpr const char* LINEAR_NAMES[LINEARS_PER_LAYER] = {"wqkv", "wo", "w_gate_up", "w_down"};
+constexpr const char* FP8_TENSOR_NAMES[3] = {"X", "W", "dY"};
+struct Fp8TensorStats {
+    int layer, linear, tensor;   // linear: LINEAR_NAMES' index; tensor: FP8_X, FP8_W or FP8_DY
+    float amax;
+    int scale_log2;
+    double saturated, flushed;
+};
+inline std::vector<Fp8TensorStats> model_fp8_stats_read(Model* m) {
     const size_t n = m->fp8.linears.size() * 3;
     std::vector<Fp8Meta> metas(n);
     std::vector<Fp8Health> health(n);
     cudaCheck(cudaMemcpyAsync(metas.data(), m->fp8.metas, n * sizeof(Fp8Meta), cudaMemcpyDeviceToHost, m->stream));
     cudaCheck(cudaMemcpyAsync(health.data(), m->fp8.health, n * sizeof(Fp8Health), cudaMemcpyDeviceToHost, m->stream));
     cudaCheck(cudaStreamSynchronize(m->stream));
-    static const char* linear_names[] = {"wqkv", "wo", "w_gate_up", "w_down"};
-    static const char* tensor_names[] = {"X", "W", "dY"};
-    Fp8StatsSummary sum = {0.0, 0.0, "-", "-"};
+    std::vector<Fp8TensorStats> stats;
     for (size_t i = 0; i < m->fp8.linears.size(); i++) {
         if (!m->fp8.linears[i].w8) continue;
         for (int t = 0; t < 3; t++) {
-            const Fp8Meta& meta = metas[3 * i + t];
             const Fp8Health& h = health[3 * i + t];
             if (h.total == 0) continue;
-            double sat = (double)h.saturated / h.total, flush = (double)h.flushed / h.total;
-            std::string where = strprintf("layer %zu %s %s", i / LINEARS_PER_LAYER, linear_names[i % LINEARS_PER_LAYER], tensor_names[t]);
-            if (sat > sum.worst_saturated) { sum.worst_saturated = sat; sum.saturated_at = where; }
-            if (flush > sum.worst_flushed) { sum.worst_flushed = flush; sum.flushed_at = where; }
-            if (csv)
-                fprintf(csv, "%d,%zu,%s,%s,%s,%.6e,%d,%.6e,%.6e\n", step, i / LINEARS_PER_LAYER, linear_names[i % LINEARS_PER_LAYER],
-                        tensor_names[t], t == FP8_DY ? "E5M2" : "E4M3", meta.amax, (int)log2f(meta.scale), sat, flush);
+            stats.push_back({(int)(i / LINEARS_PER_LAYER), (int)(i % LINEARS_PER_LAYER), t, metas[3 * i + t].amax,
+                             (int)log2f(metas[3 * i + t].scale), (double)h.saturated / h.total, (double)h.flushed / h.total});
         }
     }
-    if (csv) fflush(csv);
-    return sum;
+    return stats;
 }
 
 // tp: this rank's tensor-parallel group (nullptr: the whole model on this GPU). Only rank 0 prints.

@@ -3755,6 +3755,96 @@ GPU_TEST(fp8_health_counts_saturation) {
            x.size());
 }
 
+// ---- The FP8 doctor (train_fp8.cu): warnings from the --fp8-stats records. A tensor above a limit at `after`
+// samples in a row gets exactly one warning, at the sample that completes the streak; a sample at or below the
+// limit ends the streak, and a new streak warns again. Saturation and flushing are separate streaks.
+HOST_TEST(fp8_doctor_warns_once_per_streak) {
+    Fp8Doctor d;   // saturated above 1e-3, flushed above 1e-2, 3 samples in a row
+    const Fp8TensorStats ok{2, 3, FP8_DY, 1.0f, 10, 1e-3, 1e-2};   // at the limits: not above
+    Fp8TensorStats sat = ok, flush = ok;
+    sat.saturated = 2e-3;
+    flush.flushed = 0.5;
+    flush.tensor = FP8_X;
+    const int expected[] = {0, 0, 1, 0, 0, 0, 0, 0, 1};   // warnings per sample: saturated at samples 1-5, ok at 6, again 7-9
+    std::vector<std::string> lines;
+    for (int i = 0; i < 9; i++) {
+        std::vector<std::string> w = fp8_doctor_check(&d, {i == 5 ? ok : sat}, 10 * (i + 1));
+        expect((int)w.size() == expected[i], "sample %d: %zu warnings, expected %d", i + 1, w.size(), expected[i]);
+        lines.insert(lines.end(), w.begin(), w.end());
+    }
+    if (lines.size() == 2) {
+        printf("    %s\n", lines[0].c_str());
+        expect(lines[0].find("step    30") == 0 && lines[0].find("layer 2 w_down dY (E5M2): 2.00e-03 of its values saturated") != std::string::npos,
+               "the first warning names the step, tensor, format, fraction and kind: %s", lines[0].c_str());
+        expect(lines[1].find("step    90") == 0, "the second warning comes at the third sample of the new streak: %s", lines[1].c_str());
+    }
+    // another tensor's streak is its own; flushing counts apart from saturation (both at once: one each)
+    Fp8Doctor e;
+    Fp8TensorStats both = flush;
+    both.saturated = 1.0;
+    size_t n = 0;
+    for (int i = 0; i < 4; i++) n += fp8_doctor_check(&e, {both, ok}, i).size();
+    expect(n == 2, "a tensor both saturating and flushing for 4 samples: %zu warnings, expected 2", n);
+    e.after = 1;
+    std::vector<std::string> w = fp8_doctor_check(&e, {ok, flush}, 7);
+    expect(w.size() == 0, "the streaks of a tensor go on past after = 1 (already warned): %zu", w.size());
+    Fp8Doctor f;
+    f.after = 1;
+    w = fp8_doctor_check(&f, {flush}, 7);
+    expect(w.size() == 1 && w[0].find("layer 2 w_down X (E4M3): 5.00e-01 of its values flushed to zero") != std::string::npos &&
+               w[0].find("--smooth-quant") != std::string::npos, "a flushing X: one warning with the smooth-quant advice: %s",
+           w.empty() ? "(none)" : w[0].c_str());
+}
+
+// The doctor on the GPU's own counts: a synthetic X of layer 1's wo, cast with a delayed scale too large for it at
+// every step (values N(0, 3), scale 512: a fifth of them beyond 448) through the model's cast with the model's
+// health counters, read back by model_fp8_stats_read: exactly one warning for that tensor over six samples, none for
+// a tensor cast at its own (current) scale alongside; after one healthy sample, one more at the third saturated one.
+#if defined(PRECISION_FP8)
+GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
+    const int B = 2, T = 32, N = B * T;
+    const ModelConfig c = model_config_preset("tiny", 256);
+    Fp8Options opts;
+    opts.all_layers = true;
+    Model m;
+    model_create(&m, c, B, T, opts);
+    const Param wo = m.layers[1].wo, wqkv = m.layers[0].wqkv;
+    DeviceBuffer<bf16> x(to_bf16(random_normal((size_t)N * c.dim, 3.0f)));
+    Fp8Meta too_large = fp8_meta_initial();
+    too_large.scale = 512.0f;
+    too_large.inv_scale = 1.0f / 512;
+    Fp8Doctor doctor;
+    std::vector<int> warnings_at;
+    std::string first;
+    for (int step = 1; step <= 10; step++) {
+        model_fp8_stats_begin(&m);
+        Fp8CastOut bad = model_fp8_cast(&m, wo.index, false), good = model_fp8_cast(&m, wqkv.index, false);
+        bad.recipe.history_len = 2;   // delayed: the cast uses the meta's scale
+        Fp8Meta meta = too_large;
+        if (step == 7) meta.scale = 1.0f, meta.inv_scale = 1.0f;   // 3 sigma * 1 fits: a healthy sample
+        cudaCheck(cudaMemcpyAsync(bad.meta, &meta, sizeof(Fp8Meta), cudaMemcpyHostToDevice, m.stream));
+        fp8_cast_produced(bad, CastPlain<bf16>{x.ptr, c.dim}, N, c.dim, m.stream);
+        fp8_cast_produced(good, CastPlain<bf16>{x.ptr, c.dim}, N, c.dim, m.stream);
+        std::vector<Fp8TensorStats> stats = model_fp8_stats_read(&m);
+        model_fp8_stats_end(&m);
+        expect(stats.size() == 2, "step %d: %zu tensors counted, expected the two cast", step, stats.size());
+        for (const Fp8TensorStats& t : stats)
+            if (t.layer == 1 && t.linear == 1 && step != 7)
+                expect(t.saturated > 0.1 && t.saturated < 0.3, "step %d: wo X saturated %.3f, expected about 0.18", step, t.saturated);
+        for (const std::string& w : fp8_doctor_check(&doctor, stats, step)) {
+            warnings_at.push_back(step);
+            if (first.empty()) first = w;
+        }
+    }
+    printf("    %s\n", first.c_str());
+    expect(warnings_at == std::vector<int>({3, 10}), "warnings at %zu steps (first %d), expected at steps 3 and 10", warnings_at.size(),
+           warnings_at.empty() ? -1 : warnings_at[0]);
+    expect(first.find("layer 1 wo X (E4M3)") != std::string::npos && first.find("saturated") != std::string::npos,
+           "the warning names layer 1 wo X saturating: %s", first.c_str());
+    model_destroy(&m);
+}
+#endif
+
 // ---- The casts fused into their producers (llama2.cuh: RMSNorm, SwiGLU forward and backward, RoPE backward)
 // against the unfused path: the producer's BF16 kernel (tested against float64 above), its output cast by the
 // host codec with the host's scale record. X8 and X8^T bit for bit, and the record: current scaling, updated by
@@ -3851,8 +3941,111 @@ GPU_TEST(fp8_fused_casts_bitexact) {
     }
 }
 
+// The SQNR kernel of the probe (sqnr_sums_kernel) against the host's sum in double: the same figure to round-off
+// (the GPU sums in another order), over a length that is no multiple of the grid, for FP32 and BF16; equal
+// inputs give +inf, an all-zero reference NaN.
+GPU_TEST(sqnr_on_device_matches_host) {
+    DeviceBuffer<double> sums(2);
+    for (size_t n : {(size_t)1, (size_t)4099, (size_t)1000003}) {
+        std::vector<float> ref = random_normal(n, 1.0f), got = ref, noise = random_normal(n, 0.05f);
+        for (size_t i = 0; i < n; i++) got[i] += noise[i];
+        DeviceBuffer<float> dref(ref), dgot(got);
+        const double host = sqnr_db(got.data(), to_double(ref).data(), n), dev = sqnr_db_on_device(dgot.ptr, dref.ptr, n, sums.ptr, 0);
+        std::vector<bf16> ref16 = to_bf16(ref), got16 = to_bf16(got);
+        DeviceBuffer<bf16> dref16(ref16), dgot16(got16);
+        const double host16 = sqnr_db(got16.data(), to_double(ref16).data(), n),
+                     dev16 = sqnr_db_on_device(dgot16.ptr, dref16.ptr, n, sums.ptr, 0);
+        printf("    n=%zu: FP32 %.9f dB (host %.9f), BF16 %.9f dB (host %.9f)\n", n, dev, host, dev16, host16);
+        expect(fabs(dev - host) < 1e-9 && fabs(dev16 - host16) < 1e-9, "n=%zu: SQNR %.12g / %.12g, host %.12g / %.12g", n, dev, dev16,
+               host, host16);
+        const double same = sqnr_db_on_device(dref.ptr, dref.ptr, n, sums.ptr, 0);
+        expect(std::isinf(same) && same > 0, "got == ref: %g dB, expected +inf", same);
+    }
+    DeviceBuffer<float> zeros(std::vector<float>(100, 0.0f)), ones(std::vector<float>(100, 1.0f));
+    const double nan_db = sqnr_db_on_device(ones.ptr, zeros.ptr, 100, sums.ptr, 0);
+    expect(std::isnan(nan_db), "an all-zero reference: %g dB, expected NaN", nan_db);
+}
+
 // Tests of the whole model's FP8 layers: only the FP8 build has them (the BF16 build's model has no FP8 linear to test).
 #if defined(PRECISION_FP8)
+// The precision probe (train_fp8.cu section 7) against the host: the operands each linear got in the BF16 pass
+// (captured here through Model::linear_probe from a model of their own), quantized by the host codec with the
+// host scale rule, multiplied in float64 and rounded as the GPU's outputs are (Y and dX to BF16, dW in FP32), and
+// each FP8 result's SQNR against the BF16 one. Every linear of both layers, in order. The probe's FP8 loss runs the
+// recipe's layers in FP8: tiny has only a first and a last layer, so it must equal the BF16 loss bit for bit; with
+// every layer FP8 it moves.
+GPU_TEST(probe_matches_host_reference) {
+    const int B = 2, T = 32, N = B * T;
+    const ModelConfig c = model_config_preset("tiny", 256);
+    const std::vector<float> weights = model_init_weights(c, TEST_SEED);
+    const std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
+    Fp8Options recipe, all;
+    all.all_layers = true;
+    const ProbeResult r = probe_model(c, weights, all, B, T, inputs, targets), plain = probe_model(c, weights, recipe, B, T, inputs, targets);
+    printf("    loss: FP8 (every layer) %.7f, BF16 %.7f; recipe (no FP8 layer in tiny) %.7f\n", r.loss_fp8, r.loss_bf16, plain.loss_fp8);
+    expect(plain.loss_fp8 == plain.loss_bf16 && plain.loss_bf16 == r.loss_bf16, "without FP8 layers the FP8 loss %.9g must equal the "
+           "BF16 loss %.9g (and %.9g)", plain.loss_fp8, plain.loss_bf16, r.loss_bf16);
+    expect(r.loss_fp8 != r.loss_bf16 && fabs(r.loss_fp8 - r.loss_bf16) < 0.01 * r.loss_bf16, "every layer FP8: loss %.7f against %.7f",
+           r.loss_fp8, r.loss_bf16);
+
+    struct Captured { int index; std::vector<bf16> x, w, dy; int in, out; };
+    std::vector<Captured> seen;
+    Fp8Options none;
+    none.enabled = false;
+    Model m;
+    model_create(&m, c, B, T, none);
+    model_upload_weights(&m, weights.data());
+    m.linear_probe = [&](const Param& p, const bf16* x, const bf16* dy, int n) {
+        const TensorSpec& w = m.params[p.index];
+        Captured k{model_linear_index(&m, p.index), std::vector<bf16>((size_t)n * w.cols), std::vector<bf16>((size_t)w.rows * w.cols),
+                   std::vector<bf16>((size_t)n * w.rows), w.cols, w.rows};
+        cudaCheck(cudaMemcpyAsync(k.x.data(), x, k.x.size() * sizeof(bf16), cudaMemcpyDeviceToHost, m.stream));
+        cudaCheck(cudaMemcpyAsync(k.w.data(), p.w, k.w.size() * sizeof(bf16), cudaMemcpyDeviceToHost, m.stream));
+        cudaCheck(cudaMemcpyAsync(k.dy.data(), dy, k.dy.size() * sizeof(bf16), cudaMemcpyDeviceToHost, m.stream));
+        cudaCheck(cudaStreamSynchronize(m.stream));
+        seen.push_back(std::move(k));
+    };
+    DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    model_zero_grads(&m);
+    model_forward_backward(&m, d_inputs.ptr, d_targets.ptr, 1.0f / N);
+    model_destroy(&m);
+    std::sort(seen.begin(), seen.end(), [](const Captured& a, const Captured& b) { return a.index < b.index; });
+
+    expect(r.rows.size() == seen.size() && seen.size() == (size_t)c.n_layers * LINEARS_PER_LAYER, "%zu rows, %zu linears seen, "
+           "expected %d", r.rows.size(), seen.size(), c.n_layers * LINEARS_PER_LAYER);
+    auto bf16_rounded = [](std::vector<double> v) {
+        for (double& x : v) x = to_float(__float2bfloat16((float)x));
+        return v;
+    };
+    double worst = 0;
+    for (size_t i = 0; i < std::min(r.rows.size(), seen.size()); i++) {
+        const Captured& k = seen[i];
+        const ProbeRow& row = r.rows[i];
+        expect(row.layer * LINEARS_PER_LAYER + row.linear == k.index && row.fp8_in_recipe, "row %zu: layer %d linear %d", i, row.layer,
+               row.linear);
+        RefScaleLog gx, gw, gdy;
+        const std::vector<double> xq = host_fp8_roundtrip(k.x, E4M3, &gx), wq = host_fp8_roundtrip(k.w, E4M3, &gw),
+                                  dyq = host_fp8_roundtrip(k.dy, E5M2, &gdy);
+        const std::vector<double> xe = to_double(k.x), we = to_double(k.w), dye = to_double(k.dy);
+        std::vector<double> y8((size_t)N * k.out), y16(y8.size()), dx8((size_t)N * k.in), dx16(dx8.size()), dw8((size_t)k.out * k.in),
+            dw16(dw8.size());
+        ref_matmul(y8.data(), xq.data(), wq.data(), N, k.out, k.in);
+        ref_matmul(y16.data(), xe.data(), we.data(), N, k.out, k.in);
+        ref_matmul(dx8.data(), dyq.data(), host_transpose(wq, k.out, k.in).data(), N, k.in, k.out);
+        ref_matmul(dx16.data(), dye.data(), host_transpose(we, k.out, k.in).data(), N, k.in, k.out);
+        ref_matmul(dw8.data(), host_transpose(dyq, N, k.out).data(), host_transpose(xq, N, k.in).data(), k.out, k.in, N);
+        ref_matmul(dw16.data(), host_transpose(dye, N, k.out).data(), host_transpose(xe, N, k.in).data(), k.out, k.in, N);
+        auto db = [](const std::vector<double>& got, const std::vector<double>& ref) { return sqnr_db(got.data(), ref.data(), ref.size()); };
+        const double host[3] = {db(bf16_rounded(y8), bf16_rounded(y16)), db(bf16_rounded(dx8), bf16_rounded(dx16)), db(dw8, dw16)};
+        const double probe[3] = {row.y_db, row.dx_db, row.dw_db};
+        printf("    layer %d %-9s Y %.4f dB (host %.4f), dX %.4f (%.4f), dW %.4f (%.4f)\n", row.layer, LINEAR_NAMES[row.linear], probe[0],
+               host[0], probe[1], host[1], probe[2], host[2]);
+        for (int g = 0; g < 3; g++) worst = std::max(worst, fabs(probe[g] - host[g]));
+    }
+    // the GPU's FP32 (forward: FP8 fast) accumulation and BF16 rounding against float64 move an SQNR by little
+    expect(worst < 0.05, "the probe's SQNRs differ from the host's by up to %.4f dB", worst);
+}
+
 // The whole model with FP8 linears against the float64 reference (which has no FP8): the loss, and each
 // gradient tensor's SQNR. One FP8 linear gives ~26 dB forward and ~22 dB backward (above); through the
 // layers the errors add, so a gradient keeps 18-20 dB. The bound, FP8_MODEL_GRAD_SQNR_DB (14 dB: the noise's
@@ -5755,7 +5948,7 @@ HOST_TEST(train_resume_refuses_other_moment_types) {
            "other types: refused at the TP size that wrote the file, taken at another (the moments start over)");
 }
 
-// The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped), row by row.
+// The columns of a run's log.csv that do not depend on timing (step, loss, val_loss, lr, grad_norm, skipped, fp8_warnings), row by row.
 static std::vector<std::string> log_rows_without_timing(const std::string& path) {
     std::vector<char> bytes = read_whole_file(path);
     std::string text(bytes.begin(), bytes.end());
@@ -5767,7 +5960,7 @@ static std::vector<std::string> log_rows_without_timing(const std::string& path)
     }
     std::vector<std::string> out;
     if (rows.empty()) return out;
-    const std::set<std::string> kept = {"step", "loss", "val_loss", "lr", "grad_norm", "skipped"};
+    const std::set<std::string> kept = {"step", "loss", "val_loss", "lr", "grad_norm", "skipped", "fp8_warnings"};
     for (const std::vector<std::string>& r : rows) {
         std::string joined;
         for (size_t i = 0; i < r.size() && i < rows[0].size(); i++) if (kept.count(rows[0][i])) joined += r[i] + ",";

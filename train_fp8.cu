@@ -4,6 +4,7 @@
 //   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults;
 //                                            --dry-run makes every check that needs no GPU, and stops there)
 //   ./train_fp8 export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]   the model for transformers / llama2.c
+//   ./train_fp8 probe [CKPT] [flags]         what each FP8 GEMM loses against BF16, per layer (FP8 build)
 // Sections:
 //   1. the command line        TrainOptions, a table of flags, parse_args, print_help, the size limits
 //   2. the checkpoint header   the format, its checksums (XXH64), checked
@@ -14,7 +15,8 @@
 //   6. the run                 the NCCL groups of tensor parallelism; the run folder and resume checks; train():
 //                              data, the ranks (model and AdamW per GPU), the loop, logging, checkpoints, the stop
 //                              on SIGINT or SIGTERM
-//   7. main
+//   7. the probe               the SQNR of every FP8 GEMM against BF16 on one batch (./train_fp8 probe)
+//   8. main
 // test_fp8.cu includes this file with TESTING defined (no main), and calls parse_args, the checkpoint
 // functions and train() directly.
 #ifndef TRAIN_FP8_CU
@@ -31,6 +33,7 @@
 #include <cerrno>
 #include <climits>
 #include <csignal>
+#include <set>
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -83,7 +86,11 @@ struct TrainOptions {
     int amax_history = 1;                    // 1 = current scaling; more: delayed scaling from this many amaxes
     int quant_interval = 1;                  // delayed scaling: recompute the scales every this many steps
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
-    int fp8_stats = 0;                       // every this many steps: DIR/fp8_stats.csv and a summary line; 0 = off
+    int fp8_stats = BUILD_FP8 ? 50 : 0;      // every this many steps: the FP8 tensors' health, to DIR/fp8_stats.csv and the
+                                             // warnings below; 0 = off
+    double fp8_warn_saturated = 1e-3;        // warn when a tensor's saturated fraction is above this ...
+    double fp8_warn_flushed = 1e-2;          // ... or its flushed-to-zero fraction above this ...
+    int fp8_warn_after = 3;                  // ... at this many --fp8-stats steps in a row
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
@@ -106,7 +113,10 @@ struct TrainOptions {
     std::string export_format = "hf";        // hf or llama2c
     std::string export_dtype;                // bf16 or fp32; empty = the format's default (hf bf16, llama2c fp32)
     bool force = false;                      // export and prepare: write over existing output files
-    bool help = false;                       // --help: training's flags, or the usage of prepare or export
+    // probe subcommand (section 7)
+    bool probe = false;
+    std::string probe_ckpt;                  // a checkpoint file or run folder; empty: the weights of --init and --seed
+    bool help = false;                       // --help: training's flags, or the usage of prepare, export or probe
     bool dry_run = false;                    // --dry-run: every check before the GPU work, then exit
     std::vector<std::string> command;        // the command line's words, for the line that says how to resume
 };
@@ -170,7 +180,10 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
-        flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
+        flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
+        flag_double("--fp8-warn-saturated", "F", "warn when an FP8 tensor's saturated fraction is above F at --fp8-warn-after --fp8-stats steps in a row (FP8 build)", &o->fp8_warn_saturated, 0, 1),
+        flag_double("--fp8-warn-flushed", "F", "warn when an FP8 tensor's fraction of non-zero values flushed to zero is above F, likewise (FP8 build)", &o->fp8_warn_flushed, 0, 1),
+        flag_int("--fp8-warn-after", "N", "the --fp8-stats steps in a row that make a warning; one per tensor until it recovers (FP8 build)", &o->fp8_warn_after, 1, BIG),
         flag_int("--tp", "N", "tensor parallelism over GPUs 0..N-1: NCCL, one thread per GPU, heads and FFN split (1 = one GPU through NCCL; 0 = one GPU without NCCL)", &o->tp, 0, 1024),
         flag_switch("--tp-amax-sync", "FP8 under --tp: scales of the sharded X and dY from the MAX of amax over the GPUs (default: each GPU its own; FP8 build)", &o->tp_amax_sync),
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
@@ -216,6 +229,19 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
         print_flags({"--force"});
         return;
     }
+    if (o.probe) {
+        printf("usage: %s probe [CKPT] [flags]\n"
+               "  one batch (the first of --val-data) through the model in BF16; each linear's X, W and dY from that pass through\n"
+               "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax) and its BF16 GEMMs: the SQNR of FP8\n"
+               "  against BF16 in dB for Y, dX and dW of every linear of every layer (a table; DIR/probe.csv with --out DIR,\n"
+               "  drawn by plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
+               "  CKPT: a checkpoint file or a run's folder (its newest); none: the weights of --init and --seed\n", argv0);
+        print_flags({"--val-data", "--batch", "--seq", "--fp8-all-layers"});
+        printf("  %-22s write the table to DIR/probe.csv (replacing one there)\n", "--out DIR");
+        printf("  without CKPT also the model and its init, as in training: --model, --dim, --layers, --heads, --kv-heads, --ffn,\n"
+               "  --qk-norm, --qkv-clip, --init, --init-std, --seed, --fp8-fast-accum (a checkpoint brings its own)\n");
+        return;
+    }
     if (o.do_export) {
         printf("usage: %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force]\n"
                "  the model of checkpoint CKPT (a file, or a run's folder: its newest checkpoint), into folder OUT_DIR\n", argv0);
@@ -228,7 +254,9 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
     printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force]\n"
            "                                        the model of checkpoint CKPT (a file, or a run's folder: its newest)\n"
            "                                        for transformers (hf) or llama2.c's run (llama2c), into OUT_DIR\n", argv0);
-    printf("       (prepare --help, export --help: the usage of each)\n");
+    printf("       %s probe [CKPT] [flags]\n"
+           "                                        the SQNR of every FP8 GEMM against BF16 on one batch, per layer\n", argv0);
+    printf("       (prepare --help, export --help, probe --help: the usage of each)\n");
     printf("flags (default in brackets):\n");
     for (const TrainFlag& f : train_flags(&defaults)) {
         std::string def = flag_value_string(f);
@@ -333,6 +361,24 @@ inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& 
 //   export CKPT OUT_DIR [--format F] [--dtype T] [--force]   two words, then only those three flags
 //   [flags]                                                  training: every flag but --format, --dtype and --force
 // --help (or -h) anywhere asks for the usage: of prepare or export after their names, else of training.
+// probe's flags (section 7): its batch, the FP8 layers of its FP8 loss, the folder of probe.csv; without a
+// checkpoint also the model and its init. "" or what is wrong.
+inline std::string probe_args_problem(const TrainOptions& o, const std::vector<std::string>& given) {
+    if (!BUILD_FP8) return "probe compares the FP8 linears with BF16 ones: it needs the FP8 build (make, not make PRECISION=BF16)";
+    const std::set<std::string> always = {"--val-data", "--batch", "--seq", "--out", "--fp8-all-layers"};
+    const std::set<std::string> model = {"--model", "--dim", "--layers", "--heads", "--kv-heads", "--ffn", "--qk-norm", "--qkv-clip",
+                                         "--init", "--init-std", "--seed", "--fp8-fast-accum"};
+    for (const std::string& name : given) {
+        if (model.count(name) && !o.probe_ckpt.empty())
+            return strprintf("probe %s %s: the checkpoint fixes the model and its weights; drop %s", o.probe_ckpt.c_str(),
+                             name.c_str(), name.c_str());
+        if (!always.count(name) && !model.count(name))
+            return strprintf("probe takes --val-data, --batch, --seq, --out, --fp8-all-layers and, without a checkpoint, the "
+                             "model, init and --fp8-fast-accum flags; not %s (probe --help says more)", name.c_str());
+    }
+    return "";
+}
+
 inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     *o = TrainOptions();
     o->command.assign(argv, argv + argc);
@@ -361,11 +407,16 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         o->export_dir = argv[3];
         first = 4;
     }
+    if (argc >= 2 && strcmp(argv[1], "probe") == 0) {
+        o->probe = true;
+        first = 2;
+        if (argc >= 3 && argv[2][0] != '-') o->probe_ckpt = argv[first++];
+    }
     if (help) { o->help = true; return ""; }
     std::vector<TrainFlag> flags = train_flags(o);
     std::vector<std::string> given;
     for (int i = first; i < argc; i++) {
-        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export) { o->dry_run = true; continue; }
+        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export && !o->probe) { o->dry_run = true; continue; }
         const TrainFlag* f = nullptr;
         for (const TrainFlag& g : flags) if (strcmp(argv[i], g.name) == 0) f = &g;
         if (!f) return strprintf("unknown argument %s (see --help)", argv[i]);
@@ -389,6 +440,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
                              o->export_dtype.c_str());
         return "";
     }
+    if (o->probe) {
+        std::string err = probe_args_problem(*o, given);
+        if (!err.empty()) return err;
+    }
     for (const std::string& name : given) {
         if (name == "--force")
             return "--force is an option of export and prepare (./train_fp8 export CKPT OUT_DIR --force, ./train_fp8 prepare "
@@ -408,10 +463,13 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     for (const char* t : v_types) v_ok |= o->v_dtype == t;
     if (!m_ok) return strprintf("--m-dtype %s: the first moment can be e4m3, bf16 or fp32", o->m_dtype.c_str());
     if (!v_ok) return strprintf("--v-dtype %s: the second moment can be bf16, e4m3, e5m2 or fp32", o->v_dtype.c_str());
+    const TrainOptions defaults;
     if (!BUILD_FP8 && (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 ||
-                       o->fp8_stats != 0 || o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f))
-        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --tp-amax-sync, --amax-warmup "
-               "and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+                       o->fp8_stats != 0 || o->fp8_warn_saturated != defaults.fp8_warn_saturated ||
+                       o->fp8_warn_flushed != defaults.fp8_warn_flushed || o->fp8_warn_after != defaults.fp8_warn_after ||
+                       o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f))
+        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --fp8-warn-*, --tp-amax-sync, "
+               "--amax-warmup and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
     if (init_kind_from_name(o->init) < 0)
         return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
     if (o->init == "torch-default" && std::find(given.begin(), given.end(), "--init-std") != given.end())
@@ -1662,6 +1720,67 @@ inline void on_ranks(std::vector<TrainRank>& ranks, const std::function<void(Tra
     for (std::thread& t : threads) t.join();
 }
 
+// The FP8 doctor (--fp8-stats K): every K-th step, each FP8 tensor's health (llama2.cuh, model_fp8_stats_read)
+// goes to OUT/fp8_stats.csv (plot_fp8_stats.py draws it) and a summary line, and a tensor whose saturated or
+// flushed fraction stays above its threshold for --fp8-warn-after such steps in a row gets one warning line,
+// counted in log.csv: one per tensor and kind until the fraction comes back below (the streaks start over at a resume).
+inline std::string fp8_tensor_name(const Fp8TensorStats& t) {
+    return strprintf("layer %d %s %s", t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor]);
+}
+inline void fp8_stats_write_csv(FILE* csv, int step, const std::vector<Fp8TensorStats>& stats) {
+    for (const Fp8TensorStats& t : stats)
+        fprintf(csv, "%d,%d,%s,%s,%s,%.6e,%d,%.6e,%.6e\n", step, t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor],
+                t.tensor == FP8_DY ? "E5M2" : "E4M3", t.amax, t.scale_log2, t.saturated, t.flushed);
+    fflush(csv);
+}
+inline std::string fp8_stats_summary(const std::vector<Fp8TensorStats>& stats) {
+    const Fp8TensorStats* sat = nullptr;
+    const Fp8TensorStats* flush = nullptr;
+    for (const Fp8TensorStats& t : stats) {
+        if (t.saturated > 0 && (!sat || t.saturated > sat->saturated)) sat = &t;
+        if (t.flushed > 0 && (!flush || t.flushed > flush->flushed)) flush = &t;
+    }
+    return strprintf("worst saturated %.2e (%s), worst flushed to zero %.2e (%s)", sat ? sat->saturated : 0.0,
+                     sat ? fp8_tensor_name(*sat).c_str() : "-", flush ? flush->flushed : 0.0, flush ? fp8_tensor_name(*flush).c_str() : "-");
+}
+
+struct Fp8Doctor {
+    double saturated_limit = 1e-3, flushed_limit = 1e-2;
+    int after = 3;                 // samples in a row above a limit that make a warning
+    bool delayed = false;          // the recipe scales X and dY from an amax history (--amax-history > 1)
+    std::map<std::pair<int, int>, int> streak;   // (tensor: 12 layer + 3 linear + X/W/dY, kind: 0 saturated, 1 flushed) -> samples in a row above
+};
+// What to try, by kind and tensor. Saturation clips the largest values: the scale came from an amax smaller than
+// the tensor's (delayed scaling lagging a growing amax). Flushing zeroes the smallest: the tensor spans more than
+// the format's range below its amax (E4M3 2^-9..448, 2^17.8; E5M2 2^-16..57344, 2^31.8).
+inline std::string fp8_doctor_advice(const Fp8Doctor& d, const Fp8TensorStats& t, bool saturated) {
+    if (saturated)
+        return d.delayed ? "its amax grows faster than delayed scaling follows: try a shorter --amax-history or --quant-interval, "
+                           "or current scaling (--amax-history 1)"
+                         : "current scaling saturates only when the amax was not finite: look at the loss and grad norm";
+    if (t.tensor == FP8_X)
+        return "its outliers set the scale and its small values fall below E4M3's smallest code: try --smooth-quant 0.5, "
+               "and ./train_fp8 probe to see what the layer's GEMMs lose";
+    return strprintf("its values span more than %s's range: ./train_fp8 probe shows what the layer's GEMMs lose; the recipe "
+                     "keeps such layers in BF16 (the first and last by default)", t.tensor == FP8_DY ? "E5M2" : "E4M3");
+}
+// One --fp8-stats step's records in; the warning lines due at this step out.
+inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector<Fp8TensorStats>& stats, int step) {
+    std::vector<std::string> warnings;
+    for (const Fp8TensorStats& t : stats)
+        for (int kind = 0; kind < 2; kind++) {
+            const double frac = kind == 0 ? t.saturated : t.flushed, limit = kind == 0 ? d->saturated_limit : d->flushed_limit;
+            int& n = d->streak[{(t.layer * LINEARS_PER_LAYER + t.linear) * 3 + t.tensor, kind}];
+            n = frac > limit ? n + 1 : 0;
+            if (n != d->after) continue;
+            warnings.push_back(strprintf("step %5d | fp8 warning: %s (%s): %.2e of its values %s (above %.0e) at %d --fp8-stats steps "
+                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), t.tensor == FP8_DY ? "E5M2" : "E4M3",
+                                         frac, kind == 0 ? "saturated" : "flushed to zero", limit, d->after,
+                                         fp8_doctor_advice(*d, t, kind == 0).c_str()));
+        }
+    return warnings;
+}
+
 struct TrainResult {
     int first_step = 0, last_step = 0;    // the steps this call ran (1-based, inclusive)
     std::vector<float> losses, grad_norms, lrs;   // one per step run
@@ -1673,6 +1792,7 @@ struct TrainResult {
     int stop_signal = 0;                  // SIGINT or SIGTERM stopped the run after last_step (0: not stopped)
     bool profiled = false;                // --profile: the step ran in this call, and its table is `profile`
     ProfileReport profile;
+    long fp8_warnings = 0;                // the FP8 doctor's warnings in this call
 };
 
 // The state of one training run, shared by the steps of train() below: the options, the data, the ranks, the
@@ -1695,6 +1815,7 @@ struct TrainRun {
     std::vector<int> prompt;              // the samples' first tokens
     FILE* log = nullptr;                  // OUT/log.csv
     FILE* fp8_csv = nullptr;              // OUT/fp8_stats.csv (FP8 build, --fp8-stats)
+    Fp8Doctor doctor;
     double flops_per_token = 0, tokens_per_step = 0;
     float grad_scale = 0;                 // 1 / (tokens per step): the mean loss's gradient
     long bad_in_row = 0;
@@ -1712,7 +1833,8 @@ struct StepStats {
     bool bad = false;                     // non-finite loss or gradient norm: the update was skipped
     bool fp8_stats_step = false;
     double ms = 0, tokens_per_s = 0, tflops = 0, mfu = NAN;
-    Fp8StatsSummary fp8_summary = {0, 0, "", ""};
+    std::vector<Fp8TensorStats> fp8_stats;   // --fp8-stats steps: each FP8 tensor's health
+    std::vector<std::string> fp8_warnings;   // and the doctor's warnings
 };
 
 // ---- The run folder (--out), and what a resumed run may still do; both checked before any GPU work.
@@ -2006,10 +2128,15 @@ inline void train_open_logs(TrainRun* run) {
     }
     const long keep_rows_through = o.resume.empty() ? -1 : run->first_step - 1;
     if (!o.out.empty())
-        run->log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent", keep_rows_through);
+        run->log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent,fp8_warnings",
+                                keep_rows_through);
     if (BUILD_FP8 && o.fp8_stats > 0 && !o.out.empty())
         run->fp8_csv = open_run_csv(o.out, "fp8_stats.csv", "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac",
                                     keep_rows_through);
+    run->doctor.saturated_limit = o.fp8_warn_saturated;
+    run->doctor.flushed_limit = o.fp8_warn_flushed;
+    run->doctor.after = o.fp8_warn_after;
+    run->doctor.delayed = o.amax_history > 1 || o.quant_interval > 1;
     run->flops_per_token = model_flops_per_token(run->config, run->T);   // the whole model's: TFLOP/s of all GPUs together
     run->tokens_per_step = (double)o.total_batch;
     run->grad_scale = 1.0f / ((float)run->B * run->T * run->accum);
@@ -2115,8 +2242,11 @@ inline StepStats train_step(TrainRun* run, int step) {
     train_micro_batches(run, step, profile_step || s.fp8_stats_step);
     train_update(run, &s);
     if (s.fp8_stats_step) {   // counted over this step's casts, W after its update
-        s.fp8_summary = model_fp8_stats_write(&run->ranks[0].model, step, run->fp8_csv);
+        s.fp8_stats = model_fp8_stats_read(&run->ranks[0].model);
         model_fp8_stats_end(&run->ranks[0].model);
+        if (run->fp8_csv) fp8_stats_write_csv(run->fp8_csv, step, s.fp8_stats);
+        s.fp8_warnings = fp8_doctor_check(&run->doctor, s.fp8_stats, step);
+        run->result.fp8_warnings += (long)s.fp8_warnings.size();
     }
     if (profile_step) profile_end(&run->profile);
     on_ranks(run->ranks, [&](TrainRank& r) { cudaCheck(cudaStreamSynchronize(r.model.stream)); });
@@ -2146,9 +2276,8 @@ inline void train_print_step(TrainRun* run, const StepStats& s) {
     printf("step %5d/%d | loss %.4f | lr %.3e | grad norm %.4f | %.1f ms | %.0f tok/s | %.1f TFLOP/s%s%s\n", s.step, o.steps,
            s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, std::isnan(s.mfu) ? "" : strprintf(" | MFU %.1f%%", s.mfu).c_str(),
            s.bad ? strprintf(" | non-finite: update skipped (%lld in a row)", (long long)run->bad_in_row).c_str() : "");
-    if (s.fp8_stats_step)
-        printf("step %5d | fp8: worst saturated %.2e (%s), worst flushed to zero %.2e (%s)\n", s.step, s.fp8_summary.worst_saturated,
-               s.fp8_summary.saturated_at.c_str(), s.fp8_summary.worst_flushed, s.fp8_summary.flushed_at.c_str());
+    if (s.fp8_stats_step) printf("step %5d | fp8: %s\n", s.step, fp8_stats_summary(s.fp8_stats).c_str());
+    for (const std::string& w : s.fp8_warnings) printf("%s\n", w.c_str());
 }
 
 // The validation loss after `step` (0: before training), the same on every rank.
@@ -2162,8 +2291,9 @@ inline float train_evaluate(TrainRun* run, int step) {
 
 // The step's row of OUT/log.csv; val: NaN when the step was not evaluated.
 inline void train_log_row(TrainRun* run, const StepStats& s, float val) {
-    fprintf(run->log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s\n", s.step, s.loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
-            s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, s.bad ? 1 : 0, std::isnan(s.mfu) ? "" : strprintf("%.2f", s.mfu).c_str());
+    fprintf(run->log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s,%zu\n", s.step, s.loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
+            s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, s.bad ? 1 : 0, std::isnan(s.mfu) ? "" : strprintf("%.2f", s.mfu).c_str(),
+            s.fp8_warnings.size());
     fflush(run->log);
 }
 
@@ -2306,7 +2436,7 @@ inline TrainResult train(const TrainOptions& o) {
     if (stopped) train_report_stop(&run, run.first_step - 1);   // during the setup
     if (run.first_step == 1 && o.eval_every > 0 && !stopped) {
         float val = train_evaluate(&run, 0);
-        if (run.log) fprintf(run.log, "0,,%.6f,,,,,,,\n", val);
+        if (run.log) fprintf(run.log, "0,,%.6f,,,,,,,,\n", val);
     }
     run.result.first_step = run.first_step;
     for (int step = run.first_step; step <= run.last_step && !stopped; step++) {
@@ -2340,7 +2470,191 @@ inline TrainResult train(const TrainOptions& o) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// 7. main
+// 7. The precision probe: which GEMM loses how much to FP8. One batch runs forward and backward through the model
+// with every linear in BF16; at each linear's backward (Model::linear_probe) its X, W and dY go through the FP8
+// linear (E4M3 X and W, E5M2 dY, each scaled from its own amax: the recipe's current scaling) and through the BF16
+// linear, and each FP8 result is measured against the BF16 one: SQNR = 10 log10(sum bf16^2 / sum (fp8 - bf16)^2) dB
+// for Y, dX and dW. Both paths get the same operands, so a figure is that GEMM's own loss, not error carried in
+// from the layers below. The loss of the FP8 forward (the recipe's layers) against the BF16 one on the batch says
+// what they add up to. Gaussian-like operands give about 26 dB forward (two E4M3 operands, each rounded by ~3.6% rms)
+// and 22 dB backward (E5M2's 7.2% with E4M3's); a GEMM well below that has outliers that set its scale.
+
+struct ProbeRow {
+    int layer, linear;           // linear: LINEAR_NAMES' index
+    double y_db, dx_db, dw_db;   // SQNR of the FP8 GEMM against the BF16 one
+    bool fp8_in_recipe;          // the FP8 loss ran this layer in FP8 (Fp8Options: all but the first and last)
+};
+struct ProbeResult {
+    std::vector<ProbeRow> rows;   // by layer, then linear
+    float loss_fp8 = 0, loss_bf16 = 0;
+};
+
+// The FP8 and the BF16 linear's outputs and the FP8 operands, sized for the model's widest linear.
+struct ProbeBuffers {
+    bf16 *y8 = nullptr, *y16 = nullptr, *dx8 = nullptr, *dx16 = nullptr;
+    float *dw8 = nullptr, *dw16 = nullptr;
+    fp8 *x8 = nullptr, *x8_t = nullptr, *w8 = nullptr, *w8_t = nullptr, *dy8 = nullptr, *dy8_t = nullptr;
+    Fp8Meta* metas = nullptr;   // [3]: X, W, dY
+    double* sums = nullptr;     // [2]: sqnr_db_on_device's
+};
+inline ProbeBuffers probe_buffers_create(const ModelConfig& c, int N) {
+    const size_t in = std::max(c.dim, c.ffn_dim), out = std::max({(size_t)model_qkv_dim(c), 2 * (size_t)c.ffn_dim, (size_t)c.dim});
+    ProbeBuffers b;
+    for (bf16** p : {&b.y8, &b.y16}) cudaCheck(cudaMalloc(p, N * out * sizeof(bf16)));
+    for (bf16** p : {&b.dx8, &b.dx16}) cudaCheck(cudaMalloc(p, N * in * sizeof(bf16)));
+    for (float** p : {&b.dw8, &b.dw16}) cudaCheck(cudaMalloc(p, out * in * sizeof(float)));
+    for (fp8** p : {&b.x8, &b.x8_t}) cudaCheck(cudaMalloc(p, N * in));
+    for (fp8** p : {&b.dy8, &b.dy8_t}) cudaCheck(cudaMalloc(p, N * out));
+    for (fp8** p : {&b.w8, &b.w8_t}) cudaCheck(cudaMalloc(p, out * in));
+    cudaCheck(cudaMalloc(&b.metas, 3 * sizeof(Fp8Meta)));
+    cudaCheck(cudaMalloc(&b.sums, 2 * sizeof(double)));
+    return b;
+}
+inline void probe_buffers_destroy(ProbeBuffers* b) {
+    for (void* p : std::initializer_list<void*>{b->y8, b->y16, b->dx8, b->dx16, b->dw8, b->dw16, b->x8, b->x8_t, b->w8, b->w8_t,
+                                                b->dy8, b->dy8_t, b->metas, b->sums})
+        cudaCheck(cudaFree(p));
+    *b = ProbeBuffers();
+}
+
+// One linear: X [N,in], W [out,in], dY [N,out] through the FP8 GEMMs and the BF16 GEMMs; the three SQNRs.
+inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, const bf16* w, const bf16* dy, int N, int in, int out,
+                             bool fast_accum, cudaStream_t s) {
+    const Fp8Meta fresh[3] = {fp8_meta_initial(), fp8_meta_initial(), fp8_meta_initial()};
+    cudaCheck(cudaMemcpyAsync(b->metas, fresh, sizeof(fresh), cudaMemcpyHostToDevice, s));
+    Fp8Linear lin{b->w8, b->w8_t, b->metas, nullptr};
+    fp8_weight_update(&lin, w, out, in, s);
+    fp8_cast_transpose(b->x8, b->x8_t, x, N, in, E4M3, &b->metas[FP8_X], Fp8Recipe(), s);
+    fp8_cast_transpose(b->dy8, b->dy8_t, dy, N, out, E5M2, &b->metas[FP8_DY], Fp8Recipe(), s);
+    fp8_linear_forward(mm, b->y8, b->x8, &lin, N, in, out, fast_accum, s);
+    fp8_linear_backward(mm, b->dx8, b->dw8, b->dy8, b->dy8_t, b->x8_t, &lin, N, in, out, s, false);
+    bf16_linear_forward(mm, b->y16, x, w, N, in, out, s);
+    bf16_linear_backward(mm, b->dx16, b->dw16, dy, x, w, N, in, out, s, false);
+    ProbeRow row;
+    row.y_db = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
+    row.dx_db = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
+    row.dw_db = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
+    return row;
+}
+
+// The probe of weights `weights` (FP32, the flat layout) on one batch of B x T tokens (host arrays). fp8: the
+// layers and fast accumulation of the FP8 loss (and of the probe's FP8 forward GEMMs).
+inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& weights, const Fp8Options& fp8, int B, int T,
+                               const std::vector<int>& inputs, const std::vector<int>& targets) {
+    const int N = B * T;
+    int* d_tokens;
+    cudaCheck(cudaMalloc(&d_tokens, 2 * (size_t)N * sizeof(int)));
+    cudaCheck(cudaMemcpy(d_tokens, inputs.data(), (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_tokens + N, targets.data(), (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
+    ProbeResult r;
+    Model m;
+    model_create(&m, c, B, T, fp8);
+    model_upload_weights(&m, weights.data());
+    r.loss_fp8 = model_loss(&m, d_tokens, d_tokens + N, B, T);
+    model_destroy(&m);
+    Fp8Options bf16_only = fp8;
+    bf16_only.enabled = false;
+    model_create(&m, c, B, T, bf16_only);
+    model_upload_weights(&m, weights.data());
+    ProbeBuffers buffers = probe_buffers_create(c, N);
+    m.linear_probe = [&](const Param& p, const bf16* x, const bf16* dy, int n) {
+        const TensorSpec& w = m.params[p.index];
+        ProbeRow row = probe_linear(&m.matmul, &buffers, x, p.w, dy, n, w.cols, w.rows, fp8.fast_accum, m.stream);
+        const int i = model_linear_index(&m, p.index);
+        row.layer = i / LINEARS_PER_LAYER;
+        row.linear = i % LINEARS_PER_LAYER;
+        row.fp8_in_recipe = fp8.all_layers || (row.layer != 0 && row.layer != c.n_layers - 1);
+        r.rows.push_back(row);
+    };
+    model_zero_grads(&m);
+    r.loss_bf16 = model_forward_backward(&m, d_tokens, d_tokens + N, 1.0f / N);
+    probe_buffers_destroy(&buffers);
+    model_destroy(&m);
+    cudaCheck(cudaFree(d_tokens));
+    std::sort(r.rows.begin(), r.rows.end(), [](const ProbeRow& a, const ProbeRow& b) {   // the backward ran from the top
+        return std::make_pair(a.layer, a.linear) < std::make_pair(b.layer, b.linear);
+    });
+    return r;
+}
+
+// ./train_fp8 probe [CKPT] [flags]: the checks, then probe_model, the table, DIR/probe.csv with --out.
+inline ProbeResult probe_main(const TrainOptions& o) {
+    DataLoader val;   // the batch: the first window of --val-data
+    std::string err = dataloader_open(&val, o.val_data.c_str(), o.batch, o.seq, 0, 1, 0, false, 0);
+    if (!err.empty()) fail("probe: --val-data %s: %s", o.val_data.c_str(), err.c_str());
+    ModelConfig c;
+    std::vector<float> weights;
+    Fp8Options fp8;
+    fp8.all_layers = o.fp8_all_layers;
+    fp8.fast_accum = o.fp8_fast_accum == 1;
+    std::string source;
+    if (!o.probe_ckpt.empty()) {
+        std::string path;
+        CheckpointHeader h;
+        err = checkpoint_resolve(o.probe_ckpt, &path);
+        if (err.empty()) err = checkpoint_verify(path, &h);
+        if (!err.empty()) fail("probe: %s", err.c_str());
+        c = checkpoint_model_config(h);
+        if (16 * ceil_div(val.vocab_size, 16) != c.vocab_size)
+            fail("probe: %s is a model of vocabulary %d and --val-data %s holds tokens of vocabulary %d (%s): give it "
+                 "validation data of the tokenizer it was trained on", path.c_str(), c.vocab_size, o.val_data.c_str(),
+                 val.vocab_size, val.vocab_source.c_str());
+        fp8.all_layers = fp8.all_layers || h.fp8_all_layers != 0;
+        fp8.fast_accum = h.fp8_fast_accum != 0;
+        source = strprintf("%s (step %lld)", path.c_str(), (long long)h.step);
+        weights = checkpoint_read_master(path, h);
+    } else {
+        c = model_config_from_options(o, val.vocab_size);
+        err = model_config_problem(c);
+        if (!err.empty()) fail("probe: %s", err.c_str());
+        source = strprintf("the --init %s weights of seed %ld", o.init.c_str(), o.seed);
+    }
+    err = train_size_problem(o, c);
+    if (err.empty() && o.seq > c.max_seq_len)
+        err = strprintf("--seq %d is longer than the model's max_seq_len %d: lower --seq", o.seq, c.max_seq_len);
+    if (err.empty() && ((long)o.batch * o.seq) % 16 != 0)
+        err = strprintf("--batch %d x --seq %d must be a multiple of 16 (the GEMM rule): change --batch or --seq", o.batch, o.seq);
+    if (!err.empty()) fail("probe: %s", err.c_str());
+    if (!o.out.empty()) make_dirs(o.out);
+    if (o.probe_ckpt.empty()) weights = model_init_weights(c, (uint64_t)o.seed, (InitKind)init_kind_from_name(o.init), o.init_std);
+    dataloader_next_batch(&val);
+    cuda_device_count_or_fail();
+    printf("probe: %s; one batch of %d x %d tokens from %s\n", source.c_str(), o.batch, o.seq, o.val_data.c_str());
+    ProbeResult r = probe_model(c, weights, fp8, o.batch, o.seq, val.inputs, val.targets);
+    dataloader_free(&val);
+
+    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better):\n");
+    printf("%5s  %-9s  %7s  %7s  %7s\n", "layer", "linear", "Y", "dX", "dW");
+    for (const ProbeRow& row : r.rows)
+        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db, row.dw_db,
+               row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
+    std::vector<std::pair<double, std::string>> gemms;
+    for (const ProbeRow& row : r.rows) {
+        const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
+        gemms.push_back({row.y_db, at + " Y"});
+        gemms.push_back({row.dx_db, at + " dX"});
+        gemms.push_back({row.dw_db, at + " dW"});
+    }
+    std::sort(gemms.begin(), gemms.end());
+    printf("lowest:");
+    for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
+    printf("\nloss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
+           r.loss_fp8 - r.loss_bf16, 100.0 * (r.loss_fp8 - r.loss_bf16) / r.loss_bf16);
+    if (!o.out.empty()) {
+        std::string csv = "layer,linear,gemm,sqnr_db\n";
+        for (const ProbeRow& row : r.rows)
+            for (int g = 0; g < 3; g++)
+                csv += strprintf("%d,%s,%s,%.4f\n", row.layer, LINEAR_NAMES[row.linear], g == 0 ? "Y" : g == 1 ? "dX" : "dW",
+                                 g == 0 ? row.y_db : g == 1 ? row.dx_db : row.dw_db);
+        const std::string path = o.out + "/probe.csv";
+        write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, csv.data(), csv.size(), tmp); });
+        printf("wrote %s (python3 plot_fp8_stats.py probe %s draws it)\n", path.c_str(), path.c_str());
+    }
+    return r;
+}
+
+// ----------------------------------------------------------------------------------------------
+// 8. main
 
 #ifndef TESTING
 int main(int argc, char** argv) {
@@ -2363,6 +2677,10 @@ int main(int argc, char** argv) {
     if (o.do_export) {
         err = export_checkpoint(o.export_ckpt, o.export_dir, o.export_format, o.export_dtype, o.force);
         if (!err.empty()) fail("export: %s", err.c_str());
+        return 0;
+    }
+    if (o.probe) {
+        probe_main(o);
         return 0;
     }
     if (o.dry_run) {
