@@ -87,9 +87,11 @@ test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 train_fp8_bf16: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(subst -DPRECISION_$(PRECISION),-DPRECISION_BF16,$(NVCCFLAGS)) -o $@ $< $(LDFLAGS)
 
-# (the tests run ./train_fp8 too: a resume refused by the program itself); study.sh's table maker on fixed logs first
+# (the tests run ./train_fp8 too: a resume refused by the program itself); study.sh's table maker on fixed logs and
+# plot_fp8_stats.py on synthetic CSVs first (host only; it reports SKIP without numpy and matplotlib)
 test: test_fp8 train_fp8
 	./study.sh test
+	python3 plot_fp8_stats.py test
 	./test_fp8
 
 # compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned
