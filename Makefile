@@ -8,7 +8,8 @@
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
 #   make train              build, prepare data, train the default preset into out/default (refused if it holds a run
 #                           already: the message gives the command that continues it)
-#   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab")
+#   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab";
+#                           STUDY_FLAGS="--preset 1b": BF16 against FP8 at 1.1B's shape, time to quality)
 #   make soak               kill-and-resume soak: a run killed (SIGKILL) and resumed 5 times ends as an uninterrupted one (soak.sh)
 #   make mutants            mutation testing: each bug of mutants.txt built and tested in scratch-mutants/ (mutate.sh --help)
 #   make clean
@@ -122,7 +123,8 @@ train: train_fp8 data
 bench: test_fp8
 	./test_fp8 --bench
 
-# The recipe lab (study.sh --help; STUDY_FLAGS adds flags, e.g. STUDY_FLAGS="--seeds 5 --only bf16,fp8").
+# The recipe lab (study.sh --help; STUDY_FLAGS adds flags, e.g. STUDY_FLAGS="--seeds 5 --only bf16,fp8"; BF16 against
+# FP8 at 1.1B's shape, one run at a time, for the time to quality: STUDY_FLAGS="--preset 1b").
 # make -j2 study builds the two binaries side by side.
 STUDY_FLAGS ?=
 study: train_fp8 train_fp8_bf16 data

@@ -5,20 +5,24 @@
     python3 plot_loss.py OUT.png STUDY_DIR     a study's configurations: mean validation loss over seeds with a
                                                +-1 std band, and each configuration's final validation loss
     python3 plot_loss.py table STUDY_DIR       a study's table (markdown): mean +- std of the final and the best
-                                               validation loss per configuration, against the BF16 build
+                                               validation loss per configuration, against the BF16 build; tokens/s,
+                                               and the training time at which each reaches the BF16 build's final
+                                               validation loss
 
 Each log.csv is the one train_fp8 writes (columns step, loss, val_loss, ...). A study folder is what study.sh
 writes: configs.tsv (NAME, BUILD, FLAGS a line), setup.txt (the flags of every run), and NAME/seed-S/ holding
-log.csv and exit.txt (the run's exit status) for each run. The table needs only Python's standard library; the
-pictures need matplotlib (pip install matplotlib).
+log.csv, exit.txt (the run's exit status) and parallel.txt (how many runs study.sh ran at a time on the GPU) for
+each run. The table needs only Python's standard library; the pictures need matplotlib (pip install matplotlib).
 """
 import csv
 import math
 import os
 import re
+import statistics
 import sys
 
-LOG_COLUMNS = ["step", "loss", "val_loss"]   # the columns of train_fp8's log.csv read here (it writes more after them)
+# the columns of train_fp8's log.csv read here (it writes more after them)
+LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "grad_norm", "ms", "tokens_per_s"]
 
 # The names study.sh gives the configurations the targets compare.
 BASELINE, RECIPE, M_FP32 = "bf16", "fp8", "m-fp32"
@@ -28,36 +32,58 @@ def fail(message):
     sys.exit(f"error: {message}")
 
 
+class Log:
+    """A log.csv: the training rows (step, loss, the step's milliseconds on the host clock, tokens/s) and the
+    evaluations (step, validation loss; step 0 is the one before training)."""
+    def __init__(self):
+        self.steps, self.losses, self.ms, self.tokens_per_s = [], [], [], []
+        self.val_steps, self.val_losses = [], []
+
+
 def read_log(path):
-    steps, losses, val_steps, val_losses = [], [], [], []
+    log = Log()
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        if (reader.fieldnames or [])[:3] != LOG_COLUMNS:
+        if (reader.fieldnames or [])[:len(LOG_COLUMNS)] != LOG_COLUMNS:
             fail(f"{path}: its columns are '{','.join(reader.fieldnames or [])}', train_fp8's log.csv starts with "
                  f"'{','.join(LOG_COLUMNS)}'")
         for line, row in enumerate(reader, 2):
             try:
                 step = int(row["step"])
                 if row["loss"]:
-                    steps.append(step)
-                    losses.append(float(row["loss"]))
+                    log.steps.append(step)
+                    log.losses.append(float(row["loss"]))
+                    log.ms.append(float(row["ms"]))
+                    log.tokens_per_s.append(float(row["tokens_per_s"]))
                 if row["val_loss"]:
-                    val_steps.append(step)
-                    val_losses.append(float(row["val_loss"]))
+                    log.val_steps.append(step)
+                    log.val_losses.append(float(row["val_loss"]))
             except (TypeError, ValueError):
-                fail(f"{path}, line {line}: step, loss and val_loss must be numbers (or empty), found {row}")
-    return steps, losses, val_steps, val_losses
+                fail(f"{path}, line {line}: step, loss, val_loss, ms and tokens_per_s must be numbers (ms and "
+                     f"tokens_per_s in every row with a loss; val_loss may be empty), found {row}")
+    return log
 
 
 # ---- a study folder
 
 class Run:
-    """One seed of a configuration: ok (final, best, curve) or why it does not count."""
+    """One seed of a configuration: ok (final, best, curve) or why it does not count; its training time at each
+    evaluation (or why it has none), its median tokens/s and how many runs shared the GPU with it."""
     def __init__(self, seed, folder):
         self.seed, self.folder = seed, folder
         self.final = self.best = self.final_step = None
         self.curve = []   # (step, validation loss)
+        self.seconds = None   # the training time at each evaluation of the curve
+        self.tokens_per_s = self.time_problem = self.parallel = None
         self.problem = None
+        parallel_path = os.path.join(folder, "parallel.txt")
+        if os.path.exists(parallel_path):
+            with open(parallel_path) as f:
+                text = f.read().strip()
+            if not re.fullmatch(r"[1-9][0-9]*", text):
+                fail(f"{parallel_path}: expected the number of runs at a time on the GPU (study.sh --parallel), "
+                     f"found {text!r}")
+            self.parallel = int(text)
         exit_path = os.path.join(folder, "exit.txt")
         if not os.path.exists(exit_path):
             self.problem = "not finished (no exit.txt: never ran to its end)"
@@ -67,28 +93,60 @@ class Run:
         if status != "0":
             self.problem = f"exit {status}"
             return
-        log = os.path.join(folder, "log.csv")
-        if not os.path.exists(log):
+        log_path = os.path.join(folder, "log.csv")
+        if not os.path.exists(log_path):
             self.problem = "exit 0 but no log.csv"
             return
-        steps, _, val_steps, val_losses = read_log(log)
-        last_step = max(steps + val_steps, default=None)
-        if not val_steps or val_steps[-1] != last_step:
+        log = read_log(log_path)
+        last_step = max(log.steps + log.val_steps, default=None)
+        if not log.val_steps or log.val_steps[-1] != last_step:
             self.problem = f"exit 0 but no validation loss at its last step ({last_step})"
             return
-        if not all(math.isfinite(v) for v in val_losses):
+        if not all(math.isfinite(v) for v in log.val_losses):
             self.problem = "a non-finite validation loss"
             return
-        self.curve = list(zip(val_steps, val_losses))
-        self.final, self.final_step, self.best = val_losses[-1], val_steps[-1], min(val_losses)
+        self.curve = list(zip(log.val_steps, log.val_losses))
+        self.final, self.final_step, self.best = log.val_losses[-1], log.val_steps[-1], min(log.val_losses)
+        # The training time at step s is the sum of the ms of steps 1..s, so it needs a row for every step.
+        if log.steps != list(range(1, last_step + 1)):
+            missing = sorted(set(range(1, last_step + 1)) - set(log.steps))
+            self.time_problem = (f"log.csv's training rows are not steps 1 to {last_step} once each"
+                                 f"{f' (no row for step {missing[0]})' if missing else ''}: the training time needs "
+                                 "every step's ms")
+            return
+        if not all(math.isfinite(ms) and ms >= 0 for ms in log.ms):
+            self.time_problem = "log.csv has a step whose ms is not a finite number >= 0"
+            return
+        elapsed = [0.0]
+        for ms in log.ms:
+            elapsed.append(elapsed[-1] + ms / 1000.0)
+        self.seconds = [elapsed[step] for step in log.val_steps]
+        self.tokens_per_s = statistics.median(log.tokens_per_s)
+
+
+def time_to_reach(run, target):
+    """The training time (s) at which run's validation loss first reaches `target`: the first evaluation at or below
+    it, interpolated linearly in the validation loss between that evaluation and the one before; None if none is."""
+    previous = None
+    for (_, loss), seconds in zip(run.curve, run.seconds):
+        if loss <= target:
+            if previous is None:   # the run's first evaluation (no step 0 without --eval-every)
+                return seconds
+            previous_loss, previous_seconds = previous
+            return previous_seconds + (seconds - previous_seconds) * (previous_loss - target) / (previous_loss - loss)
+        previous = (loss, seconds)
+    return None
 
 
 class Config:
     def __init__(self, name, build, flags, runs):
         self.name, self.build, self.flags, self.runs = name, build, flags, runs
         self.ok = [r for r in runs if r.problem is None]
+        self.timed = [r for r in self.ok if r.time_problem is None]
         self.final = mean_std([r.final for r in self.ok])
         self.best = mean_std([r.best for r in self.ok])
+        self.tokens_per_s = mean_std([r.tokens_per_s for r in self.timed])
+        self.times = []   # time_to_reach of each timed run for the study's target (set by print_table)
 
 
 def read_study(study_dir):
@@ -125,11 +183,11 @@ def mean_std(values):
     return n, mean, std
 
 
-def format_mean_std(stat):
+def format_mean_std(stat, digits=4):
     n, mean, std = stat
     if mean is None:
         return "-"
-    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
+    return f"{mean:.{digits}f}" if std is None else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def percent(value, reference):
@@ -147,40 +205,129 @@ def versus_baseline(config, baseline):
     return text
 
 
+def set_times(configs, baseline):
+    """Each configuration's times to the target, the BF16 build's mean final validation loss (None without one).
+    A BF16 run that never reaches it counts with its time at its last evaluation: its final loss is one draw of the
+    BF16 build's final loss, which it reaches at its end."""
+    target = baseline.final[1] if baseline is not None else None
+    for c in configs:
+        if target is None:
+            c.times = []
+        elif c is baseline:
+            c.times = [t if t is not None else r.seconds[-1] for r, t in ((r, time_to_reach(r, target)) for r in c.timed)]
+        else:
+            c.times = [time_to_reach(r, target) for r in c.timed]
+    return target
+
+
+def format_time(c):
+    """The time-to-target cell: mean ± std over the runs that reach it, and how many do when not all."""
+    if not c.times:
+        return "-"
+    reached = [t for t in c.times if t is not None]
+    if not reached:
+        return f"not reached (0 of {len(c.times)})"
+    text = format_mean_std(mean_std(reached), 1)
+    return text if len(reached) == len(c.times) else text + f" ({len(reached)} of {len(c.times)} reached)"
+
+
+def time_ratio(c, baseline):
+    """The ratio of the mean time to the target to the BF16 build's, or None."""
+    reached = [t for t in c.times if t is not None]
+    if c is baseline or not reached or baseline is None or not baseline.times:
+        return None
+    return mean_std(reached)[1] / mean_std(baseline.times)[1]
+
+
+def format_tokens(c, baseline):
+    mean = c.tokens_per_s[1]
+    if mean is None:
+        return "-"
+    text = f"{mean / 1e3:.1f}k"
+    if c is not baseline and baseline is not None and baseline.tokens_per_s[1]:
+        text += f" ({mean / baseline.tokens_per_s[1]:.2f}x)"
+    return text
+
+
+def sharing_lines(configs):
+    """Lines on how the counted runs shared the GPU (parallel.txt), with a warning when some did."""
+    groups = {}   # runs at a time on the GPU (None: not recorded) -> [configuration name per run]
+    for c in configs:
+        for r in c.ok:
+            groups.setdefault(r.parallel, []).append(c.name)
+    if not groups:
+        return []
+    if list(groups) == [1]:
+        return ["GPU sharing: every counted run had the GPU to itself (one run at a time)."]
+    parts = []
+    for p in sorted(groups, key=lambda p: (p is None, p or 0)):
+        names = ", ".join(dict.fromkeys(groups[p]))
+        what = "not recorded (no parallel.txt)" if p is None else "alone on the GPU" if p == 1 else f"{p} at a time"
+        parts.append(f"{what}: {len(groups[p])} ({names})")
+    return [f"GPU sharing of the counted runs (study.sh --parallel; each run's parallel.txt): {'; '.join(parts)}.",
+            "WARNING: a run that shared the GPU waited for the other runs' turns on it: its times are inflated, and "
+            "its tokens/s lowered, and they compare only with runs that shared it alike. Time with --parallel 1 (as "
+            "--preset 1b does)."]
+
+
 def print_table(study_dir):
     configs = read_study(study_dir)
     by_name = {c.name: c for c in configs}
     baseline = by_name.get(BASELINE)
+    target = set_times(configs, baseline)
     setup_path = os.path.join(study_dir, "setup.txt")
     if os.path.exists(setup_path):
         with open(setup_path) as f:
             print(f"Setup of every run: `{f.read().strip()}`\n")
-    print("| configuration | build | flags | n | final val loss | best val loss | final vs BF16 build |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| configuration | build | flags | n | final val loss | best val loss | final vs BF16 build | tokens/s | "
+          "time to BF16 loss (s) | vs BF16 time |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in configs:
         not_counted = len(c.runs) - len(c.ok)
         n = f"{len(c.ok)}" + (f" + {not_counted} not counted" if not_counted else "")
         versus = "(baseline)" if c is baseline else versus_baseline(c, baseline)
         flags = f"`{c.flags}`" if c.flags else ""
+        ratio = time_ratio(c, baseline)
+        versus_time = "(baseline)" if c is baseline and c.times else f"{ratio:.2f}x" if ratio is not None else "-"
         print(f"| {c.name} | {c.build.upper()} | {flags} | {n} | {format_mean_std(c.final)} | "
-              f"{format_mean_std(c.best)} | {versus} |")
+              f"{format_mean_std(c.best)} | {versus} | {format_tokens(c, baseline)} | {format_time(c)} | "
+              f"{versus_time} |")
     print("\nmean ± sample std (n - 1) over the seeds that count; vs BF16 build: the difference of the final "
           "validation loss's mean, in % of the BF16 build's mean and in units of its std.")
+    print("tokens/s: the median over a run's steps, mean over its seeds (in brackets: its ratio to the BF16 build's).")
+    target_text = f"{target:.4f}, " if target is not None else ""
+    print(f"Time to BF16 loss: the training time at which a run's validation loss first reaches {target_text}the BF16 "
+          "build's mean final validation loss. The training time at step s is the sum of log.csv's ms over steps 1 to "
+          "s: each step's micro-batches and update on the host clock, without evaluation, sampling or checkpoints. "
+          "The crossing is at the first evaluation at or below the target, interpolated linearly in the validation "
+          "loss between it and the evaluation before it (step 0 at time 0). A BF16 run that never reaches the target "
+          "counts with its time at its last evaluation (it ends at its own final loss, one draw of the BF16 build's); "
+          "a run of another configuration that never reaches it is left out of the mean (k of n reached). vs BF16 "
+          "time: the ratio of the mean times (0.80x: 20% sooner).")
     final_steps = sorted({r.final_step for c in configs for r in c.ok})
     if len(final_steps) > 1:
         print(f"\nWARNING: the counted runs end at different steps ({', '.join(map(str, final_steps))}): "
               "they are not comparable")
     elif final_steps:
         print(f"Every counted run ends at step {final_steps[0]}.")
+    for line in sharing_lines(configs):
+        print(line)
     problems = [(c.name, r) for c in configs for r in c.runs if r.problem]
     if problems:
         print("\nRuns not counted:")
         for name, r in problems:
             print(f"- {name} seed {r.seed}: {r.problem} ({r.folder})")
+    untimed = [(c.name, r) for c in configs for r in c.ok if r.time_problem]
+    if untimed:
+        print("\nRuns without a training time (they count for the losses, not for tokens/s and the time):")
+        for name, r in untimed:
+            print(f"- {name} seed {r.seed}: {r.time_problem} ({r.folder})")
     print("\nTargets (the FP8 recipe's claims):")
     recipe, m_fp32 = by_name.get(RECIPE), by_name.get(M_FP32)
     print(f"- FP8 recipe ({RECIPE}) vs BF16 build ({BASELINE}), final val loss: {target_recipe(recipe, baseline)}")
     print(f"- FP8 first moment ({RECIPE}) vs --m-dtype fp32 ({M_FP32}), final val loss: {target_moment(recipe, m_fp32)}")
+    print(f"- FP8 recipe ({RECIPE}) reaches BF16's final val loss ({BASELINE}) sooner in training time: "
+          f"{target_time(recipe, baseline)}")
 
 
 def yes_no(ok):
@@ -216,6 +363,23 @@ def target_moment(recipe, m_fp32):
     return f"{diff:+.2f}% (within 0.5%: {yes_no(abs(diff) <= 0.5)})"
 
 
+def target_time(recipe, baseline):
+    why = missing((RECIPE, recipe), (BASELINE, baseline))
+    if why:
+        return why
+    if not baseline.times:
+        return f"n/a: no {BASELINE} run has a training time"
+    if not recipe.times:
+        return f"n/a: no {RECIPE} run has a training time"
+    reached = sum(t is not None for t in recipe.times)
+    runs = f"{reached} of {len(recipe.times)} {RECIPE} runs reached it"
+    ratio = time_ratio(recipe, baseline)
+    if ratio is None:
+        return f"NO ({runs})"
+    return (f"{100 * (1 - ratio):.0f}% ({ratio:.2f}x), {runs} "
+            f"(every run, sooner: {yes_no(reached == len(recipe.times) and ratio < 1)})")
+
+
 # ---- pictures
 
 def import_pyplot():
@@ -233,11 +397,12 @@ def plot_runs(out, labelled_paths):
     plt = import_pyplot()
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
     for label, path in labelled_paths:
-        steps, losses, val_steps, val_losses = read_log(path)
-        ax_train.plot(steps, losses, label=label, linewidth=0.8)
-        ax_val.plot(val_steps, val_losses, label=label, marker=".", linewidth=1.2)
-        if val_losses:
-            print(f"{label}: final val loss {val_losses[-1]:.4f} at step {val_steps[-1]}, best {min(val_losses):.4f}")
+        log = read_log(path)
+        ax_train.plot(log.steps, log.losses, label=label, linewidth=0.8)
+        ax_val.plot(log.val_steps, log.val_losses, label=label, marker=".", linewidth=1.2)
+        if log.val_losses:
+            print(f"{label}: final val loss {log.val_losses[-1]:.4f} at step {log.val_steps[-1]}, "
+                  f"best {min(log.val_losses):.4f}")
     ax_train.set(title="training loss", xlabel="step", ylabel="loss", yscale="log")
     ax_val.set(title="validation loss", xlabel="step", ylabel="loss", yscale="log")
     for ax in (ax_train, ax_val):

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # study.sh: the recipe lab (README "Recipe lab"). Trains several seeds of each configuration - the BF16 build, the
-# FP8 recipe, its variants and each published ablation as one flag - several processes at a time on one GPU, then
-# prints the table of the validation loss per configuration (mean +- std over seeds, against the BF16 build) and
+# FP8 recipe, its variants and each published ablation as one flag - on one GPU, then prints the table per
+# configuration (mean +- std over seeds, against the BF16 build): the final and best validation loss, tokens/s, and
+# the training time at which the validation loss first reaches the BF16 build's final one (time to quality); and
 # draws the curves (plot_loss.py).
 #
 #   ./study.sh [flags]       run the study (make study builds both binaries and the data first, then runs this)
+#   ./study.sh --preset 1b   BF16 against FP8 at 1.1B's shape, one run at a time: time to quality
 #   ./study.sh table DIR     the table of a study folder (printed at the end of a study too)
 #   ./study.sh test          the table maker on fixed log.csv files (make test runs it; no GPU)
 #   ./study.sh --help        the flags
@@ -12,33 +14,34 @@
 # Two binaries: ./train_fp8 (the FP8 build, `make`) and ./train_fp8_bf16 (`make train_fp8_bf16`: the same source
 # compiled with PRECISION=BF16 into another file, so that neither build overwrites the other and both can run at once).
 #
-# The setup, and why. The default run (preset d12, 85M parameters, 600 steps of 32 x 512 tokens) passes 2.5 times
-# over the 3.96M training tokens of the King James Bible, and the README's 1000-step runs overfit after ~700 steps:
-# their last validation losses mix memorisation into an FP8-vs-BF16 comparison. Here a run sees at most one epoch:
-# 240 steps of 32 x 512 tokens (the corpus holds 241 such batches), so no training window is seen twice and the
-# validation loss is still falling at the end. The model is smaller than d12 (dim 512, 8 layers, 8 heads, FFN 1536:
-# 27.4M parameters, 190 MFLOP a token against d12's 567), so that 18 configurations x 3 seeds fit in about 10 minutes
-# of one GPU with both binaries built (the estimate below). Warm-up 10% of the steps and the cosine schedule of the
-# default run; validation on the whole validation split (26 batches) every steps/6 steps.
+# Both presets train on one epoch at most of the King James Bible (3.96M byte tokens): the default run of train_fp8
+# (preset d12, 600 steps of 32 x 512 tokens) passes 2.5 times over it, and the README's 1000-step runs overfit after
+# ~700 steps: their last validation losses mix memorisation into an FP8-vs-BF16 comparison. Here a run takes 240 steps
+# of 16384 tokens (the corpus holds 241 such batches, at 32 x 512 as at 8 x 2048), so no training window is seen twice
+# and the validation loss is still falling at the end. Warm-up 10% of the steps, then the default cosine schedule.
 #
-# The GPU. Processes on one GPU without MPS take turns on it (time slices; their kernels do not overlap), so running
-# several at once does not add up their speeds: it keeps the GPU busy while each process starts, loads its data,
-# evaluates, writes its checkpoint and waits on the host between steps. 8 at a time should leave no gap; memory is no
-# limit (a run of this model needs a few GB).
+# --preset default: the ablations. The model is smaller than d12 (dim 512, 8 layers, 8 heads, FFN 1536: 27.4M
+# parameters, 190 MFLOP a token against d12's 567), so that 18 configurations x 3 seeds fit in about 10 minutes of one
+# GPU with both binaries built (the estimate below), 8 processes at a time. Validation on the whole validation split
+# (26 batches) every steps/6 steps. Processes on one GPU without MPS take turns on it (time slices; their kernels do
+# not overlap), so running several at once does not add up their speeds: it keeps the GPU busy while each process
+# starts, loads its data, evaluates, writes its checkpoint and waits on the host between steps. 8 at a time should
+# leave no gap; memory is no limit (a run of this model needs a few GB). But a step's time then holds the other runs'
+# turns too: the table's times and tokens/s compare only runs that shared the GPU alike (the table warns).
+#
+# --preset 1b: quality per hour at scale. TinyLlama-1.1B's shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632;
+# 0.97B parameters with 256 byte tokens instead of its 32000), B = 8, T = 2048, bf16 and fp8 only, 3 seeds, one run at
+# a time (--parallel 1), so that each step's time is its own. Peak LR 3e-4, half the default 6e-4 (chosen for the small
+# models): 1B-parameter LLaMA-style models train at 3e-4 to 4e-4, and 16384 tokens a step is a small, noisy batch for
+# them. Validation every 10 steps (the crossing of the BF16 loss is interpolated between two of them, 1.8-2.2 s of
+# training apart) on the first 4 of the 26 validation batches, so that the 25 evaluations of a run cost ~6 s: the
+# evaluation is left out of the measured time, but not out of the GPU's. About 7.5 minutes on one H100 (the estimate);
+# --only bf16, then --only fp8 --skip-done into the same --dir, splits it into two calls of about 4 minutes.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 TRAIN_DATA=data/kjv_train.bin
 VAL_DATA=data/kjv_val.bin
-MODEL_FLAGS="--model d12 --dim 512 --layers 8 --heads 8 --kv-heads 8 --ffn 1536"
-BATCH=32
-SEQ=512
-# The estimate. The FP8 build trains the d12 model at about 400 model TFLOP/s alone on an H200 (README, "Speed"); a
-# model of a third of its FLOPs has smaller GEMMs and relatively more non-GEMM work, and turns between processes cost
-# a little, so the estimate assumes half that over all runs together. Each run also spends ~5 s on the host
-# (start-up, data, checkpoint), hidden by the other runs but for 1/PARALLEL of it.
-ASSUMED_TFLOPS=200
-HOST_SECONDS_PER_RUN=5
 DEADLINE_GRACE=60   # --deadline: runs still going this many seconds after it are stopped
 
 usage() {
@@ -46,16 +49,19 @@ usage() {
 usage: ./study.sh [flags]          run the study (binaries from make train_fp8 train_fp8_bf16, data from make data)
        ./study.sh table DIR        the table of study folder DIR
        ./study.sh test             test the table maker on fixed log.csv files (host only)
-flags (default in brackets):
+flags (default in brackets; [X | Y]: X for --preset default, Y for --preset 1b):
+  --preset NAME        default: 18 configurations of a 27M model, 8 runs at a time; 1b: bf16 and fp8 at 1.1B's shape,
+                       one run at a time, for their time to BF16's final loss [default]
   --seeds N            seeds 1..N of every configuration [3]
-  --parallel P         runs at a time on the GPU [8]
-  --steps N            optimizer steps of every run; warm-up N/10, validation every N/6 steps [240: one epoch]
-  --only A,B,...       only these configurations (--list shows them)
+  --parallel P         runs at a time on the GPU; more than 1 inflates the table's times and lowers its tokens/s [8 | 1]
+  --steps N            optimizer steps of every run; warm-up N/10, validation every N/6 | N/24 steps [240: one epoch]
+  --only A,B,...       only these configurations (--list shows them); the runs of others already in DIR stay, and
+                       the table covers them all (--only bf16, then --only fp8, into one DIR: one table)
   --skip A,B,...       all configurations but these
   --add NAME=BUILD:FLAGS  one more configuration, BUILD fp8 or bf16 (repeatable), e.g. --add 'bf16-qk-norm=bf16:--qk-norm'
   --extra "FLAGS"      flags for every run, after the setup's (they override it), e.g. --extra "--lr 1e-3"
-  --dir DIR            the study folder: DIR/NAME/seed-S/ (log.csv, console.txt, cmd.txt, exit.txt), DIR/table.md,
-                       DIR/loss_bands.png [out/study]
+  --dir DIR            the study folder: DIR/NAME/seed-S/ (log.csv, console.txt, cmd.txt, exit.txt, parallel.txt),
+                       DIR/table.md, DIR/loss_bands.png [out/study | out/study-1b]
   --deadline S         start no run after S seconds; stop the runs still going ${DEADLINE_GRACE} s later (0 = none) [0]
   --skip-done          leave out the runs of DIR that already finished with exit status 0
   --keep-checkpoints   keep each run's end-of-run checkpoint (deleted by default: the study reads only log.csv)
@@ -70,7 +76,11 @@ EOF
 fail() { echo "error: $*" >&2; exit 1; }
 
 # The configurations: NAME BUILD FLAGS... (the README's "Recipe lab" says why each value).
-default_configs() {
+preset_configs() {
+    if [[ $PRESET == 1b ]]; then
+        printf 'bf16 bf16\nfp8 fp8\n'
+        return
+    fi
     cat <<EOF
 bf16 bf16
 fp8 fp8
@@ -96,23 +106,21 @@ EOF
 # ---------------------------------------------------------------------------------------------------------------
 # The test of the table maker: a study folder of fixed log.csv files, the table printed from it against the table
 # computed by hand below; then malformed input, which must be refused naming the file.
-log_row() {   # STEP LOSS VAL: a row as train_fp8 writes it (the other columns are not read)
-    echo "$1,$2,$3,3.000000e-04,0.500000,10.000,1000000.0,100.000,0,10.00"
-}
-write_run() {   # DIR EXIT VAL_AT_0 VAL_AT_50 [VAL_AT_100]: a run of 100 steps validated at 0, 50, 100 (EXIT - : none)
-    local dir=$1 status=$2
+write_run() {   # DIR EXIT MS PARALLEL VAL_AT_0 VAL_AT_50 [VAL_AT_100]: a run of 100 steps (50 without VAL_AT_100) as
+                # train_fp8 writes its log.csv, validated at 0, 50, 100; every step takes MS ms but step 1, MS + 1000 ms
+                # (its one-time set-up), 8192 tokens a step. EXIT -: no exit.txt; PARALLEL -: no parallel.txt
+    local dir=$1 status=$2 parallel=$4
     mkdir -p "$dir"
-    {
-        echo "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent"
-        echo "0,,$3,,,,,,,"
-        log_row 1 5.5 ""
-        log_row 50 1.7 "$4"
-        if [[ $# -ge 5 ]]; then
-            log_row 99 1.6 ""
-            log_row 100 1.6 "$5"
-        fi
-    } > "$dir/log.csv"
+    awk -v ms="$3" -v v0="$5" -v v50="$6" -v v100="${7:-}" -v last=$(( $# >= 7 ? 100 : 50 )) 'BEGIN {
+        print "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent"
+        printf "0,,%s,,,,,,,\n", v0
+        for (step = 1; step <= last; step++) {
+            t = step == 1 ? ms + 1000 : ms
+            printf "%d,%.6f,%s,3.000000e-04,0.500000,%.3f,%.1f,100.000,0,10.00\n", step, step == 1 ? 5.5 : 1.7,
+                   step == 50 ? v50 : step == 100 ? v100 : "", t, 8192 / (t / 1000)
+        } }' > "$dir/log.csv"
     [[ $status == - ]] || echo "$status" > "$dir/exit.txt"
+    [[ $parallel == - ]] || echo "$parallel" > "$dir/parallel.txt"
 }
 run_test() {
     TEST_TMP=$(mktemp -d)
@@ -121,44 +129,61 @@ run_test() {
     mkdir -p "$s"
     printf 'bf16\tbf16\t\nfp8\tfp8\t\nm-fp32\tfp8\t--m-dtype fp32\nqk-norm\tfp8\t--qk-norm\nupdate-clip\tfp8\t--update-clip\n' > "$s/configs.tsv"
     echo "--steps 100" > "$s/setup.txt"
+    # Training time at step s: the sum of the ms of steps 1..s = (s - 1) x MS + MS + 1000 ms: at MS = 400 21.0 s at
+    # step 50 and 41.0 s at step 100; MS = 420: 22.0 s and 43.0 s; MS = 320: 17.0 s and 33.0 s.
+    # tokens/s: a run's median over its steps is 8192 / MS: 20480.0 at 400, 19504.8 at 420, 25600.0 at 320.
+    # The target: bf16's mean final val loss, 1.52.
     # bf16: finals 1.50, 1.52, 1.54: mean 1.52, std sqrt((0.02^2 + 0 + 0.02^2) / 2) = 0.02.
     #       bests 1.50, 1.52, 1.53 (seed 3 was lower at step 50): mean 1.516667,
     #       std sqrt((0.016667^2 + 0.003333^2 + 0.013333^2) / 2) = sqrt(4.6667e-4 / 2) = 0.015275
-    write_run "$s/bf16/seed-1" 0 5.5 1.60 1.50
-    write_run "$s/bf16/seed-2" 0 5.5 1.58 1.52
-    write_run "$s/bf16/seed-3" 0 5.5 1.53 1.54
-    # fp8: finals = bests 1.53, 1.53, 1.56: mean 1.54, std sqrt((0.01^2 + 0.01^2 + 0.02^2) / 2) = sqrt(3e-4) = 0.017321;
-    #      vs bf16: 0.02 / 1.52 = +1.3158%, 0.02 / 0.02 = +1.00 std
-    write_run "$s/fp8/seed-1" 0 5.5 1.60 1.53
-    write_run "$s/fp8/seed-2" 0 5.5 1.60 1.53
-    write_run "$s/fp8/seed-10" 0 5.5 1.60 1.56
+    #       tokens/s (20480.0 + 20480.0 + 19504.8) / 3 = 20154.93 = 20.2k
+    #       time to 1.52: seed 1 crosses between step 50 (1.60, 21.0 s) and 100 (1.50, 41.0 s):
+    #       21.0 + 20.0 x (1.60 - 1.52) / (1.60 - 1.50) = 37.0 s; seed 2 ends at 1.52: 41.0 s (reached at step 100, or
+    #       never: then at its last evaluation, 41.0 s all the same); seed 3 never (1.53, 1.54): its last evaluation,
+    #       43.0 s. Mean 40.3333, std sqrt((3.3333^2 + 0.6667^2 + 2.6667^2) / 2) = sqrt(18.6667 / 2) = 3.0551
+    write_run "$s/bf16/seed-1" 0 400 1 5.5 1.60 1.50
+    write_run "$s/bf16/seed-2" 0 400 1 5.5 1.58 1.52
+    write_run "$s/bf16/seed-3" 0 420 1 5.5 1.53 1.54
+    # fp8: finals 1.51, 1.53, 1.58: mean 1.54, std sqrt((0.03^2 + 0.01^2 + 0.04^2) / 2) = sqrt(0.0013) = 0.036056;
+    #      bests 1.51, 1.50 (seed 2 at step 50), 1.58: mean 1.53, std sqrt((0.02^2 + 0.03^2 + 0.05^2) / 2) = 0.043589;
+    #      vs bf16: 0.02 / 1.52 = +1.3158%, 0.02 / 0.02 = +1.00 std; tokens/s 25600 / 20154.93 = 1.27x
+    #      time to 1.52: seed 1 between step 50 (1.58, 17.0 s) and 100 (1.51, 33.0 s): 17.0 + 16.0 x 0.06 / 0.07 =
+    #      30.7143 s; seed 2 between step 0 (5.5, 0 s) and 50 (1.50, 17.0 s): 17.0 x 3.98 / 4.00 = 16.915 s; seed 10
+    #      never (1.60, 1.58). Mean 23.8146, std (30.7143 - 16.915) / sqrt(2) = 9.7575; vs bf16 23.8146 / 40.3333 = 0.59x
+    write_run "$s/fp8/seed-1" 0 320 1 5.5 1.58 1.51
+    write_run "$s/fp8/seed-2" 0 320 1 5.5 1.50 1.53
+    write_run "$s/fp8/seed-10" 0 320 1 5.5 1.60 1.58
     # m-fp32: finals = bests 1.54, 1.55 (seed 3 exits 0 but stops at step 50 without a validation loss there):
     #         mean 1.545, std sqrt(2 * 0.005^2) = 0.0070711; vs bf16: 0.025 / 1.52 = +1.6447%, 0.025 / 0.02 = +1.25 std;
-    #         fp8 vs m-fp32: -0.005 / 1.545 = -0.3236%
-    write_run "$s/m-fp32/seed-1" 0 5.5 1.60 1.54
-    write_run "$s/m-fp32/seed-2" 0 5.5 1.60 1.55
-    write_run "$s/m-fp32/seed-3" 0 5.5 ""
-    # qk-norm: one run counts (1.60: vs bf16 +0.08 / 1.52 = +5.2632%, +4.00 std, no std of its own), one failed
-    #          (exit 1, its log stops at step 50), one never finished (no exit.txt)
-    write_run "$s/qk-norm/seed-1" 0 5.5 1.70 1.60
-    write_run "$s/qk-norm/seed-2" 1 5.5 1.70
-    write_run "$s/qk-norm/seed-3" - 5.5 1.70
+    #         fp8 vs m-fp32: -0.005 / 1.545 = -0.3236%; never at 1.52. Its runs shared the GPU 4 at a time.
+    write_run "$s/m-fp32/seed-1" 0 320 4 5.5 1.60 1.54
+    write_run "$s/m-fp32/seed-2" 0 320 4 5.5 1.60 1.55
+    write_run "$s/m-fp32/seed-3" 0 320 4 5.5 ""
+    # qk-norm: one run counts (1.60: vs bf16 +0.08 / 1.52 = +5.2632%, +4.00 std, no std of its own; never at 1.52; no
+    #          parallel.txt), one failed (exit 1, its log stops at step 50), one never finished (no exit.txt)
+    write_run "$s/qk-norm/seed-1" 0 320 - 5.5 1.70 1.60
+    write_run "$s/qk-norm/seed-2" 1 320 - 5.5 1.70
+    write_run "$s/qk-norm/seed-3" - 320 - 5.5 1.70
     # update-clip: its only run crashed
-    write_run "$s/update-clip/seed-1" 139 5.5 1.70
+    write_run "$s/update-clip/seed-1" 139 320 1 5.5 1.70
     local expected actual
     expected=$(cat <<EOF
 Setup of every run: \`--steps 100\`
 
-| configuration | build | flags | n | final val loss | best val loss | final vs BF16 build |
-| --- | --- | --- | --- | --- | --- | --- |
-| bf16 | BF16 |  | 3 | 1.5200 ± 0.0200 | 1.5167 ± 0.0153 | (baseline) |
-| fp8 | FP8 |  | 3 | 1.5400 ± 0.0173 | 1.5400 ± 0.0173 | +1.32%, +1.00 std |
-| m-fp32 | FP8 | \`--m-dtype fp32\` | 2 + 1 not counted | 1.5450 ± 0.0071 | 1.5450 ± 0.0071 | +1.64%, +1.25 std |
-| qk-norm | FP8 | \`--qk-norm\` | 1 + 2 not counted | 1.6000 | 1.6000 | +5.26%, +4.00 std |
-| update-clip | FP8 | \`--update-clip\` | 0 + 1 not counted | - | - | - |
+| configuration | build | flags | n | final val loss | best val loss | final vs BF16 build | tokens/s | time to BF16 loss (s) | vs BF16 time |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| bf16 | BF16 |  | 3 | 1.5200 ± 0.0200 | 1.5167 ± 0.0153 | (baseline) | 20.2k | 40.3 ± 3.1 | (baseline) |
+| fp8 | FP8 |  | 3 | 1.5400 ± 0.0361 | 1.5300 ± 0.0436 | +1.32%, +1.00 std | 25.6k (1.27x) | 23.8 ± 9.8 (2 of 3 reached) | 0.59x |
+| m-fp32 | FP8 | \`--m-dtype fp32\` | 2 + 1 not counted | 1.5450 ± 0.0071 | 1.5450 ± 0.0071 | +1.64%, +1.25 std | 25.6k (1.27x) | not reached (0 of 2) | - |
+| qk-norm | FP8 | \`--qk-norm\` | 1 + 2 not counted | 1.6000 | 1.6000 | +5.26%, +4.00 std | 25.6k (1.27x) | not reached (0 of 1) | - |
+| update-clip | FP8 | \`--update-clip\` | 0 + 1 not counted | - | - | - | - | - | - |
 
 mean ± sample std (n - 1) over the seeds that count; vs BF16 build: the difference of the final validation loss's mean, in % of the BF16 build's mean and in units of its std.
+tokens/s: the median over a run's steps, mean over its seeds (in brackets: its ratio to the BF16 build's).
+Time to BF16 loss: the training time at which a run's validation loss first reaches 1.5200, the BF16 build's mean final validation loss. The training time at step s is the sum of log.csv's ms over steps 1 to s: each step's micro-batches and update on the host clock, without evaluation, sampling or checkpoints. The crossing is at the first evaluation at or below the target, interpolated linearly in the validation loss between it and the evaluation before it (step 0 at time 0). A BF16 run that never reaches the target counts with its time at its last evaluation (it ends at its own final loss, one draw of the BF16 build's); a run of another configuration that never reaches it is left out of the mean (k of n reached). vs BF16 time: the ratio of the mean times (0.80x: 20% sooner).
 Every counted run ends at step 100.
+GPU sharing of the counted runs (study.sh --parallel; each run's parallel.txt): alone on the GPU: 6 (bf16, fp8); 4 at a time: 2 (m-fp32); not recorded (no parallel.txt): 1 (qk-norm).
+WARNING: a run that shared the GPU waited for the other runs' turns on it: its times are inflated, and its tokens/s lowered, and they compare only with runs that shared it alike. Time with --parallel 1 (as --preset 1b does).
 
 Runs not counted:
 - m-fp32 seed 3: exit 0 but no validation loss at its last step (50) ($s/m-fp32/seed-3)
@@ -169,6 +194,7 @@ Runs not counted:
 Targets (the FP8 recipe's claims):
 - FP8 recipe (fp8) vs BF16 build (bf16), final val loss: +1.32% (within 0.5%: NO), +1.00 BF16 std (within 2: yes)
 - FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -0.32% (within 0.5%: yes)
+- FP8 recipe (fp8) reaches BF16's final val loss (bf16) sooner in training time: 41% (0.59x), 2 of 3 fp8 runs reached it (every run, sooner: NO)
 EOF
 )
     actual=$(python3 plot_loss.py table "$s")
@@ -178,15 +204,28 @@ EOF
         exit 1
     fi
     checks=$((checks + 1))
-    # the targets met: bf16 finals 1.50, 1.52, 1.54 (mean 1.52, std 0.02); fp8 1.52, 1.53 -> mean 1.525:
-    # +0.33% of bf16 (within 0.5%), +0.25 std; m-fp32 (unchanged, 1.545): fp8 is -1.29% of it (not within 0.5%)
+    # the targets met: bf16 as above (final 1.52 ± 0.02, time to 1.52 40.3333 s); fp8 finals 1.51, 1.516 -> mean
+    # 1.513: -0.007 / 1.52 = -0.46% of bf16 (within 0.5%), -0.007 / 0.02 = -0.35 std; m-fp32 (unchanged, 1.545): fp8
+    # is -0.032 / 1.545 = -2.07% of it (not within 0.5%). Time to 1.52: seed 1 17.0 + 16.0 x 0.08 / 0.09 = 31.2222 s,
+    # seed 2 17.0 + 16.0 x 0.04 / 0.044 = 31.5455 s; mean 31.3838 / 40.3333 = 0.7781: 22% sooner, both reached
     rm -rf "$s/fp8" "$s/qk-norm" "$s/update-clip"
-    write_run "$s/fp8/seed-1" 0 5.5 1.60 1.52
-    write_run "$s/fp8/seed-2" 0 5.5 1.60 1.53
+    write_run "$s/fp8/seed-1" 0 320 1 5.5 1.60 1.51
+    write_run "$s/fp8/seed-2" 0 320 1 5.5 1.56 1.516
+    expected="- FP8 recipe (fp8) vs BF16 build (bf16), final val loss: -0.46% (within 0.5%: yes), -0.35 BF16 std (within 2: yes)
+- FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -2.07% (within 0.5%: NO)
+- FP8 recipe (fp8) reaches BF16's final val loss (bf16) sooner in training time: 22% (0.78x), 2 of 2 fp8 runs reached it (every run, sooner: yes)"
     actual=$(python3 plot_loss.py table "$s" | grep '^- FP8')
-    expected="- FP8 recipe (fp8) vs BF16 build (bf16), final val loss: +0.33% (within 0.5%: yes), +0.25 BF16 std (within 2: yes)
-- FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -1.29% (within 0.5%: NO)"
     [[ $actual == "$expected" ]] || { echo "study table test FAILED: targets"; diff <(echo "$expected") <(echo "$actual") || true; exit 1; }
+    checks=$((checks + 1))
+    # a log.csv without the row of step 30: its run counts for the losses, not for the time (fp8's time is seed 1's
+    # alone, 31.2222 / 40.3333 = 0.7741: 23% sooner); with no run sharing the GPU any more, the line that says so
+    sed -i '/^30,/d' "$s/fp8/seed-2/log.csv"
+    rm -rf "$s/m-fp32"
+    expected="GPU sharing: every counted run had the GPU to itself (one run at a time).
+- fp8 seed 2: log.csv's training rows are not steps 1 to 100 once each (no row for step 30): the training time needs every step's ms ($s/fp8/seed-2)
+- FP8 recipe (fp8) reaches BF16's final val loss (bf16) sooner in training time: 23% (0.77x), 1 of 1 fp8 runs reached it (every run, sooner: yes)"
+    actual=$(python3 plot_loss.py table "$s" | grep -e '^- fp8 seed' -e '^GPU sharing' -e 'sooner in training time')
+    [[ $actual == "$expected" ]] || { echo "study table test FAILED: a run without a training time"; diff <(echo "$expected") <(echo "$actual") || true; exit 1; }
     checks=$((checks + 1))
     # malformed input: refused, naming the file
     local out
@@ -199,9 +238,15 @@ EOF
     }
     sed -i '1s/.*/step,val_loss,loss/' "$s/fp8/seed-1/log.csv"
     expect_refusal "a log.csv with other columns" "$s/fp8/seed-1/log.csv: its columns are 'step,val_loss,loss'"
-    write_run "$s/fp8/seed-1" 0 5.5 1.60 1.52
-    echo "60,1.5,x1.4,,,,,,," >> "$s/fp8/seed-1/log.csv"
-    expect_refusal "a log.csv row that is not numbers" "$s/fp8/seed-1/log.csv, line 7: step, loss and val_loss must be numbers"
+    write_run "$s/fp8/seed-1" 0 320 1 5.5 1.60 1.51
+    echo "101,1.5,x1.4,,,,,,," >> "$s/fp8/seed-1/log.csv"
+    expect_refusal "a log.csv row that is not numbers" "$s/fp8/seed-1/log.csv, line 103: step, loss, val_loss, ms and tokens_per_s must be numbers"
+    write_run "$s/fp8/seed-1" 0 320 1 5.5 1.60 1.51
+    sed -i '40s/,320\.000,/,,/' "$s/fp8/seed-1/log.csv"
+    expect_refusal "a log.csv row without its ms" "$s/fp8/seed-1/log.csv, line 40: step, loss, val_loss, ms and tokens_per_s must be numbers"
+    write_run "$s/fp8/seed-1" 0 320 1 5.5 1.60 1.51
+    echo 0 > "$s/fp8/seed-1/parallel.txt"
+    expect_refusal "a parallel.txt that is not a count" "$s/fp8/seed-1/parallel.txt: expected the number of runs at a time"
     printf 'fp8 fp8 --qk-norm\n' > "$s/configs.tsv"
     expect_refusal "a configs.tsv line without tabs" "$s/configs.tsv, line 1: expected NAME<tab>fp8|bf16<tab>FLAGS"
     rm "$s/configs.tsv"
@@ -221,7 +266,7 @@ fi
 
 # ---------------------------------------------------------------------------------------------------------------
 # The command line
-SEEDS=3 PARALLEL=8 STEPS=240 DIR=out/study DEADLINE=0 SKIP_DONE=0 KEEP_CKPT=0 DRY_RUN=0 LIST=0
+PRESET=default SEEDS=3 PARALLEL="" STEPS=240 DIR="" DEADLINE=0 SKIP_DONE=0 KEEP_CKPT=0 DRY_RUN=0 LIST=0
 FP8_BIN=./train_fp8 BF16_BIN=./train_fp8_bf16
 ONLY=() SKIP=() ADDED=() EXTRA=()
 positive() { [[ $2 =~ ^[0-9]+$ && $2 -ge 1 ]] || fail "$1 $2: must be a whole number >= 1"; }
@@ -234,12 +279,14 @@ while [[ $# -gt 0 ]]; do
         --keep-checkpoints) KEEP_CKPT=1; shift; continue ;;
         --dry-run) DRY_RUN=1; shift; continue ;;
         --list) LIST=1; shift; continue ;;
-        --seeds|--parallel|--steps|--deadline|--only|--skip|--add|--extra|--dir|--fp8-bin|--bf16-bin)
+        --preset|--seeds|--parallel|--steps|--deadline|--only|--skip|--add|--extra|--dir|--fp8-bin|--bf16-bin)
             [[ $# -ge 2 ]] || fail "$flag needs a value (./study.sh --help)" ;;
         *) fail "unknown option $flag; the options are: ${OPTIONS% } (./study.sh --help says what each does)" ;;
     esac
     value=$2
     case $flag in
+        --preset) [[ $value == default || $value == 1b ]] || fail "--preset $value: the presets are default and 1b"
+                  PRESET=$value ;;
         --seeds) positive "$flag" "$value"; SEEDS=$value ;;
         --parallel) positive "$flag" "$value"; PARALLEL=$value ;;
         --steps) positive "$flag" "$value"; STEPS=$value ;;
@@ -256,8 +303,31 @@ while [[ $# -gt 0 ]]; do
     esac
     shift 2
 done
+
+# ---- the preset's setup (the header says why). The estimate: model TFLOP/s over all runs together, per build, and
+# the seconds each run spends on the host (start-up, data, its end-of-run checkpoint), hidden by the other runs but
+# for 1/PARALLEL of it.
+if [[ $PRESET == default ]]; then
+    # The FP8 build trains the d12 model at about 400 model TFLOP/s alone on an H200 (README, "Speed"); a model of a
+    # third of its FLOPs has smaller GEMMs and relatively more non-GEMM work, and turns between processes cost a
+    # little, so the estimate assumes half that, for both builds together.
+    MODEL=d12 DIM=512 LAYERS=8 HEADS=8 KV_HEADS=8 FFN=1536 BATCH=32 SEQ=512
+    PRESET_FLAGS=() EVALS_PER_RUN=6 EVAL_BATCHES=all
+    ASSUMED_TFLOPS_FP8=200 ASSUMED_TFLOPS_BF16=200 HOST_SECONDS_PER_RUN=5
+    PARALLEL=${PARALLEL:-8} DIR=${DIR:-out/study}
+else
+    # An H100 alone trains this shape at 92.1k (FP8) and 75.1k (BF16) tokens/s (README, "Speed"; 178 and 218 ms a
+    # step, with TinyLlama's 32000-token vocabulary: bytes make a step a little shorter). A run's host time: ~10 s of
+    # start-up, and ~10 s for its checkpoint (12 or 7 bytes a parameter in the BF16 or FP8 build, written, flushed to
+    # the disk and read back for its checksum).
+    MODEL=1b DIM=2048 LAYERS=22 HEADS=32 KV_HEADS=4 FFN=5632 BATCH=8 SEQ=2048
+    PRESET_FLAGS=(--lr 3e-4) EVALS_PER_RUN=24 EVAL_BATCHES=4
+    ASSUMED_TFLOPS_FP8=638 ASSUMED_TFLOPS_BF16=520 HOST_SECONDS_PER_RUN=20
+    PARALLEL=${PARALLEL:-1} DIR=${DIR:-out/study-1b}
+fi
+MODEL_FLAGS=(--model "$MODEL" --dim "$DIM" --layers "$LAYERS" --heads "$HEADS" --kv-heads "$KV_HEADS" --ffn "$FFN")
 WARMUP=$((STEPS / 10))
-EVAL_EVERY=$(( STEPS / 6 > 0 ? STEPS / 6 : 1 ))
+EVAL_EVERY=$(( STEPS / EVALS_PER_RUN > 0 ? STEPS / EVALS_PER_RUN : 1 ))
 
 # ---- the configurations chosen
 declare -A CONFIG_BUILD=() CONFIG_FLAGS=()
@@ -268,13 +338,13 @@ while read -r name build flags; do
     ALL_NAMES+=("$name")
     CONFIG_BUILD[$name]=$build
     CONFIG_FLAGS[$name]=$flags
-done < <(default_configs; for a in "${ADDED[@]+"${ADDED[@]}"}"; do echo "$a"; done)
+done < <(preset_configs; for a in "${ADDED[@]+"${ADDED[@]}"}"; do echo "$a"; done)
 if [[ $LIST == 1 ]]; then
     for name in "${ALL_NAMES[@]}"; do printf '%-20s %-5s %s\n' "$name" "${CONFIG_BUILD[$name]}" "${CONFIG_FLAGS[$name]}"; done
     exit 0
 fi
 for name in "${ONLY[@]+"${ONLY[@]}"}" "${SKIP[@]+"${SKIP[@]}"}"; do
-    [[ -n ${CONFIG_BUILD[$name]+x} ]] || fail "no configuration named '$name' (./study.sh --list shows them)"
+    [[ -n ${CONFIG_BUILD[$name]+x} ]] || fail "no configuration named '$name' in --preset $PRESET (./study.sh --preset $PRESET --list shows them)"
 done
 NAMES=()
 for name in "${ALL_NAMES[@]}"; do
@@ -305,9 +375,10 @@ batches_of() { echo $(( ($(tokens_of "$1") - 1) / SEQ / BATCH )); }   # windows 
 EPOCH_BATCHES=$(batches_of "$TRAIN_DATA")
 VAL_BATCHES=$(batches_of "$VAL_DATA")
 [[ $VAL_BATCHES -ge 1 ]] || fail "$VAL_DATA holds less than one batch of $BATCH x $SEQ tokens"
-COMMON=($MODEL_FLAGS --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --data "$TRAIN_DATA"
-        --val-data "$VAL_DATA" --eval-every "$EVAL_EVERY" --eval-batches "$VAL_BATCHES" --sample-every 0
-        --checkpoint-every 0 --keep-checkpoints 1 --tp 0)
+[[ $EVAL_BATCHES != all && $EVAL_BATCHES -le $VAL_BATCHES ]] || EVAL_BATCHES=$VAL_BATCHES
+COMMON=("${MODEL_FLAGS[@]}" --batch "$BATCH" --seq "$SEQ" --steps "$STEPS" --warmup "$WARMUP" --data "$TRAIN_DATA"
+        --val-data "$VAL_DATA" --eval-every "$EVAL_EVERY" --eval-batches "$EVAL_BATCHES" --sample-every 0
+        --checkpoint-every 0 --keep-checkpoints 1 --tp 0 "${PRESET_FLAGS[@]+"${PRESET_FLAGS[@]}"}")
 # every configuration's command line through its binary's own checks (train_fp8 --dry-run: the flags, their values
 # and how they go together, the data), so that a bad flag or value stops the study here and not in its runs
 bad=()
@@ -344,27 +415,37 @@ for seed in $(seq 1 "$SEEDS"); do
 done
 TOTAL=${#QUEUE[@]}
 
-# ---- the estimate: model FLOPs (6 x matmul parameters + 12 x L x D x T a token, as train_fp8 counts them)
-read -r -a dims <<< "$MODEL_FLAGS"
-D=${dims[3]} L=${dims[5]} NH=${dims[7]} NKV=${dims[9]} F=${dims[11]}
-HD=$((D / NH))
-MATMUL_PARAMS=$(( L * ((NH + 2 * NKV) * HD * D + NH * HD * D + 3 * F * D) + 256 * D ))
-FLOPS_PER_TOKEN=$(( 6 * MATMUL_PARAMS + 12 * L * D * SEQ ))
+# ---- the estimate: model FLOPs (6 x matmul parameters + 12 x L x D x T a token, as train_fp8 counts them); an
+# evaluation batch is a forward pass, a third of a training step's FLOPs
+HD=$((DIM / HEADS))
+MATMUL_PARAMS=$(( LAYERS * ((HEADS + 2 * KV_HEADS) * HD * DIM + HEADS * HD * DIM + 3 * FFN * DIM) + 256 * DIM ))
+FLOPS_PER_TOKEN=$(( 6 * MATMUL_PARAMS + 12 * LAYERS * DIM * SEQ ))
 EVALS=$(( STEPS / EVAL_EVERY + 1 + (STEPS % EVAL_EVERY != 0) ))
-estimate=$(awk -v runs="$TOTAL" -v steps="$STEPS" -v bt=$((BATCH * SEQ)) -v fpt="$FLOPS_PER_TOKEN" -v evals="$EVALS" \
-               -v vb="$VAL_BATCHES" -v tf="$ASSUMED_TFLOPS" -v host="$HOST_SECONDS_PER_RUN" -v p="$PARALLEL" 'BEGIN {
-    per_run = (steps * bt + evals * vb * bt / 3) * fpt   # validation: a forward pass, a third of a training step
-    gpu = runs * per_run / (tf * 1e12)
-    printf "%.0f %.1f %.1f %.0f", gpu + runs * host / p, runs * per_run / 1e15, per_run / 1e12, gpu }')
-read -r EST_SECONDS EST_PFLOP EST_RUN_TFLOP EST_GPU <<< "$estimate"
-echo "study: ${#NAMES[@]} configurations x $SEEDS seeds = $TOTAL runs to do, $PARALLEL at a time, into $DIR"
-echo "setup: $MATMUL_PARAMS matmul parameters ($MODEL_FLAGS), $BATCH x $SEQ tokens a step, $STEPS steps" \
+RUN_TFLOP=$(awk -v steps="$STEPS" -v bt=$((BATCH * SEQ)) -v fpt="$FLOPS_PER_TOKEN" -v evals="$EVALS" -v eb="$EVAL_BATCHES" \
+                'BEGIN { printf "%.0f", (steps * bt + evals * eb * bt / 3) * fpt / 1e12 }')
+# one line a run to do (its configuration and build) -> the total, the GPU's part of it, and each configuration's
+read -r EST_SECONDS EST_GPU EST_BY_CONFIG < <(
+    for key in "${QUEUE[@]+"${QUEUE[@]}"}"; do echo "${key%/seed-*} ${CONFIG_BUILD[${key%/seed-*}]}"; done |
+    awk -v tflop="$RUN_TFLOP" -v fp8="$ASSUMED_TFLOPS_FP8" -v bf16="$ASSUMED_TFLOPS_BF16" -v host="$HOST_SECONDS_PER_RUN" \
+        -v p="$PARALLEL" '{ gpu = tflop / ($2 == "fp8" ? fp8 : bf16); total += gpu + host / p; all_gpu += gpu
+                           if (!($1 in seconds)) names[++n] = $1
+                           seconds[$1] += gpu + host / p }
+                         END { printf "%.0f %.0f ", total, all_gpu
+                               for (i = 1; i <= n; i++) printf "%s%s ~%.0f s", (i > 1 ? ", " : ""), names[i], seconds[names[i]]
+                               print "" }')
+echo "study: preset $PRESET, ${#NAMES[@]} configurations x $SEEDS seeds = $TOTAL runs to do, $PARALLEL at a time, into $DIR"
+echo "setup: $MATMUL_PARAMS matmul parameters (${MODEL_FLAGS[*]}), $BATCH x $SEQ tokens a step, $STEPS steps" \
      "($(awk -v s="$STEPS" -v e="$EPOCH_BATCHES" 'BEGIN { printf "%.3f", s / e }') epoch of $TRAIN_DATA: $EPOCH_BATCHES batches)," \
-     "validation every $EVAL_EVERY steps on all $VAL_BATCHES batches of $VAL_DATA"
+     "validation every $EVAL_EVERY steps on $EVAL_BATCHES of the $VAL_BATCHES batches of $VAL_DATA"
 [[ $STEPS -le $EPOCH_BATCHES ]] || echo "WARNING: $STEPS steps are more than one epoch ($EPOCH_BATCHES batches): training windows repeat," \
                                         "and the validation loss may reflect memorisation"
-echo "estimate: ~$EST_SECONDS s ($TOTAL runs x $EST_RUN_TFLOP TFLOP = $EST_PFLOP PFLOP at an assumed $ASSUMED_TFLOPS model TFLOP/s" \
-     "over all runs together: ${EST_GPU} s, + $HOST_SECONDS_PER_RUN s of host work a run / $PARALLEL); the progress lines show the real pace"
+TFLOPS_TEXT="$ASSUMED_TFLOPS_FP8 (FP8) / $ASSUMED_TFLOPS_BF16 (BF16)"
+[[ $ASSUMED_TFLOPS_FP8 != "$ASSUMED_TFLOPS_BF16" ]] || TFLOPS_TEXT=$ASSUMED_TFLOPS_FP8
+echo "estimate: ~$EST_SECONDS s: $TOTAL runs of $RUN_TFLOP TFLOP at an assumed $TFLOPS_TEXT model TFLOP/s over all runs" \
+     "together, ${EST_GPU} s, + $HOST_SECONDS_PER_RUN s of host work a run / $PARALLEL; the progress lines show the real pace"
+# one run at a time: each configuration's part, for a study split into calls of --only
+[[ $PARALLEL != 1 ]] || echo "estimate by configuration: ${EST_BY_CONFIG:-none}"
+[[ $PARALLEL == 1 ]] || echo "note: $PARALLEL runs at a time share the GPU: the table's times and tokens/s hold the other runs' turns too"
 [[ $DEADLINE == 0 ]] || echo "deadline: no run starts after $DEADLINE s; runs still going at $((DEADLINE + DEADLINE_GRACE)) s are stopped"
 for name in "${NAMES[@]}"; do printf '  %-20s %-5s %s\n' "$name" "${CONFIG_BUILD[$name]}" "${CONFIG_FLAGS[$name]}"; done
 echo "every run: BINARY ${COMMON[*]} [the configuration's flags]${EXTRA[*]+" ${EXTRA[*]}"} --seed S --out $DIR/NAME/seed-S"
@@ -403,6 +484,7 @@ start_run() {   # NAME/seed-S
     args=("${COMMON[@]}" "${flags[@]+"${flags[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}" --seed "$seed" --out "$dir")
     printf '%q ' "$bin" "${args[@]}" > "$dir/cmd.txt"
     echo >> "$dir/cmd.txt"
+    echo "$RUNS_AT_ONCE" > "$dir/parallel.txt"   # for the table: how many runs may have shared the GPU with this one
     "$bin" "${args[@]}" > "$dir/console.txt" 2>&1 &
     PID[$key]=$!
     STARTED[$key]=$SECONDS
@@ -434,6 +516,7 @@ finish_run() {   # NAME/seed-S EXIT_STATUS
            "$result" "$took" "${#PID[@]}" "$pace"
 }
 
+RUNS_AT_ONCE=$(( PARALLEL < TOTAL ? PARALLEL : TOTAL ))
 NEXT=0
 LAST_BEAT=$SECONDS
 STOPPED=0
