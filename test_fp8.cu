@@ -3759,8 +3759,8 @@ GPU_TEST(fp8_health_counts_saturation) {
 // samples in a row gets exactly one warning, at the sample that completes the streak; a sample at or below the
 // limit ends the streak, and a new streak warns again. Saturation and flushing are separate streaks.
 HOST_TEST(fp8_doctor_warns_once_per_streak) {
-    Fp8Doctor d;   // saturated above 1e-3, flushed above 1e-2, 3 samples in a row
-    const Fp8TensorStats ok{2, 3, FP8_DY, 1.0f, 10, 1e-3, 1e-2};   // at the limits: not above
+    Fp8Doctor d;   // saturated above 1e-3, flushed above 5e-2, 3 samples in a row
+    const Fp8TensorStats ok{2, 3, FP8_DY, 1.0f, 10, 1e-3, 5e-2};   // at the limits: not above
     Fp8TensorStats sat = ok, flush = ok;
     sat.saturated = 2e-3;
     flush.flushed = 0.5;
@@ -3797,7 +3797,7 @@ HOST_TEST(fp8_doctor_warns_once_per_streak) {
 }
 
 // The doctor on the GPU's own counts: a synthetic X of layer 1's wo, cast with a delayed scale too large for it at
-// every step (values N(0, 3), scale 512: a fifth of them beyond 448) through the model's cast with the model's
+// every step (values N(0, 3), scale 512: three quarters of them beyond 448) through the model's cast with the model's
 // health counters, read back by model_fp8_stats_read: exactly one warning for that tensor over six samples, none for
 // a tensor cast at its own (current) scale alongside; after one healthy sample, one more at the third saturated one.
 #if defined(PRECISION_FP8)
@@ -3809,7 +3809,11 @@ GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
     Model m;
     model_create(&m, c, B, T, opts);
     const Param wo = m.layers[1].wo, wqkv = m.layers[0].wqkv;
-    DeviceBuffer<bf16> x(to_bf16(random_normal((size_t)N * c.dim, 3.0f)));
+    const std::vector<bf16> host_x = to_bf16(random_normal((size_t)N * c.dim, 3.0f));
+    DeviceBuffer<bf16> x(host_x);
+    double saturated = 0;   // the fraction of |x| * 512 beyond 448: about 0.77 of N(0, 3)
+    for (bf16 v : host_x) saturated += fabsf(to_float(v) * 512.0f) > 448.0f;
+    saturated /= host_x.size();
     Fp8Meta too_large = fp8_meta_initial();
     too_large.scale = 512.0f;
     too_large.inv_scale = 1.0f / 512;
@@ -3829,8 +3833,9 @@ GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
         model_fp8_stats_end(&m);
         expect(stats.size() == 2, "step %d: %zu tensors counted, expected the two cast", step, stats.size());
         for (const Fp8TensorStats& t : stats)
-            if (t.layer == 1 && t.linear == 1 && step != 7)
-                expect(t.saturated > 0.1 && t.saturated < 0.3, "step %d: wo X saturated %.3f, expected about 0.18", step, t.saturated);
+            if (t.layer == 1 && t.linear == 1)
+                expect(t.saturated == (step == 7 ? 0.0 : saturated), "step %d: wo X saturated %.6f, expected %.6f", step, t.saturated,
+                       step == 7 ? 0.0 : saturated);
         for (const std::string& w : fp8_doctor_check(&doctor, stats, step)) {
             warnings_at.push_back(step);
             if (first.empty()) first = w;
@@ -4042,8 +4047,8 @@ GPU_TEST(probe_matches_host_reference) {
                host[0], probe[1], host[1], probe[2], host[2]);
         for (int g = 0; g < 3; g++) worst = std::max(worst, fabs(probe[g] - host[g]));
     }
-    // the GPU's FP32 (forward: FP8 fast) accumulation and BF16 rounding against float64 move an SQNR by little
-    expect(worst < 0.05, "the probe's SQNRs differ from the host's by up to %.4f dB", worst);
+    // the GPU's FP32 (forward: FP8 fast) accumulation and BF16 rounding against float64: measured up to 0.0052 dB
+    expect(worst < 0.012, "the probe's SQNRs differ from the host's by up to %.4f dB", worst);
 }
 
 // The whole model with FP8 linears against the float64 reference (which has no FP8): the loss, and each
@@ -5158,6 +5163,13 @@ static std::map<std::string, std::vector<char>> folder_snapshot(const std::strin
     for (dirent* e = readdir(d); e; e = readdir(d))
         if (e->d_name[0] != '.') files[e->d_name] = read_whole_file(dir + "/" + e->d_name);
     closedir(d);
+    return files;
+}
+// A run folder's files but its logs (log.csv, fp8_stats.csv), by name: its checkpoints and `latest`.
+static std::map<std::string, std::vector<char>> run_folder_checkpoints(const std::string& dir) {
+    std::map<std::string, std::vector<char>> files = folder_snapshot(dir);
+    files.erase("log.csv");
+    files.erase("fp8_stats.csv");
     return files;
 }
 // The newest checkpoint of a run folder (what DIR/latest names); "" and a failed expectation if there is none.
@@ -7005,10 +7017,12 @@ GPU_TEST(train_max_bad_steps_stops_the_run) {
            (long long)h4.step, (long long)h4.bad_steps, (long long)h4.bad_in_row);
     for (const std::string& row : log_rows_without_timing(dir.file("log.csv"))) {
         if (!isdigit((unsigned char)row[0])) continue;   // the header
-        const bool skipped = row.size() >= 3 && row.compare(row.size() - 3, 3, ",1,") == 0;
+        size_t at = 0;   // the kept columns: step, loss, val_loss, lr, grad_norm, skipped, fp8_warnings
+        for (int k = 0; k < 5; k++) at = row.find(',', at) + 1;
+        const bool skipped = row.compare(at, 2, "1,") == 0;
         expect(skipped == (atoi(row.c_str()) >= 3), "log.csv row '%s': skipped should be 1 exactly from step 3", row.c_str());
     }
-    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    auto checkpoint_files = [&] { return run_folder_checkpoints(dir.path); };
     const auto before = checkpoint_files();
     std::vector<std::string> args = tiny_run_args(data, with({"--resume", dir.path, "--checkpoint-every", "1", "--max-bad-steps", "3"}));
     std::string err_text, out_text;
@@ -7033,7 +7047,7 @@ GPU_TEST(train_failed_checkpoint_write_keeps_the_last) {
     std::vector<std::string> first = common;
     first.insert(first.end(), {"--stop-after", "2"});
     train(tiny_run_options(data, first));
-    auto checkpoint_files = [&] { auto files = folder_snapshot(dir.path); files.erase("log.csv"); return files; };
+    auto checkpoint_files = [&] { return run_folder_checkpoints(dir.path); };
     const auto before = checkpoint_files();
     std::vector<std::string> resumed = tiny_run_args(data, common);
     resumed.insert(resumed.end(), {"--resume", dir.path, "--tp", "0"});   // --tp 0: no NCCL, only the program's files meet the limit

@@ -89,7 +89,7 @@ struct TrainOptions {
     int fp8_stats = BUILD_FP8 ? 50 : 0;      // every this many steps: the FP8 tensors' health, to DIR/fp8_stats.csv and the
                                              // warnings below; 0 = off
     double fp8_warn_saturated = 1e-3;        // warn when a tensor's saturated fraction is above this ...
-    double fp8_warn_flushed = 1e-2;          // ... or its flushed-to-zero fraction above this ...
+    double fp8_warn_flushed = 5e-2;          // ... or its flushed-to-zero fraction above this ...
     int fp8_warn_after = 3;                  // ... at this many --fp8-stats steps in a row
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
@@ -1745,7 +1745,9 @@ inline std::string fp8_stats_summary(const std::vector<Fp8TensorStats>& stats) {
 }
 
 struct Fp8Doctor {
-    double saturated_limit = 1e-3, flushed_limit = 1e-2;
+    // Saturation clips the largest values, which carry the most; flushing zeroes the smallest, which carry little: a
+    // 1B run's wqkv dY (E5M2) flushes up to 2.2% of its values while the probe measures its GEMM at E5M2's own SQNR.
+    double saturated_limit = 1e-3, flushed_limit = 5e-2;
     int after = 3;                 // samples in a row above a limit that make a warning
     bool delayed = false;          // the recipe scales X and dY from an amax history (--amax-history > 1)
     std::map<std::pair<int, int>, int> streak;   // (tensor: 12 layer + 3 linear + X/W/dY, kind: 0 saturated, 1 flushed) -> samples in a row above
@@ -2476,8 +2478,8 @@ inline TrainResult train(const TrainOptions& o) {
 // linear, and each FP8 result is measured against the BF16 one: SQNR = 10 log10(sum bf16^2 / sum (fp8 - bf16)^2) dB
 // for Y, dX and dW. Both paths get the same operands, so a figure is that GEMM's own loss, not error carried in
 // from the layers below. The loss of the FP8 forward (the recipe's layers) against the BF16 one on the batch says
-// what they add up to. Gaussian-like operands give about 26 dB forward (two E4M3 operands, each rounded by ~3.6% rms)
-// and 22 dB backward (E5M2's 7.2% with E4M3's); a GEMM well below that has outliers that set its scale.
+// what they add up to. A freshly initialised model measures about 28 dB forward (two E4M3 operands) and 24.5 dB
+// backward (E5M2 dY, 2 mantissa bits): the formats' own precision. A GEMM well below that has outliers that set its scale.
 
 struct ProbeRow {
     int layer, linear;           // linear: LINEAR_NAMES' index
