@@ -35,8 +35,8 @@
 # models): 1B-parameter LLaMA-style models train at 3e-4 to 4e-4, and 16384 tokens a step is a small, noisy batch for
 # them. Validation every 10 steps (the crossing of the BF16 loss is interpolated between two of them, 1.8-2.2 s of
 # training apart) on the first 4 of the 26 validation batches, so that the 25 evaluations of a run cost ~6 s: the
-# evaluation is left out of the measured time, but not out of the GPU's. About 7.5 minutes on one H100 (the estimate);
-# --only bf16, then --only fp8 --skip-done into the same --dir, splits it into two calls of about 4 minutes.
+# evaluation is left out of the measured time, but not out of the GPU's. About 7 minutes on one H100 (404 s: bf16 runs
+# ~75 s, fp8 ~59 s); --only bf16, then --only fp8 --skip-done into the same --dir, splits it into two invocations.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -308,7 +308,7 @@ done
 # the seconds each run spends on the host (start-up, data, its end-of-run checkpoint), hidden by the other runs but
 # for 1/PARALLEL of it.
 if [[ $PRESET == default ]]; then
-    # The FP8 build trains the d12 model at about 400 model TFLOP/s alone on an H200 (README, "Speed"); a model of a
+    # The FP8 build trains the d12 model at about 400 model TFLOP/s alone on an H200 (README, "Results"); a model of a
     # third of its FLOPs has smaller GEMMs and relatively more non-GEMM work, and turns between processes cost a
     # little, so the estimate assumes half that, for both builds together.
     MODEL=d12 DIM=512 LAYERS=8 HEADS=8 KV_HEADS=8 FFN=1536 BATCH=32 SEQ=512
@@ -316,7 +316,7 @@ if [[ $PRESET == default ]]; then
     ASSUMED_TFLOPS_FP8=200 ASSUMED_TFLOPS_BF16=200 HOST_SECONDS_PER_RUN=5
     PARALLEL=${PARALLEL:-8} DIR=${DIR:-out/study}
 else
-    # An H100 alone trains this shape at 92.1k (FP8) and 75.1k (BF16) tokens/s (README, "Speed"; 178 and 218 ms a
+    # An H100 alone trains this shape at 92.1k (FP8) and 75.1k (BF16) tokens/s (README, "Results"; 178 and 218 ms a
     # step, with TinyLlama's 32000-token vocabulary: bytes make a step a little shorter). A run's host time: ~10 s of
     # start-up, and ~10 s for its checkpoint (12 or 7 bytes a parameter in the BF16 or FP8 build, written, flushed to
     # the disk and read back for its checksum).
