@@ -4777,14 +4777,22 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--qkv-clip", "inf"}, {"--qkv-clip", "inf"}},
         {{"--qk-norm", "--tp", "2"}, {"--qk-norm", "--tp 2"}},
         {{"--smooth-quant", "1.5"}, {"--smooth-quant", "1.5"}},
+        {{"--fp8-warn-flushed", "2"}, {"--fp8-warn-flushed", "2"}},
+        {{"--fp8-warn-after", "0"}, {"--fp8-warn-after", "0"}},
     };
     if constexpr (BUILD_FP8)
-        cases.push_back({{"--amax-warmup", "5"}, {"--amax-warmup 5", "--amax-history"}});
+        cases.insert(cases.end(), {{{"--amax-warmup", "5"}, {"--amax-warmup 5", "--amax-history"}},
+                                   {{"probe", "--steps", "3"}, {"probe takes", "not --steps"}},
+                                   {{"probe", "run/ckpt.bin", "--model", "tiny"}, {"probe run/ckpt.bin --model", "checkpoint fixes"}},
+                                   {{"probe", "run", "--fp8-fast-accum", "0"}, {"--fp8-fast-accum", "checkpoint fixes"}},
+                                   {{"probe", "--dry-run"}, {"--dry-run", "unknown"}}});
     else   // the FP8 recipe's flags, refused by the BF16 build
         cases.insert(cases.end(), {{{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
                                    {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
                                    {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
-                                   {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}}});
+                                   {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}},
+                                   {{"--fp8-warn-after", "5"}, {"--fp8-warn-*", "BF16"}},
+                                   {{"probe", "--model", "tiny"}, {"probe", "FP8 build"}}});
     for (const Case& c : cases) {
         TrainOptions o;
         std::string err = parse_list(c.args, &o), line;
@@ -5726,6 +5734,63 @@ HOST_TEST(train_data_refusals_name_the_cause) {
                                                                   "--val-data", k.val}, k.pieces, data.file("stderr.txt"));
         expect(err.find("pass a vocab size") == std::string::npos, "%s: there is no vocab flag to pass", k.what);
     }
+}
+
+// probe's command line: a checkpoint, or the model and init flags; its checks that need no GPU name what is wrong.
+HOST_TEST(train_probe_arguments_and_refusals) {
+    TrainOptions o;
+    std::string err = parse_list({"probe", "out/run", "--batch", "8", "--seq", "2048", "--out", "out/p", "--fp8-all-layers"}, &o);
+    if constexpr (!BUILD_FP8) {
+        expect(err.find("FP8 build") != std::string::npos, "the BF16 build refuses probe: '%s'", err.c_str());
+        return;
+    }
+    expect(err.empty() && o.probe && o.probe_ckpt == "out/run" && o.batch == 8 && o.seq == 2048 && o.out == "out/p" && o.fp8_all_layers,
+           "probe CKPT with its flags: '%s', ckpt '%s', batch %d", err.c_str(), o.probe_ckpt.c_str(), o.batch);
+    err = parse_list({"probe", "--model", "tiny", "--seed", "3", "--init", "trunc-normal"}, &o);
+    expect(err.empty() && o.probe && o.probe_ckpt.empty() && o.model == "tiny" && o.seed == 3 && o.init == "trunc-normal",
+           "probe of an init: '%s'", err.c_str());
+    err = parse_list({"probe", "--model", "13b"}, &o);
+    expect(err.find("--model 13b") != std::string::npos, "probe's model flags are checked as training's: '%s'", err.c_str());
+    TempDir data;
+    write_synthetic_corpus(data);
+    const std::string missing = data.file("no-such-run"), garbage = data.file("garbage.bin");
+    FILE* f = fopen(garbage.c_str(), "wb");
+    expect(f != nullptr, "cannot write %s", garbage.c_str());
+    if (!f) return;
+    fputs("not a checkpoint", f);
+    fclose(f);
+    auto probe_of = [&](const std::string& ckpt) {
+        return std::vector<std::string>{"probe", ckpt, "--batch", "2", "--seq", "64", "--val-data", data.file("val.bin")};
+    };
+    expect_train_fp8_refuses("probe of a missing checkpoint", probe_of(missing), {"error: probe: " + missing, "no such checkpoint"},
+                             data.file("stderr.txt"));
+    expect_train_fp8_refuses("probe of a damaged checkpoint", probe_of(garbage), {"error: probe: ", garbage}, data.file("stderr.txt"));
+    expect_train_fp8_refuses("probe of a missing shard", {"probe", "--model", "tiny", "--val-data", data.file("nope.bin")},
+                             {"error: probe: --val-data " + data.file("nope.bin")}, data.file("stderr.txt"));
+}
+
+// log.csv's last column counts the FP8 doctor's warnings of its step.
+HOST_TEST(train_log_row_counts_fp8_warnings) {
+    TempDir dir;
+    TrainRun run;
+    run.log = fopen(dir.file("log.csv").c_str(), "w");
+    expect(run.log != nullptr, "cannot write %s", dir.file("log.csv").c_str());
+    if (!run.log) return;
+    StepStats s;
+    s.step = 7;
+    s.fp8_warnings = {"one", "two"};
+    train_log_row(&run, s, NAN);
+    s.step = 8;
+    s.fp8_warnings.clear();
+    train_log_row(&run, s, 1.5f);
+    fclose(run.log);
+    const std::vector<char> bytes = read_whole_file(dir.file("log.csv"));
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t second = text.find('\n') + 1;
+    const std::string row7 = text.substr(0, second - 1), row8 = text.substr(second, text.find('\n', second) - second);
+    printf("    %s\n    %s\n", row7.c_str(), row8.c_str());
+    expect(row7.rfind(",2") == row7.size() - 2 && row8.rfind(",0") == row8.size() - 2 && std::count(row7.begin(), row7.end(), ',') == 10,
+           "the rows end in their warning counts (2, 0), 11 columns: '%s' / '%s'", row7.c_str(), row8.c_str());
 }
 
 // What a person sees: stdout is line-buffered, so a line printed before an error comes before it in one file (| tee);
