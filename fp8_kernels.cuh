@@ -753,6 +753,7 @@ struct Fp8Linear {
     Fp8Health* health;  // [3] device, or nullptr: --fp8-stats counts for X, W, dY
 };
 enum { FP8_X = 0, FP8_W = 1, FP8_DY = 2 };
+inline Fp8Format fp8_tensor_format(int tensor) { return tensor == FP8_DY ? E5M2 : E4M3; }   // forward E4M3, backward E5M2
 
 // A producer's values times scale[col]: X / s and W s of SmoothQuant (llama2.cuh, --smooth-quant) for a cast (P has one output).
 template <class P>

@@ -2818,10 +2818,11 @@ static RefConfig ref_config_of(const ModelConfig& c, bool rope_halves = false) {
     r.qkv_clip = c.qkv_clip;
     return r;
 }
-// The weights as the GPU holds them (rounded to BF16), for the reference.
-static std::vector<float> bf16_rounded(const std::vector<float>& w) {
-    std::vector<float> out(w.size());
-    for (size_t i = 0; i < w.size(); i++) out[i] = to_float(__float2bfloat16(w[i]));
+// Values as the GPU holds them (rounded to BF16): the weights for the reference, a GEMM's BF16 output.
+template <class T>
+static std::vector<T> bf16_rounded(const std::vector<T>& w) {
+    std::vector<T> out(w.size());
+    for (size_t i = 0; i < w.size(); i++) out[i] = to_float(__float2bfloat16((float)w[i]));
     return out;
 }
 
@@ -4018,10 +4019,6 @@ GPU_TEST(probe_matches_host_reference) {
 
     expect(r.rows.size() == seen.size() && seen.size() == (size_t)c.n_layers * LINEARS_PER_LAYER, "%zu rows, %zu linears seen, "
            "expected %d", r.rows.size(), seen.size(), c.n_layers * LINEARS_PER_LAYER);
-    auto bf16_rounded = [](std::vector<double> v) {
-        for (double& x : v) x = to_float(__float2bfloat16((float)x));
-        return v;
-    };
     double worst = 0;
     for (size_t i = 0; i < std::min(r.rows.size(), seen.size()); i++) {
         const Captured& k = seen[i];

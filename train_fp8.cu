@@ -50,6 +50,12 @@ inline std::string moment_dtype_flag(DType t) {
     return s;
 }
 
+// The FP8 doctor's default thresholds (section 6, Fp8Doctor). Saturation clips the largest values, which carry the
+// most; flushing zeroes the smallest, which carry little: a 1B run's wqkv dY (E5M2) flushes up to 2.2% of its values
+// while the probe measures its GEMM at E5M2's own SQNR.
+constexpr double FP8_WARN_SATURATED = 1e-3, FP8_WARN_FLUSHED = 5e-2;
+constexpr int FP8_WARN_AFTER = 3;
+
 struct TrainOptions {
     std::string model = "d12";               // preset; the overrides below replace its fields when > 0
     int dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0;
@@ -88,9 +94,9 @@ struct TrainOptions {
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
     int fp8_stats = BUILD_FP8 ? 50 : 0;      // every this many steps: the FP8 tensors' health, to DIR/fp8_stats.csv and the
                                              // warnings below; 0 = off
-    double fp8_warn_saturated = 1e-3;        // warn when a tensor's saturated fraction is above this ...
-    double fp8_warn_flushed = 5e-2;          // ... or its flushed-to-zero fraction above this ...
-    int fp8_warn_after = 3;                  // ... at this many --fp8-stats steps in a row
+    double fp8_warn_saturated = FP8_WARN_SATURATED;   // warn when a tensor's saturated fraction is above this ...
+    double fp8_warn_flushed = FP8_WARN_FLUSHED;       // ... or its flushed-to-zero fraction above this ...
+    int fp8_warn_after = FP8_WARN_AFTER;              // ... at this many --fp8-stats steps in a row
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
@@ -1730,7 +1736,7 @@ inline std::string fp8_tensor_name(const Fp8TensorStats& t) {
 inline void fp8_stats_write_csv(FILE* csv, int step, const std::vector<Fp8TensorStats>& stats) {
     for (const Fp8TensorStats& t : stats)
         fprintf(csv, "%d,%d,%s,%s,%s,%.6e,%d,%.6e,%.6e\n", step, t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor],
-                t.tensor == FP8_DY ? "E5M2" : "E4M3", t.amax, t.scale_log2, t.saturated, t.flushed);
+                fp8_name(fp8_tensor_format(t.tensor)), t.amax, t.scale_log2, t.saturated, t.flushed);
     fflush(csv);
 }
 inline std::string fp8_stats_summary(const std::vector<Fp8TensorStats>& stats) {
@@ -1745,10 +1751,8 @@ inline std::string fp8_stats_summary(const std::vector<Fp8TensorStats>& stats) {
 }
 
 struct Fp8Doctor {
-    // Saturation clips the largest values, which carry the most; flushing zeroes the smallest, which carry little: a
-    // 1B run's wqkv dY (E5M2) flushes up to 2.2% of its values while the probe measures its GEMM at E5M2's own SQNR.
-    double saturated_limit = 1e-3, flushed_limit = 5e-2;
-    int after = 3;                 // samples in a row above a limit that make a warning
+    double saturated_limit = FP8_WARN_SATURATED, flushed_limit = FP8_WARN_FLUSHED;
+    int after = FP8_WARN_AFTER;    // samples in a row above a limit that make a warning
     bool delayed = false;          // the recipe scales X and dY from an amax history (--amax-history > 1)
     std::map<std::pair<int, int>, int> streak;   // (tensor: 12 layer + 3 linear + X/W/dY, kind: 0 saturated, 1 flushed) -> samples in a row above
 };
@@ -1764,7 +1768,7 @@ inline std::string fp8_doctor_advice(const Fp8Doctor& d, const Fp8TensorStats& t
         return "its outliers set the scale and its small values fall below E4M3's smallest code: try --smooth-quant 0.5, "
                "and ./train_fp8 probe to see what the layer's GEMMs lose";
     return strprintf("its values span more than %s's range: ./train_fp8 probe shows what the layer's GEMMs lose; the recipe "
-                     "keeps such layers in BF16 (the first and last by default)", t.tensor == FP8_DY ? "E5M2" : "E4M3");
+                     "keeps such layers in BF16 (the first and last by default)", fp8_name(fp8_tensor_format(t.tensor)));
 }
 // One --fp8-stats step's records in; the warning lines due at this step out.
 inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector<Fp8TensorStats>& stats, int step) {
@@ -1776,7 +1780,7 @@ inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector
             n = frac > limit ? n + 1 : 0;
             if (n != d->after) continue;
             warnings.push_back(strprintf("step %5d | fp8 warning: %s (%s): %.2e of its values %s (above %.0e) at %d --fp8-stats steps "
-                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), t.tensor == FP8_DY ? "E5M2" : "E4M3",
+                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), fp8_name(fp8_tensor_format(t.tensor)),
                                          frac, kind == 0 ? "saturated" : "flushed to zero", limit, d->after,
                                          fp8_doctor_advice(*d, t, kind == 0).c_str()));
         }
