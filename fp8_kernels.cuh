@@ -587,7 +587,6 @@ inline cudaDataType_t dtype_cuda(DType t) {
     static const cudaDataType_t map[] = {CUDA_R_16BF, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2};
     return map[t];
 }
-inline DType fp8_dtype(Fp8Format f) { return f == E4M3 ? DT_E4M3 : DT_E5M2; }
 
 struct MatmulOperand {
     const void* ptr;
