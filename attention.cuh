@@ -16,6 +16,7 @@
 // attention_backward_scratch_floats. Query head h reads K/V head h / (NH/NKV).
 #pragma once
 #include "common.cuh"
+#include "fp8_kernels.cuh"   // the E4M3 casts and the scale rule of the FP8 forward
 #include <atomic>
 #include <type_traits>
 #include <cuda.h>            // CUtensorMap and its enums (the encoder is fetched at run time: no -lcuda)
@@ -156,6 +157,34 @@ __device__ inline void attention_pack_a(uint32_t (*pa)[4], const float (*c)[4]) 
         pa[kk][3] = attention_pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
     }
 }
+// The FP8 forward (Hopper): P cast to E4M3 after a multiplication by ATTN_FP8_P_SCALE, as the A operands of
+// the m64n64k32 products of P V (hattn_wgmma_rs_e4m3), one per 32 keys, taken from the C fragments as they lie:
+// register 0 gets row g's keys 2t, 2t+1, 8+2t, 9+2t (blocks 4kk and 4kk+1), register 1 row g+8's, registers 2
+// and 3 the same of blocks 4kk+2 and 4kk+3. Operand column 4t + i of each 16 thus holds key attention_fp8_key(4t +
+// i) of those 16, and the FP8 cast stores V's keys in that order.
+constexpr float ATTN_FP8_P_SCALE = 256.0f;
+__host__ __device__ inline int attention_fp8_key(int p) { return 2 * (p / 4) + p % 2 + 8 * (p % 4 / 2); }
+template <int COLS>
+__device__ inline void attention_pack_a_e4m3(uint32_t (*pa)[4], const float (*c)[4], float scale) {
+#pragma unroll
+    for (int kk = 0; kk < COLS / 32; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float* lo = c[4 * kk + 2 * (r / 2)];
+            const float* hi = c[4 * kk + 2 * (r / 2) + 1];
+            const int i = 2 * (r % 2);
+            pa[kk][r] = fp8x2_encode<E4M3>(lo[i] * scale, lo[i + 1] * scale) |
+                        (uint32_t)fp8x2_encode<E4M3>(hi[i] * scale, hi[i + 1] * scale) << 16;
+        }
+}
+// The FP8 forward's scale of Q, K or V from the tensor's amax (the bits of |x|, as the amax kernels gather it):
+// the scale rule of the linear layers, E4M3, margin 0.
+__host__ __device__ inline float attention_fp8_scale(unsigned int amax_bits) {
+    float amax;
+    memcpy(&amax, &amax_bits, sizeof(amax));
+    return fp8_scale_from_amax(amax, E4M3_MAX, 0, 1.0f);
+}
+
 // One step of the online softmax over a strip of NB 8-column blocks of raw scores s (masked ones -inf), rows
 // g and g+8 of the warp's 16 (one quad per row): in base 2 with scores scaled by scale_log2 = log2(e)/sqrt(HD),
 // m' = max(m, rowmax(s) scale_log2), alpha = 2^(m - m'), l' = l alpha + rowsum P, and s becomes
@@ -584,20 +613,28 @@ constexpr int HATTN_BWD_KEY_GROUP = 4;
 template <int HD> constexpr bool hattn_dq_rows() { return HD == 128; }
 
 // Shared-memory plan of both kernels: byte offsets from a 1024-byte-aligned base (the swizzle atom).
-// Tiles are [rows x 64 columns] bf16 = rows * 128 bytes, one per 64-column chunk of the head.
+// BF16 tiles are [rows x 64 columns] = rows * 128 bytes, one per 64-column chunk of the head.
+// The forward's, for BF16 or FP8 operands: Q buffers (all consumers' rows), K and V stages, barriers. An FP8
+// tile is one [rows x HD] byte tile (Q and K: HD bytes a row, the 128-byte swizzle at HD = 128, the 64-byte at
+// HD = 64) and V arrives transposed, [HD rows x 128 keys], 128 bytes a row. FP8 halves the tiles, so every
+// head dim gets two Q buffers.
+template <int HD, bool FP8> struct HattnFwdSmem {
+    static constexpr int BM = 64 * hattn_fwd_consumers<HD>();   // query rows per block
+    static constexpr int QB = FP8 ? 2 : hattn_fwd_q_bufs<HD>();  // Q buffers
+    static constexpr int ELEM = FP8 ? 1 : 2;                     // bytes an element
+    static constexpr int Q_BYTES = BM * HD * ELEM;
+    static constexpr int KV_BYTES = HATTN_FWD_BN * HD * ELEM;
+    static constexpr int Q = 0;
+    static constexpr int K = Q + QB * Q_BYTES;
+    static constexpr int V = K + HATTN_FWD_STAGES * KV_BYTES;
+    static constexpr int BAR = V + HATTN_FWD_STAGES * KV_BYTES;
+    static constexpr int BYTES = BAR + 128 + 1024;      // barriers; slack to align the base
+    static_assert(2 * QB + 4 * HATTN_FWD_STAGES <= 16, "the forward's barriers fit their 128 bytes");
+    static_assert(BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
+};
 template <int HD> struct HattnSmem {
     static constexpr int CH = HD / 64;
     static constexpr int chunk(int rows) { return rows * 128; }
-    // forward: Q buffers (all consumers' rows), K and V stages, barriers
-    static constexpr int FWD_BM = 64 * hattn_fwd_consumers<HD>();   // query rows per block
-    static constexpr int FWD_Q = 0;
-    static constexpr int FWD_Q_BYTES = CH * chunk(FWD_BM);
-    static constexpr int FWD_KV_BYTES = CH * chunk(HATTN_FWD_BN);
-    static constexpr int FWD_K = FWD_Q + hattn_fwd_q_bufs<HD>() * FWD_Q_BYTES;
-    static constexpr int FWD_V = FWD_K + HATTN_FWD_STAGES * FWD_KV_BYTES;
-    static constexpr int FWD_BAR = FWD_V + HATTN_FWD_STAGES * FWD_KV_BYTES;
-    static constexpr int FWD_BYTES = FWD_BAR + 128 + 1024;      // barriers; slack to align the base
-    static_assert(2 * hattn_fwd_q_bufs<HD>() + 4 * HATTN_FWD_STAGES <= 16, "the forward's barriers fit their 128 bytes");
     // backward: K, V of the block; Q and dO stages; dS^T twice; two dQ tiles twice (by step parity); lse and D rows of
     // each stage; barriers. Every tile starts on a 1024-byte boundary.
     static constexpr int BWD_KV_BYTES = CH * chunk(HATTN_BWD_BN);
@@ -615,7 +652,7 @@ template <int HD> struct HattnSmem {
     static constexpr int BWD_ROWS = BWD_DQ + HATTN_CONSUMERS * 2 * BWD_DQ_BYTES;
     static constexpr int BWD_BAR = BWD_ROWS + HATTN_BWD_STAGES * BWD_ROWS_BYTES;
     static constexpr int BWD_BYTES = BWD_BAR + 128 + 1024;
-    static_assert(FWD_BYTES <= 227 * 1024 && BWD_BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
+    static_assert(BWD_BYTES <= 227 * 1024, "shared memory over the sm_90 limit");
 };
 
 // The backward's per-row values and dQ accumulator, padded to whole query tiles: Tp = ceil(T / 64) * 64.
@@ -780,50 +817,56 @@ __device__ inline void hattn_fence_regs(float* d) {
 #define HATTN_R64 HATTN_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
                   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
+// One wgmma: SHAPE_TYPES its shape and input types, REGS / OUTS the accumulators, OPERANDS the operand list
+// after them (p, the predicate, is scale-d: 0 overwrites d), the asm inputs after that. accumulate is a constant
+// in every caller's unrolled loop: with 0 the accumulators are outputs only ("=f"), so the compiler need not keep
+// their old values live up to the product that overwrites them.
+#define HATTN_WGMMA(SHAPE_TYPES, REGS, OUTS, OPERANDS, ...)                                                         \
+    if (accumulate)                                                                                                \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned." SHAPE_TYPES        \
+                     " {" REGS "}, " OPERANDS ";\n}\n" : OUTS("+f") : __VA_ARGS__);                                    \
+    else                                                                                                           \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n wgmma.mma_async.sync.aligned." SHAPE_TYPES        \
+                     " {" REGS "}, " OPERANDS ";\n}\n" : OUTS("=f") : __VA_ARGS__);
+
 // d[64 x N] (+)= A[64 x 16] B[16 x N], BF16 in, FP32 accumulate; A and B from shared memory (descriptors).
 // TA / TB: 0 = K-major (rows of the operand run along K), 1 = MN-major (transposed). accumulate = 0 overwrites d.
-// accumulate is a constant in every caller's unrolled loop: with 0 the accumulators are outputs only ("=f"), so
-// the compiler need not keep their old values live up to the product that overwrites them.
-#define HATTN_WGMMA_SS(SHAPE, REGS, OUTS, OPERANDS)                                                                 \
-    if (accumulate)                                                                                                \
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
-                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n" : OUTS("+f") : "l"(a), "l"(b), "n"(TA), "n"(TB));  \
-    else                                                                                                           \
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
-                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n" : OUTS("=f") : "l"(a), "l"(b), "n"(TA), "n"(TB));
 template <int N, int TA, int TB>
 __device__ inline void hattn_wgmma_ss(float* d, uint64_t a, uint64_t b, int accumulate) {
     static_assert(N == 32 || N == 64 || N == 128, "wgmma widths used here");
     if constexpr (N == 32) {
-        HATTN_WGMMA_SS("m64n32k16", HATTN_R16, HATTN_D16, "%16, %17, p, 1, 1, %18, %19")
+        HATTN_WGMMA("m64n32k16.f32.bf16.bf16", HATTN_R16, HATTN_D16, "%16, %17, p, 1, 1, %18, %19", "l"(a), "l"(b), "n"(TA), "n"(TB))
     } else if constexpr (N == 64) {
-        HATTN_WGMMA_SS("m64n64k16", HATTN_R32, HATTN_D32, "%32, %33, p, 1, 1, %34, %35")
+        HATTN_WGMMA("m64n64k16.f32.bf16.bf16", HATTN_R32, HATTN_D32, "%32, %33, p, 1, 1, %34, %35", "l"(a), "l"(b), "n"(TA), "n"(TB))
     } else {
-        HATTN_WGMMA_SS("m64n128k16", HATTN_R64, HATTN_D64, "%64, %65, p, 1, 1, %66, %67")
+        HATTN_WGMMA("m64n128k16.f32.bf16.bf16", HATTN_R64, HATTN_D64, "%64, %65, p, 1, 1, %66, %67", "l"(a), "l"(b), "n"(TA), "n"(TB))
     }
 }
-#undef HATTN_WGMMA_SS
 // d[64 x N] (+)= A[64 x 16] B[16 x N]; A from registers (the mma.sync A fragment of each warp's 16 rows), B from
 // shared memory (TB as above).
-#define HATTN_WGMMA_RS(SHAPE, REGS, OUTS, OPERANDS)                                                                 \
-    if (accumulate)                                                                                                \
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
-                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n"                                                  \
-                     : OUTS("+f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));                    \
-    else                                                                                                           \
-        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 0, 0;\n wgmma.mma_async.sync.aligned." SHAPE              \
-                     ".f32.bf16.bf16 {" REGS "}, " OPERANDS ";\n}\n"                                                  \
-                     : OUTS("=f") : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
 template <int N, int TB>
 __device__ inline void hattn_wgmma_rs(float* d, const uint32_t* a, uint64_t b, int accumulate) {
     static_assert(N == 64 || N == 128, "wgmma widths used here");
     if constexpr (N == 64) {
-        HATTN_WGMMA_RS("m64n64k16", HATTN_R32, HATTN_D32, "{%32, %33, %34, %35}, %36, p, 1, 1, %37")
+        HATTN_WGMMA("m64n64k16.f32.bf16.bf16", HATTN_R32, HATTN_D32, "{%32, %33, %34, %35}, %36, p, 1, 1, %37",
+                    "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB))
     } else {
-        HATTN_WGMMA_RS("m64n128k16", HATTN_R64, HATTN_D64, "{%64, %65, %66, %67}, %68, p, 1, 1, %69")
+        HATTN_WGMMA("m64n128k16.f32.bf16.bf16", HATTN_R64, HATTN_D64, "{%64, %65, %66, %67}, %68, p, 1, 1, %69",
+                    "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB))
     }
 }
-#undef HATTN_WGMMA_RS
+// The FP8 products, E4M3 in, FP32 accumulate, k = 32 (32 bytes of each operand row): both operands K-major, the
+// only layout FP8 wgmma reads. d[64 x 128] (+)= A[64 x 32] B[32 x 128], both from shared memory (S = Q K^T) ...
+__device__ inline void hattn_wgmma_ss_e4m3(float* d, uint64_t a, uint64_t b, int accumulate) {
+    HATTN_WGMMA("m64n128k32.f32.e4m3.e4m3", HATTN_R64, HATTN_D64, "%64, %65, p, 1, 1", "l"(a), "l"(b))
+}
+// ... and d[64 x 64] (+)= A[64 x 32] B[32 x 64], A from registers (O += P V): in warp w, lane (g, t) holds 4 bytes
+// a register, a0 = A[16w + g][4t..4t+3], a1 = A[16w + g + 8][4t..4t+3], a2, a3 the same at columns 16 + 4t.
+__device__ inline void hattn_wgmma_rs_e4m3(float* d, const uint32_t* a, uint64_t b, int accumulate) {
+    HATTN_WGMMA("m64n64k32.f32.e4m3.e4m3", HATTN_R32, HATTN_D32, "{%32, %33, %34, %35}, %36, p, 1, 1",
+                "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+}
+#undef HATTN_WGMMA
 #endif   // __CUDA_ARCH__
 
 // ---- Hopper forward. Work tiles: (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers,
@@ -834,24 +877,40 @@ __device__ inline void hattn_wgmma_rs(float* d, const uint32_t* a, uint64_t b, i
 // Consumer c owns query rows 64c..64c+63 of a tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major),
 // online softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then
 // O += P V (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
+// FP8 (the same kernel, FP8 = true; inputs from attention_fp8_cast): Q, K and V arrive in E4M3 at per-tensor
+// scales sq, sk, sv (powers of two), V transposed so that both operands of P V are K-major. S = Q K^T runs on FP8
+// tensor cores and the scales fold into the softmax's multiplier (scores = raw / (sq sk)). P, in [0, 1] after the
+// online softmax, is cast to E4M3 times 256 (exact: a power of two), which keeps the probabilities down to 2^-14
+// in E4M3's normal range (its subnormals start at 2^-6); l sums the unrounded P, and O = acc / (256 sv l).
+// The C fragment of S holds keys 2t, 2t+1, 8+2t, 9+2t of each 16 where the FP8 A fragment wants 4t..4t+3: rather
+// than shuffle bytes between lanes, the cast permutes V's keys the same way (attention_fp8_key), so that
+// sum_k P[k] V[k] pairs the right key with its probability.
 
 // Named barriers of the Hopper forward (ids for hattn_sync / hattn_arrive; 0 is __syncthreads).
 enum HattnFwdBarrier : int {
     HATTN_FWD_BAR_TURN = 4,   // + c: consumer c waits for its turn at the tensor cores; consumer c - 1 (mod NC) arrives
 };
 static_assert(HATTN_FWD_BAR_TURN + hattn_fwd_consumers<64>() <= 16, "a block has 16 named barriers");
-template <int HD>
+// Q, K and V tiles come from q_map, k_map and v_map (BF16: qkv for all three; FP8: attention_fp8_cast's q8, k8
+// and vt8); fp8_amax: the amaxes of Q, K and V (FP8 only).
+template <int HD, bool FP8>
 __global__ void __launch_bounds__(128 * (1 + hattn_fwd_consumers<HD>()), 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
-                                const __grid_constant__ CUtensorMap kv_map, int B, int T, int NH, int NKV, int qg) {
+                                const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                                const unsigned int* fp8_amax, int B, int T, int NH, int NKV, int qg) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef HattnSmem<HD> S;
-    constexpr int CH = S::CH, BN = HATTN_FWD_BN, NC = hattn_fwd_consumers<HD>(), BM = S::FWD_BM, QB = hattn_fwd_q_bufs<HD>();
+    typedef HattnFwdSmem<HD, FP8> S;
+    // CH: BF16 tiles per head (64 columns each); FP8 has one tile of HD bytes a row. ROW: bytes a Q or K row of a tile.
+    constexpr int CH = FP8 ? 1 : HD / 64, ROW = FP8 ? HD : 128;
+    constexpr int BN = HATTN_FWD_BN, NC = hattn_fwd_consumers<HD>(), BM = S::BM, QB = S::QB;
     extern __shared__ unsigned char hattn_smem_raw[];
     unsigned char* smem = hattn_smem_base(hattn_smem_raw);
-    const uint64_t sw128 = hattn_desc(smem, 1024, HATTN_SW128);   // every operand tile: 128-byte swizzle, 8 rows = 1024 bytes
+    // Operand tiles: the 128-byte swizzle, 8 rows = 1024 bytes; FP8 Q and K at HD = 64: the 64-byte, 8 rows = 512.
+    const uint64_t sw128 = hattn_desc(smem, 1024, HATTN_SW128);
+    const uint64_t qk_base = FP8 && HD == 64 ? hattn_desc(smem, 512, HATTN_SW64) : sw128;
     auto desc = [&](const unsigned char* tile) { return hattn_desc_at(sw128, (uint32_t)(tile - smem)); };
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::FWD_BAR);
+    auto qk_desc = [&](const unsigned char* tile) { return hattn_desc_at(qk_base, (uint32_t)(tile - smem)); };
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::BAR);
     uint64_t* q_full = bars;                                  // per Q buffer: full, empty; then per stage:
     uint64_t* q_empty = q_full + QB;                          // K full, K empty, V full, V empty
     uint64_t* k_full = q_empty + QB;
@@ -897,23 +956,32 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
                 tile_of(w, &qt, &h, &b, &nkv);
                 const int kvh = h / (NH / NKV), qb = it % QB;
                 if (it >= QB) hattn_bar_wait(q_empty + qb, ((it / QB) + 1) & 1);
-                hattn_bar_expect(q_full + qb, S::FWD_Q_BYTES);
+                hattn_bar_expect(q_full + qb, S::Q_BYTES);
                 for (int ch = 0; ch < CH; ch++)
-                    hattn_tma_load(smem + S::FWD_Q + qb * S::FWD_Q_BYTES + ch * S::chunk(BM), &q_map, q_full + qb,
-                                   h * HD + 64 * ch, qt * BM, b);
+                    hattn_tma_load(smem + S::Q + qb * S::Q_BYTES + ch * BM * 128, &q_map, q_full + qb, h * HD + 64 * ch,
+                                   qt * BM, b);
                 for (int j = 0; j < nkv; j++, kv_use++) {
                     const int s = kv_use % HATTN_FWD_STAGES;
                     const uint32_t empty_parity = ((kv_use / HATTN_FWD_STAGES) + 1) & 1;   // the release of use kv_use - STAGES
+                    unsigned char* k_tile = smem + S::K + s * S::KV_BYTES;
+                    unsigned char* v_tile = smem + S::V + s * S::KV_BYTES;
                     if (kv_use >= HATTN_FWD_STAGES) hattn_bar_wait(k_empty + s, empty_parity);
-                    hattn_bar_expect(k_full + s, S::FWD_KV_BYTES);
-                    for (int ch = 0; ch < CH; ch++)
-                        hattn_tma_load(smem + S::FWD_K + s * S::FWD_KV_BYTES + ch * S::chunk(BN), &kv_map, k_full + s,
-                                       (NH + kvh) * HD + 64 * ch, j * BN, b);
+                    hattn_bar_expect(k_full + s, S::KV_BYTES);
+                    if constexpr (FP8) {   // k8 [B, T, NKV HD]
+                        hattn_tma_load(k_tile, &k_map, k_full + s, kvh * HD, j * BN, b);
+                    } else {
+                        for (int ch = 0; ch < CH; ch++)
+                            hattn_tma_load(k_tile + ch * BN * 128, &k_map, k_full + s, (NH + kvh) * HD + 64 * ch, j * BN, b);
+                    }
                     if (kv_use >= HATTN_FWD_STAGES) hattn_bar_wait(v_empty + s, empty_parity);
-                    hattn_bar_expect(v_full + s, S::FWD_KV_BYTES);
-                    for (int ch = 0; ch < CH; ch++)
-                        hattn_tma_load(smem + S::FWD_V + s * S::FWD_KV_BYTES + ch * S::chunk(BN), &kv_map, v_full + s,
-                                       (NH + NKV + kvh) * HD + 64 * ch, j * BN, b);
+                    hattn_bar_expect(v_full + s, S::KV_BYTES);
+                    if constexpr (FP8) {   // vt8 [B, NKV HD, Tp]: HD rows of 128 keys
+                        hattn_tma_load(v_tile, &v_map, v_full + s, j * BN, kvh * HD, b);
+                    } else {
+                        for (int ch = 0; ch < CH; ch++)
+                            hattn_tma_load(v_tile + ch * BN * 128, &v_map, v_full + s, (NH + NKV + kvh) * HD + 64 * ch,
+                                           j * BN, b);
+                    }
                 }
             }
         }
@@ -923,18 +991,24 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(NC)));
     const int c = wg - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const float scale_log2 = rsqrtf((float)HD) * ATTN_LOG2E;
+    // The softmax's multiplier of raw scores, and O's at the end. FP8: the scales of the cast undone.
+    float scale_log2 = rsqrtf((float)HD) * ATTN_LOG2E, out_scale = 1.0f;
+    if constexpr (FP8) {
+        const float sq = attention_fp8_scale(fp8_amax[0]), sk = attention_fp8_scale(fp8_amax[1]);
+        scale_log2 /= sq * sk;
+        out_scale = 1.0f / (ATTN_FP8_P_SCALE * attention_fp8_scale(fp8_amax[2]));
+    }
 
     float o[HD / 8][4];
     float m[2], l[2];                                         // running max (scaled, base 2) and sum of rows g, g+8
     float sc[BN / 8][4];
     float alpha[2];
-    uint32_t pa[BN / 16][4];
-    // At HD = 128 each warp keeps its 16 rows of Q in registers (32 a thread), the A operand of S = Q K^T: the
-    // product then reads only K from shared memory, and the block's one Q buffer is released as soon as the
+    uint32_t pa[BN / (FP8 ? 32 : 16)][4];
+    // BF16 at HD = 128: each warp keeps its 16 rows of Q in registers (32 a thread), the A operand of S = Q K^T:
+    // the product then reads only K from shared memory, and the block's one Q buffer is released as soon as the
     // fragments are loaded, so the next work tile's Q loads under this tile's products. At HD = 64 three
-    // consumers have 160 registers a thread and this spills; there the two Q buffers already overlap the loads.
-    constexpr bool Q_IN_REGS = HD == 128;
+    // consumers have 160 registers a thread and this spills; there, and in FP8, two Q buffers overlap the loads.
+    constexpr bool Q_IN_REGS = HD == 128 && !FP8;
     uint32_t qa[Q_IN_REGS ? HD / 16 : 1][4];
     int kv_base = 0;                                          // this block's K/V tiles before the current work tile
     for (int w = blockIdx.x, it = 0; w < tiles; w += gridDim.x, it++) {
@@ -949,7 +1023,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         const int row_first = qt * BM + 64 * c;
         const int nkv_c = row_first >= T ? 1 : min(row_first + 63, T - 1) / BN + 1;
         const int qb = it % QB;
-        const unsigned char* q_tile = smem + S::FWD_Q + qb * S::FWD_Q_BYTES + 64 * c * 128;   // this consumer's rows of chunk 0
+        const unsigned char* q_tile = smem + S::Q + qb * S::Q_BYTES + 64 * c * ROW;   // this consumer's rows of chunk 0
         attention_zero<HD / 8>(o);
         m[0] = m[1] = -INFINITY;
         l[0] = l[1] = 0.0f;
@@ -959,17 +1033,23 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         // S = Q K^T of K/V tile j into sc (issued, not awaited).
         auto issue_scores = [&](int j) {
             const int u = kv_base + j;
-            const unsigned char* k_tile = smem + S::FWD_K + (u % HATTN_FWD_STAGES) * S::FWD_KV_BYTES;
+            const unsigned char* k_tile = smem + S::K + (u % HATTN_FWD_STAGES) * S::KV_BYTES;
             hattn_bar_wait(k_full + u % HATTN_FWD_STAGES, (u / HATTN_FWD_STAGES) & 1);
             hattn_wgmma_fence();
+            if constexpr (FP8) {
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
-                const int ch = kk / 4, off = (kk % 4) * 32;
-                if constexpr (Q_IN_REGS)
-                    hattn_wgmma_rs<BN, 0>(&sc[0][0], qa[kk], desc(k_tile + ch * S::chunk(BN) + off), kk > 0);
-                else
-                    hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], desc(q_tile + ch * S::chunk(BM) + off),
-                                             desc(k_tile + ch * S::chunk(BN) + off), kk > 0);
+                for (int kk = 0; kk < HD / 32; kk++)   // 32 columns of the head per step: 32 bytes into the rows
+                    hattn_wgmma_ss_e4m3(&sc[0][0], qk_desc(q_tile + kk * 32), qk_desc(k_tile + kk * 32), kk > 0);
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; kk++) {   // 16 columns of the head per step: 32 bytes into a chunk's rows
+                    const int ch = kk / 4, off = (kk % 4) * 32;
+                    if constexpr (Q_IN_REGS)
+                        hattn_wgmma_rs<BN, 0>(&sc[0][0], qa[kk], desc(k_tile + ch * BN * 128 + off), kk > 0);
+                    else
+                        hattn_wgmma_ss<BN, 0, 0>(&sc[0][0], desc(q_tile + ch * BM * 128 + off), desc(k_tile + ch * BN * 128 + off),
+                                                 kk > 0);
+                }
             }
             hattn_wgmma_commit();
         };
@@ -985,19 +1065,32 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             }
             attention_softmax_step<BN / 8>(sc, m, l, alpha, scale_log2);
         };
-        // O += P_j V_j (issued, not awaited), a m64n64 product per 64-column chunk of V (one m64n128 over both
-        // chunks is slower).
+        // O += P_j V_j (issued, not awaited), a m64n64 product per 64 columns of V (one m64n128 over both
+        // halves is slower). FP8: V^T's rows 64ch.. are those columns, and a step of 32 keys is 32 bytes of its rows.
         auto issue_pv = [&](int j) {
             const int u = kv_base + j, s = u % HATTN_FWD_STAGES;
-            const unsigned char* v_tile = smem + S::FWD_V + s * S::FWD_KV_BYTES;
+            const unsigned char* v_tile = smem + S::V + s * S::KV_BYTES;
             hattn_bar_wait(v_full + s, (u / HATTN_FWD_STAGES) & 1);
             hattn_wgmma_fence();
+            if constexpr (FP8) {
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
+                for (int kk = 0; kk < BN / 32; kk++)
 #pragma unroll
-                for (int ch = 0; ch < CH; ch++)
-                    hattn_wgmma_rs<64, 1>(&o[8 * ch][0], pa[kk], desc(v_tile + ch * S::chunk(BN) + kk * 16 * 128), 1);
+                    for (int ch = 0; ch < HD / 64; ch++)
+                        hattn_wgmma_rs_e4m3(&o[8 * ch][0], pa[kk], desc(v_tile + ch * 64 * 128 + kk * 32), 1);
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; kk++)       // 16 keys per step: 16 rows of V
+#pragma unroll
+                    for (int ch = 0; ch < CH; ch++)
+                        hattn_wgmma_rs<64, 1>(&o[8 * ch][0], pa[kk], desc(v_tile + ch * BN * 128 + kk * 16 * 128), 1);
+            }
             hattn_wgmma_commit();
+        };
+        // P as the A operand of P V: BF16, or E4M3 times ATTN_FP8_P_SCALE.
+        auto pack_p = [&] {
+            if constexpr (FP8) attention_pack_a_e4m3<BN>(pa, sc, ATTN_FP8_P_SCALE);
+            else attention_pack_a<BN>(pa, sc);
         };
 
         // The consumers take turns at the tensor cores, in a ring (HATTN_FWD_BAR_TURN): one issues its products
@@ -1019,7 +1112,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     const int r = 16 * warp + g + 8 * (j % 2), unit = (kk % 4) * 2 + j / 2;   // 16-byte unit, swizzled
-                    qa[kk][j] = *reinterpret_cast<const uint32_t*>(q_tile + (kk / 4) * S::chunk(BM) + hattn_sw128(r, unit) + 4 * t);
+                    qa[kk][j] = *reinterpret_cast<const uint32_t*>(q_tile + (kk / 4) * BM * 128 + hattn_sw128(r, unit) + 4 * t);
                 }
             hattn_bar_arrive(q_empty + qb);             // Q is in registers: the next tile's may load
         }
@@ -1031,7 +1124,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         hattn_fence_regs<BN / 2>(&sc[0][0]);
         hattn_bar_arrive(k_empty + kv_base % HATTN_FWD_STAGES);
         softmax(0);
-        attention_pack_a<BN>(pa, sc);
+        pack_p();
         // The pipeline keeps the tensor cores fed while the exponentials run: with P_j ready (bf16, registers),
         // S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs while P_j V_j
         // is still on the tensor cores. O is rescaled by alpha and P_{j+1} converted only after that product has
@@ -1049,7 +1142,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_fence_regs<HD / 2>(&o[0][0]);
             hattn_bar_arrive(v_empty + (kv_base + j) % HATTN_FWD_STAGES);
             attention_rescale_rows<HD / 8>(o, alpha);
-            attention_pack_a<BN>(pa, sc);
+            pack_p();
         }
         if constexpr (!Q_IN_REGS) hattn_bar_arrive(q_empty + qb);   // every product reading Q has completed
         // The last product, O += P V of this consumer's last K/V tile.
@@ -1070,7 +1163,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         // Store: O / l and lse of the consumer's rows.
         attention_finish_rows<HD>(o, m, l, lse + ((size_t)b * NH + h) * T, row_base, T, lane);
-        attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, row_base, T, o, 1.0f, lane);
+        attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, row_base, T, o, out_scale, lane);
         kv_base += nkv;
     }
 #endif
@@ -1523,6 +1616,82 @@ __global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_
 }
 
 // ----------------------------------------------------------------------------------------------
+// The FP8 forward's inputs (attention_fp8_cast): Q, K and V of qkv at per-tensor current scaling, E4M3.
+//   q8 [B, T, NH HD] and k8 [B, T, NKV HD]   Q and K times sq and sk, row-major as in qkv
+//   vt8 [B, NKV HD, Tp]                       V^T times sv, Tp = T rounded up to 128 (the forward's key tiles),
+//                                            keys of each 16 in attention_fp8_key order, keys past T zero
+//   amax [3]                                  the amaxes of Q, K and V (bits of |x|); the scales follow from them
+// V is transposed because FP8 wgmma reads both operands K-major: for P V, K is the key.
+__host__ __device__ inline int attention_fp8_padded_T(int T) { return (T + HATTN_FWD_BN - 1) / HATTN_FWD_BN * HATTN_FWD_BN; }
+struct AttentionFp8Inputs {
+    fp8 *q, *k, *vt;
+    unsigned int* amax;
+};
+// The three amaxes, each thread 8 columns (16 bytes) of a row at a time; every part of a row is a whole number
+// of 64-column heads, so 8 columns never straddle two parts.
+__global__ void attention_fp8_amax_kernel(unsigned int* amax, const bf16* qkv, size_t rows, int NH, int NKV, int HD) {
+    const int C3 = (NH + 2 * NKV) * HD;
+    const size_t vectors = rows * C3 / 8;
+    unsigned int m[3] = {0u, 0u, 0u};
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vectors; i += (size_t)gridDim.x * blockDim.x) {
+        const int col = (int)(i * 8 % C3), part = col < NH * HD ? 0 : col < (NH + NKV) * HD ? 1 : 2;
+        const Packed128<bf16> v = load128(qkv + i * 8);
+        unsigned int vm = 0u;
+#pragma unroll
+        for (int k = 0; k < 8; k++) vm = max(vm, abs_bits(to_float(v.v[k])));
+        m[part] = max(m[part], vm);
+    }
+#pragma unroll
+    for (int part = 0; part < 3; part++) {
+        for (int o = 16; o > 0; o >>= 1) m[part] = max(m[part], __shfl_xor_sync(0xffffffffu, m[part], o));
+        if (threadIdx.x % 32 == 0 && m[part] != 0u) atomicMax(amax + part, m[part]);
+    }
+}
+// Block (64 tokens from t0, head column block hh of qkv, batch b): a Q or K head is cast row by row; a V head
+// goes through shared memory and leaves as 64 keys of each of its HD rows of vt8.
+template <int HD>
+__global__ void __launch_bounds__(256) attention_fp8_cast_kernel(AttentionFp8Inputs in, const bf16* qkv, int T, int NH, int NKV) {
+    const int t0 = blockIdx.x * 64, hh = blockIdx.y, b = blockIdx.z, C3 = (NH + 2 * NKV) * HD, Tp = attention_fp8_padded_T(T);
+    const bf16* src = qkv + (size_t)b * T * C3 + hh * HD;
+    if (hh < NH + NKV) {
+        const bool is_q = hh < NH;
+        const float scale = attention_fp8_scale(in.amax[is_q ? 0 : 1]);
+        const int pitch = (is_q ? NH : NKV) * HD;
+        fp8* dst = (is_q ? in.q + hh * HD : in.k + (hh - NH) * HD) + (size_t)b * T * pitch;
+        for (int i = threadIdx.x; i < 64 * HD / 8; i += blockDim.x) {
+            const int t = t0 + i / (HD / 8), c = i % (HD / 8) * 8;
+            if (t >= T) break;
+            const Packed128<bf16> v = load128(src + (size_t)t * C3 + c);
+            uint2 packed;
+            packed.x = fp8x2_encode<E4M3>(to_float(v.v[0]) * scale, to_float(v.v[1]) * scale) |
+                       (uint32_t)fp8x2_encode<E4M3>(to_float(v.v[2]) * scale, to_float(v.v[3]) * scale) << 16;
+            packed.y = fp8x2_encode<E4M3>(to_float(v.v[4]) * scale, to_float(v.v[5]) * scale) |
+                       (uint32_t)fp8x2_encode<E4M3>(to_float(v.v[6]) * scale, to_float(v.v[7]) * scale) << 16;
+            *reinterpret_cast<uint2*>(dst + (size_t)t * pitch + c) = packed;
+        }
+        return;
+    }
+    __shared__ float tile[64][HD + 1];   // [token][head column], scaled; +1: the transposed reads hit distinct banks
+    const int kvh = hh - NH - NKV;
+    const float scale = attention_fp8_scale(in.amax[2]);
+    for (int i = threadIdx.x; i < 64 * HD / 8; i += blockDim.x) {
+        const int r = i / (HD / 8), c = i % (HD / 8) * 8;
+        const bool inside = t0 + r < T;
+        Packed128<bf16> v;
+        if (inside) v = load128(src + (size_t)(t0 + r) * C3 + c);
+#pragma unroll
+        for (int k = 0; k < 8; k++) tile[r][c + k] = inside ? to_float(v.v[k]) * scale : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < HD * 16; i += blockDim.x) {   // 4 keys (4 bytes) a thread: row d, positions p..p+3
+        const int d = i / 16, p = i % 16 * 4, group = p & ~15;
+        auto x = [&](int j) { return tile[group + attention_fp8_key(p % 16 + j)][d]; };
+        const uint32_t packed = fp8x2_encode<E4M3>(x(0), x(1)) | (uint32_t)fp8x2_encode<E4M3>(x(2), x(3)) << 16;
+        *reinterpret_cast<uint32_t*>(in.vt + ((size_t)b * NKV * HD + kvh * HD + d) * Tp + t0 + p) = packed;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
 // Launchers. attention_forward / attention_backward take the Hopper kernels when the build has them
 // (GPU_ARCH=sm_90a defines ATTENTION_HOPPER) and the GPU is compute capability 9.0, else the mma.sync
 // kernels; `path` forces one (the tests and the benchmark run both).
@@ -1574,20 +1743,21 @@ inline bool attention_use_hopper(AttentionPath path, const char* who) {
 // smallest power of two that fits them in the L2, and 1 where they fit already (the 1b shape: 17 KV heads x
 // 0.5 MB), since groups make the tiles of one wave unequal in length. Host arithmetic only: every build has it
 // (the tests print it).
-template <int HD>
+template <int HD, bool FP8 = false>
 inline int attention_fwd_query_group(int B, int T, int NH, int NKV, int* blocks) {
-    const int ntiles = ceil_div(T, HattnSmem<HD>::FWD_BM), group = NH / NKV;
+    const int ntiles = ceil_div(T, HattnFwdSmem<HD, FP8>::BM), group = NH / NKV;
     *blocks = std::min(ntiles * NH * B, device_sm_count());   // persistent: one block an SM (shared memory allows one)
-    const size_t kv_bytes = (size_t)T * HD * 2 * sizeof(bf16), l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
+    const size_t kv_bytes = (size_t)T * HD * 2 * HattnFwdSmem<HD, FP8>::ELEM, l2 = (size_t)device_attribute<cudaDevAttrL2CacheSize>();
     int qg = 1;
     while (qg < ntiles && (size_t)ceil_div(*blocks, qg * group) * kv_bytes > l2) qg *= 2;
     return qg;
 }
 
 #if defined(ATTENTION_HOPPER)
-// A [B, T, cols] bf16 tensor (row pitch `cols`) for the TMA: boxes of 64 columns x box_rows rows with the
-// 128-byte swizzle; rows past T are outside the tensor and arrive as zeros.
-inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B, int box_rows) {
+// A [B, rows, cols] tensor of `elem` bytes an element (bf16, or 1: FP8 codes) for the TMA: boxes of box_cols
+// columns x box_rows rows with the given swizzle; rows past `rows` are outside the tensor and arrive as zeros.
+inline CUtensorMap attention_tensor_map(const void* base, int elem, int cols, int rows, int B, int box_cols, int box_rows,
+                                        CUtensorMapSwizzle swizzle) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult found;
@@ -1597,30 +1767,45 @@ inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }();
     CUtensorMap map;
-    cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)T, (cuuint64_t)B};
-    cuuint64_t strides[2] = {(cuuint64_t)cols * sizeof(bf16), (cuuint64_t)cols * sizeof(bf16) * T};
-    cuuint32_t box[3] = {64, (cuuint32_t)box_rows, 1};
+    cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)B};
+    cuuint64_t strides[2] = {(cuuint64_t)cols * elem, (cuuint64_t)cols * elem * rows};
+    cuuint32_t box[3] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows, 1};
     cuuint32_t elem_strides[3] = {1, 1, 1};
-    CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r = encode(&map, elem == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
+                        dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-        fail("attention: cuTensorMapEncodeTiled refused a [%d, %d, %d] bf16 tensor at %p (CUresult %d)", B, T, cols, (const void*)base, (int)r);
+        fail("attention: cuTensorMapEncodeTiled refused a [%d, %d, %d] tensor of %d-byte elements at %p (CUresult %d)", B, rows, cols,
+             elem, base, (int)r);
     return map;
 }
+// The BF16 tensors of the kernels: [B, T, cols], boxes of 64 columns (128 bytes) x box_rows, 128-byte swizzle.
+inline CUtensorMap attention_tensor_map(const bf16* base, int cols, int T, int B, int box_rows) {
+    return attention_tensor_map(base, sizeof(bf16), cols, T, B, 64, box_rows, CU_TENSOR_MAP_SWIZZLE_128B);
+}
 
-template <int HD>
-inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, cudaStream_t s) {
+// fp8: nullptr for the BF16 forward from qkv; else the FP8 forward from attention_fp8_cast's tensors.
+template <int HD, bool FP8>
+inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, const AttentionFp8Inputs* fp8, int B, int T, int NH,
+                                     int NKV, cudaStream_t s) {
     static std::atomic<uint64_t> smem_set{0};
-    const size_t smem = HattnSmem<HD>::FWD_BYTES;
-    attention_set_smem((const void*)attention_forward_hopper_kernel<HD>, smem, &smem_set);
-    const int C3 = (NH + 2 * NKV) * HD;
-    const CUtensorMap q_map = attention_tensor_map(qkv, C3, T, B, HattnSmem<HD>::FWD_BM);
-    const CUtensorMap kv_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BN);
+    const size_t smem = HattnFwdSmem<HD, FP8>::BYTES;
+    attention_set_smem((const void*)attention_forward_hopper_kernel<HD, FP8>, smem, &smem_set);
+    const int BM = HattnFwdSmem<HD, FP8>::BM, C3 = (NH + 2 * NKV) * HD;
+    CUtensorMap q_map, k_map, v_map;
+    if constexpr (FP8) {
+        const CUtensorMapSwizzle qk_swizzle = HD == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+        q_map = attention_tensor_map(fp8->q, 1, NH * HD, T, B, HD, BM, qk_swizzle);
+        k_map = attention_tensor_map(fp8->k, 1, NKV * HD, T, B, HD, HATTN_FWD_BN, qk_swizzle);
+        v_map = attention_tensor_map(fp8->vt, 1, attention_fp8_padded_T(T), NKV * HD, B, HATTN_FWD_BN, HD, CU_TENSOR_MAP_SWIZZLE_128B);
+    } else {
+        q_map = attention_tensor_map(qkv, C3, T, B, BM);
+        k_map = v_map = attention_tensor_map(qkv, C3, T, B, HATTN_FWD_BN);
+    }
     int blocks;
-    const int qg = attention_fwd_query_group<HD>(B, T, NH, NKV, &blocks);
-    attention_forward_hopper_kernel<HD><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(out, lse, q_map, kv_map,
-                                                                                                  B, T, NH, NKV, qg);
+    const int qg = attention_fwd_query_group<HD, FP8>(B, T, NH, NKV, &blocks);
+    attention_forward_hopper_kernel<HD, FP8><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(
+        out, lse, q_map, k_map, v_map, FP8 ? fp8->amax : nullptr, B, T, NH, NKV, qg);
     cudaCheckLaunch();
 }
 
@@ -1655,7 +1840,7 @@ inline void attention_backward_hopper(bf16* dqkv, float* scratch, const bf16* do
 template <int HD>
 inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, bool hopper, cudaStream_t s) {
 #if defined(ATTENTION_HOPPER)
-    if (hopper) return attention_forward_hopper<HD>(out, lse, qkv, B, T, NH, NKV, s);
+    if (hopper) return attention_forward_hopper<HD, false>(out, lse, qkv, nullptr, B, T, NH, NKV, s);
 #endif
     static std::atomic<uint64_t> smem_set{0};
     const size_t smem = AttnDims<HD>::FORWARD_SMEM;
@@ -1672,6 +1857,55 @@ inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int
     const bool hopper = attention_use_hopper(path, "attention_forward");
     if (HD == 64) attention_forward_launch<64>(out, lse, qkv, B, T, NH, NKV, hopper, s);
     else attention_forward_launch<128>(out, lse, qkv, B, T, NH, NKV, hopper, s);
+}
+
+// The FP8 forward (Hopper builds only): qkv cast to E4M3 (attention_fp8_cast) into `scratch`
+// (attention_fp8_scratch_bytes), then the Hopper forward on FP8 tensor cores. Same outputs as attention_forward:
+// the backward runs on them unchanged, from the BF16 qkv.
+// The four parts of the scratch, each from a 256-byte boundary: q8, k8, vt8, amax.
+inline void attention_fp8_parts(size_t bytes[4], int B, int T, int NH, int NKV, int HD) {
+    const size_t sizes[4] = {(size_t)B * T * NH * HD, (size_t)B * T * NKV * HD, (size_t)B * NKV * HD * attention_fp8_padded_T(T),
+                             3 * sizeof(unsigned int)};
+    for (int i = 0; i < 4; i++) bytes[i] = (sizes[i] + 255) / 256 * 256;
+}
+inline size_t attention_fp8_scratch_bytes(int B, int T, int NH, int NKV, int HD) {
+    size_t bytes[4];
+    attention_fp8_parts(bytes, B, T, NH, NKV, HD);
+    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
+}
+inline AttentionFp8Inputs attention_fp8_inputs(void* scratch, int B, int T, int NH, int NKV, int HD) {
+    size_t bytes[4];
+    attention_fp8_parts(bytes, B, T, NH, NKV, HD);
+    AttentionFp8Inputs in;
+    in.q = static_cast<fp8*>(scratch);
+    in.k = in.q + bytes[0];
+    in.vt = in.k + bytes[1];
+    in.amax = reinterpret_cast<unsigned int*>(in.vt + bytes[2]);
+    return in;
+}
+// The cast alone (the forward's first half; the tests check its bytes).
+inline AttentionFp8Inputs attention_fp8_cast(void* scratch, const bf16* qkv, int B, int T, int NH, int NKV, int HD, cudaStream_t s) {
+    const AttentionFp8Inputs in = attention_fp8_inputs(scratch, B, T, NH, NKV, HD);
+    cudaCheck(cudaMemsetAsync(in.amax, 0, 3 * sizeof(unsigned int), s));
+    const size_t rows = (size_t)B * T;
+    attention_fp8_amax_kernel<<<cast_grid(rows * (NH + 2 * NKV) * HD), CAST_THREADS, 0, s>>>(in.amax, qkv, rows, NH, NKV, HD);
+    cudaCheckLaunch();
+    const dim3 grid(attention_fp8_padded_T(T) / 64, NH + 2 * NKV, B);
+    if (HD == 64) attention_fp8_cast_kernel<64><<<grid, 256, 0, s>>>(in, qkv, T, NH, NKV);
+    else attention_fp8_cast_kernel<128><<<grid, 256, 0, s>>>(in, qkv, T, NH, NKV);
+    cudaCheckLaunch();
+    return in;
+}
+inline void attention_forward_fp8(bf16* out, float* lse, const bf16* qkv, void* scratch, int B, int T, int NH, int NKV, int HD,
+                                  cudaStream_t s) {
+    attention_check("attention_forward_fp8", B, T, NH, NKV, HD, {out, lse, qkv, scratch});
+    if (!attention_hopper_available)
+        fail("attention_forward_fp8: FP8 attention runs on the Hopper kernels only; build with GPU_ARCH=sm_90a (an H100 or H200)");
+#if defined(ATTENTION_HOPPER)
+    const AttentionFp8Inputs in = attention_fp8_cast(scratch, qkv, B, T, NH, NKV, HD, s);
+    if (HD == 64) attention_forward_hopper<64, true>(out, lse, qkv, &in, B, T, NH, NKV, s);
+    else attention_forward_hopper<128, true>(out, lse, qkv, &in, B, T, NH, NKV, s);
+#endif
 }
 
 // Floats of scratch attention_backward needs: the mma.sync kernels use B*NH*T (D); the Hopper kernels the

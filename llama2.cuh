@@ -1230,6 +1230,7 @@ struct ModelActivations {
     bf16* dgate_up;        // [N,2F]
     bf16* dswiglu;         // [N,F]
     float* att_scratch;    // FP32, attention_backward's scratch (attention_backward_scratch_floats)
+    fp8* att_fp8;          // --fp8-attention: the FP8 forward's Q, K, V^T and amaxes (attention_fp8_scratch_bytes)
     float* norm_scratch;   // FP32, rmsnorm_backward's partial dw rows (rmsnorm_backward_scratch)
     float* qk_norm_scratch;   // --qk-norm: qk_norm_backward's partial dw rows
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
@@ -1248,6 +1249,8 @@ struct Fp8Options {
     bool fast_accum = true;     // fast accumulation in the forward GEMM (backward GEMMs always split)
     bool tp_amax_sync = false;  // tensor parallelism: the amax of a sharded X or dY is the MAX over the group
     float smooth_quant = 0.0f;  // --smooth-quant ALPHA: SmoothQuant's per-channel migration into the FP8 linears (section 5); 0 = off
+    bool attention = false;     // --fp8-attention: attention's forward on FP8 tensor cores (attention_forward_fp8) in
+                                // the layers whose linears are FP8; its backward stays BF16
     bool fused_casts = true;    // RMSNorm, SwiGLU and the RoPE backward cast their outputs for an FP8 linear themselves;
                                 // false: they write BF16 and a plain cast follows (the unfused path: the reference of
                                 // the fused casts' tests and the benchmark's baseline)
@@ -1639,6 +1642,8 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
         {"dgate_up", DT_BF16, N * 2 * F, (void**)&a.dgate_up},
         {"dswiglu", DT_BF16, N * F, (void**)&a.dswiglu},
         {"att_scratch", DT_FP32, attention_backward_scratch_floats(m->B, m->T, m->n_heads, c.head_dim), (void**)&a.att_scratch},
+        {"att_fp8", DT_E4M3 /* bytes */, m->fp8_options.attention ? attention_fp8_scratch_bytes(m->B, m->T, m->n_heads, m->n_kv_heads, c.head_dim) : 0,
+         (void**)&a.att_fp8},
         {"norm_scratch", DT_FP32, rmsnorm_backward_scratch((int)N, (int)D), (void**)&a.norm_scratch},
         {"qk_norm_scratch", DT_FP32, c.qk_norm ? qk_norm_backward_scratch((int)N, c.head_dim) : 0, (void**)&a.qk_norm_scratch},
         {"logits", DT_FP32, chunk * V, (void**)&a.logits},
@@ -1802,6 +1807,9 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     if (c.qk_norm && tp && tp->size > 1)
         fail("model_create: --qk-norm under tensor parallelism (%d ranks): the replicated Q and K norm weights would get only "
              "each rank's heads' gradients; use --tp 1", tp->size);
+    if (fp8.attention && (!BUILD_FP8 || !attention_hopper_available))
+        fail("model_create: FP8 attention (--fp8-attention) needs the FP8 build for GPU_ARCH=sm_90a (this one: %s%s)",
+             BUILD_FP8 ? "FP8" : "PRECISION=BF16", attention_hopper_available ? ", sm_90a" : ", not sm_90a");
     m->config = c;
     m->fp8_options = fp8;
     m->tp = tp;
@@ -1863,9 +1871,9 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
         // What the same model keeps in the BF16 build: every layer's attn_norm, ffn_norm and swiglu, no X8^T.
         const int fp8_layers = c.n_layers - model_num_bf16_layers(m);
         const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + m->ffn_dim) * sizeof(bf16);
-        printf("model FP8: %d of %d decoder layers in FP8 (%s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, scratch %.1f MiB\n",
-               fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16", m->fp8.weight_bytes / MiB,
-               m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
+        printf("model FP8: %d of %d decoder layers in FP8 (%s; attention forward %s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, "
+               "scratch %.1f MiB\n", fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16",
+               fp8.attention ? "FP8 too" : "BF16", m->fp8.weight_bytes / MiB, m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
         printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
                (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
     }
@@ -1970,7 +1978,10 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
         rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         {
             ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
-            attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+            if (m->fp8_options.attention && model_layer_fp8(m, l))
+                attention_forward_fp8(la.att, la.lse, la.qkv, a.att_fp8, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+            else
+                attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         }
         linear_forward(m, a.branch, la.att, w.wo, N);
         model_tp_all_reduce(m, a.branch, (size_t)N * D);   // row-parallel: the sum of the ranks' heads

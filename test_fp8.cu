@@ -2063,7 +2063,7 @@ GPU_TEST(attention_hopper_many_waves) {
     if (!attention_hopper_available) return skip_test("the Hopper attention kernels are built only for GPU_ARCH=sm_90a");
     for (const AttentionShape& sh : {AttentionShape{32, 1088, 8, 2, 64}, AttentionShape{8, 1088, 8, 8, 128}}) {
         const int blocks = ceil_div(sh.T, HATTN_BWD_BN) * sh.NKV * sh.B;
-        const int ntiles = ceil_div(sh.T, sh.HD == 64 ? HattnSmem<64>::FWD_BM : HattnSmem<128>::FWD_BM);
+        const int ntiles = ceil_div(sh.T, sh.HD == 64 ? HattnFwdSmem<64, false>::BM : HattnFwdSmem<128, false>::BM);
         const int tiles = ntiles * sh.NH * sh.B;
         int fwd_blocks;   // the launcher's grid and group size, as it computes them
         const int qg = sh.HD == 64 ? attention_fwd_query_group<64>(sh.B, sh.T, sh.NH, sh.NKV, &fwd_blocks)
@@ -2092,6 +2092,172 @@ GPU_TEST(attention_hopper_many_waves) {
         again.run_backward();
         expect(memcmp(hopper.dqkv.data(), again.dqkv.data(), hopper.dqkv.size() * sizeof(bf16)) == 0,
                "T=%d NH=%d NKV=%d HD=%d: two Hopper backward runs differ in dqkv", sh.T, sh.NH, sh.NKV, sh.HD);
+    }
+}
+
+// The FP8 forward (attention_forward_fp8, Hopper builds). Its cast first, byte for byte against the host codec: Q
+// and K keep qkv's layout, V lands transposed with the keys of each 16 in the order of the FP8 A fragment of P
+// (written out here from the fragment layouts, not taken from the kernel's helper), the keys past T zero.
+static const int ATTN_FP8_KEY_ORDER[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+struct AttentionFp8Host {   // the host's view of the FP8 inputs: amaxes, scales, codes decoded (unscaled)
+    double amax[3], scale[3];
+    std::vector<double> q, k, v;   // [B,T,NH,HD], [B,T,NKV,HD], [B,T,NKV,HD]: decode(code) / scale
+    std::vector<uint8_t> q8, k8, vt8;
+};
+static AttentionFp8Host attention_fp8_host(const AttentionRun& run) {
+    const AttentionShape& sh = run.sh;
+    const int Tp = (sh.T + 127) / 128 * 128;
+    AttentionFp8Host h;
+    const std::vector<double> parts[3] = {run.block(run.qkv, 0, sh.NH), run.block(run.qkv, sh.NH, sh.NKV),
+                                          run.block(run.qkv, sh.NH + sh.NKV, sh.NKV)};
+    std::vector<double>* decoded[3] = {&h.q, &h.k, &h.v};
+    std::vector<uint8_t>* codes[2] = {&h.q8, &h.k8};
+    for (int i = 0; i < 3; i++) {
+        h.amax[i] = 0;
+        for (double x : parts[i]) h.amax[i] = std::max(h.amax[i], fabs(x));
+        h.scale[i] = ref_fp8_scale(h.amax[i], E4M3, 0);
+        decoded[i]->resize(parts[i].size());
+        std::vector<uint8_t> c(parts[i].size());
+        for (size_t j = 0; j < c.size(); j++) {
+            c[j] = fp8_encode_ref((float)(parts[i][j] * h.scale[i]), E4M3);
+            (*decoded[i])[j] = fp8_decode_ref(c[j], E4M3) / h.scale[i];
+        }
+        if (i < 2) *codes[i] = c;
+    }
+    h.vt8.assign((size_t)sh.B * sh.NKV * sh.HD * Tp, 0);
+    for (int b = 0; b < sh.B; b++)
+        for (int kvh = 0; kvh < sh.NKV; kvh++)
+            for (int d = 0; d < sh.HD; d++)
+                for (int p = 0; p < Tp; p++) {
+                    const int key = p / 16 * 16 + ATTN_FP8_KEY_ORDER[p % 16];
+                    if (key < sh.T)
+                        h.vt8[(((size_t)b * sh.NKV + kvh) * sh.HD + d) * Tp + p] =
+                            fp8_encode_ref((float)(parts[2][(((size_t)b * sh.T + key) * sh.NKV + kvh) * sh.HD + d] * h.scale[2]), E4M3);
+                }
+    return h;
+}
+
+GPU_TEST(attention_fp8_cast_matches_host) {
+    if (!attention_hopper_available) return skip_test("the FP8 attention runs on the Hopper kernels (GPU_ARCH=sm_90a)");
+    for (const AttentionShape& sh : {attention_test_shapes[1], attention_test_shapes[4], attention_test_shapes[7]}) {
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
+        AttentionRun run(sh, ATTN_PATH_HOPPER);
+        const AttentionFp8Host h = attention_fp8_host(run);
+        DeviceBuffer<bf16> d_qkv(run.qkv);
+        DeviceBuffer<uint8_t> scratch(attention_fp8_scratch_bytes(sh.B, sh.T, sh.NH, sh.NKV, sh.HD));
+        scratch.poison();
+        const AttentionFp8Inputs in = attention_fp8_cast(scratch.ptr, d_qkv.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+        cudaCheck(cudaDeviceSynchronize());
+        unsigned int amax_bits[3];
+        cudaCheck(cudaMemcpy(amax_bits, in.amax, sizeof(amax_bits), cudaMemcpyDeviceToHost));
+        const char* names[3] = {"Q", "K", "V"};
+        for (int i = 0; i < 3; i++) {
+            float a;
+            memcpy(&a, &amax_bits[i], 4);
+            expect(a == (float)h.amax[i], "amax of %s: %g, want %g", names[i], a, h.amax[i]);
+        }
+        auto compare = [&](const char* what, const fp8* dev, const std::vector<uint8_t>& want) {
+            std::vector<uint8_t> got(want.size());
+            cudaCheck(cudaMemcpy(got.data(), dev, got.size(), cudaMemcpyDeviceToHost));
+            size_t bad = 0, first = 0;
+            for (size_t i = 0; i < got.size(); i++)
+                if (got[i] != want[i] && bad++ == 0) first = i;
+            printf("    %-4s %zu bytes, %zu differ\n", what, got.size(), bad);
+            expect(bad == 0, "%s: %zu of %zu codes differ from the host's, the first at byte %zu (0x%02x, want 0x%02x)", what, bad,
+                   got.size(), first, bad ? got[first] : 0, bad ? want[first] : 0);
+        };
+        compare("q8", in.q, h.q8);
+        compare("k8", in.k, h.k8);
+        compare("vt8", in.vt, h.vt8);
+    }
+}
+
+// The FP8 forward against two references. The emulation replays its arithmetic in float64 from the same E4M3
+// codes: S = Q K^T of the decoded Q and K, the online softmax over 128-key tiles (the kernel's), P in each tile
+// relative to the running max then cast to E4M3 times 256, O = sum P V / l with l the sum of the unrounded P. What
+// is left between the two: Hopper's FP8 tensor cores do not accumulate in full FP32 (about 14 significant bits are
+// kept, as DeepSeek-V3's report measured on H800s), so S and lse differ from float64 by ~1e-4 of themselves; that
+// moves a few P across a rounding boundary of E4M3 (a step of 2^-3 or 2^-4 of that P); and O is rounded to BF16.
+// Measured on an H100 over the shapes below: out rel_l2 <= 4.0e-3, max_rel <= 1.3e-2; lse <= 1.1e-4 (relative,
+// both measures). A wrong key order, scale or tile gives errors of order 1.
+// The exact reference (float64 on the BF16 inputs) measures what FP8 costs: E4M3 keeps 4 significant bits (a
+// relative rounding error of 2.5% rms) in Q, K (the scores), V and P; measured rel_l2 2.2-4.7e-2, max_rel <= 5.8e-2.
+static void ref_attention_fp8_forward(double* out, double* lse, const AttentionFp8Host& h, const AttentionShape& sh) {
+    const int BN = 128, group = sh.NH / sh.NKV;
+    const double scale = 1.0 / sqrt((double)sh.HD);
+    std::vector<double> s(sh.T), acc(sh.HD);
+    for (int b = 0; b < sh.B; b++)
+        for (int t = 0; t < sh.T; t++)
+            for (int hd = 0; hd < sh.NH; hd++) {
+                const int kvh = hd / group;
+                const double* q = &h.q[(((size_t)b * sh.T + t) * sh.NH + hd) * sh.HD];
+                double m = -INFINITY, l = 0;
+                std::fill(acc.begin(), acc.end(), 0.0);
+                for (int k0 = 0; k0 <= t; k0 += BN) {
+                    const int k1 = std::min(k0 + BN - 1, t);
+                    double mt = m;
+                    for (int j = k0; j <= k1; j++) {
+                        const double* k = &h.k[(((size_t)b * sh.T + j) * sh.NKV + kvh) * sh.HD];
+                        double dot = 0;
+                        for (int d = 0; d < sh.HD; d++) dot += q[d] * k[d];
+                        s[j] = dot * scale;
+                        mt = std::max(mt, s[j]);
+                    }
+                    const double alpha = exp(m - mt);   // 0 at the first tile (m = -inf)
+                    l *= alpha;
+                    for (double& a : acc) a *= alpha;
+                    for (int j = k0; j <= k1; j++) {
+                        const double p = exp(s[j] - mt);
+                        const double pq = fp8_decode_ref(fp8_encode_ref((float)(p * 256.0), E4M3), E4M3) / 256.0;
+                        l += p;
+                        const double* v = &h.v[(((size_t)b * sh.T + j) * sh.NKV + kvh) * sh.HD];
+                        for (int d = 0; d < sh.HD; d++) acc[d] += pq * v[d];
+                    }
+                    m = mt;
+                }
+                double* o = out + (((size_t)b * sh.T + t) * sh.NH + hd) * sh.HD;
+                for (int d = 0; d < sh.HD; d++) o[d] = acc[d] / l;
+                lse[((size_t)b * sh.NH + hd) * sh.T + t] = m + log(l);
+            }
+}
+static const double ATTN_FP8_EMU_MAX_TOL = 2.5e-2;   // out's max_rel against the emulation (rel_l2: ATTN_BF16_TOL)
+static const double ATTN_FP8_LSE_TOL = 2.5e-4;       // lse against the emulation, both measures
+static const double ATTN_FP8_EXACT_TOL = 7e-2;       // rel_l2 against the exact reference (FP8 rounding, above)
+static const double ATTN_FP8_EXACT_MAX_TOL = 8e-2;   // max_rel against it
+
+GPU_TEST(attention_fp8_forward_matches_reference) {
+    if (!attention_hopper_available) return skip_test("the FP8 attention runs on the Hopper kernels (GPU_ARCH=sm_90a)");
+    for (const AttentionShape& sh : attention_test_shapes) {
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
+        AttentionRun run(sh, ATTN_PATH_HOPPER);
+        const AttentionFp8Host h = attention_fp8_host(run);
+        const size_t N = (size_t)sh.B * sh.T;
+        std::vector<double> emu_out(N * sh.NH * sh.HD), emu_lse((size_t)sh.B * sh.NH * sh.T);
+        ref_attention_fp8_forward(emu_out.data(), emu_lse.data(), h, sh);
+        const std::vector<double> q = run.block(run.qkv, 0, sh.NH), k = run.block(run.qkv, sh.NH, sh.NKV),
+                                  v = run.block(run.qkv, sh.NH + sh.NKV, sh.NKV);
+        std::vector<double> out_ref(emu_out.size());
+        ref_attention_forward(out_ref.data(), q.data(), k.data(), v.data(), sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
+        DeviceBuffer<bf16> d_qkv(run.qkv), d_out(N * sh.NH * sh.HD);
+        DeviceBuffer<float> d_lse((size_t)sh.B * sh.NH * sh.T);
+        DeviceBuffer<uint8_t> scratch(attention_fp8_scratch_bytes(sh.B, sh.T, sh.NH, sh.NKV, sh.HD));
+        std::vector<bf16> first;
+        for (int rep = 0; rep < 2; rep++) {
+            d_out.poison();
+            d_lse.poison();
+            attention_forward_fp8(d_out.ptr, d_lse.ptr, d_qkv.ptr, scratch.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+            const std::vector<bf16> out = d_out.download();
+            if (rep == 1) {
+                expect(memcmp(out.data(), first.data(), out.size() * sizeof(bf16)) == 0, "two FP8 forward runs differ in out");
+                break;
+            }
+            first = out;
+            const std::vector<float> lse = d_lse.download();
+            expect_close("out vs the FP8 emulation", out.data(), emu_out.data(), out.size(), ATTN_BF16_TOL, ATTN_FP8_EMU_MAX_TOL);
+            expect_close("lse vs the FP8 emulation", lse.data(), emu_lse.data(), lse.size(), ATTN_FP8_LSE_TOL, ATTN_FP8_LSE_TOL);
+            expect_close("out vs exact (what FP8 costs)", out.data(), out_ref.data(), out.size(), ATTN_FP8_EXACT_TOL,
+                         ATTN_FP8_EXACT_MAX_TOL);
+        }
     }
 }
 
@@ -3602,6 +3768,55 @@ GPU_TEST(model_qkv_clip_unreached_changes_nothing) {
     expect(same_bits(base_loss, wide_loss) && model_test_same_bits(base, wide), "a clip of 1e30 changed the loss or a gradient");
 }
 
+// --fp8-attention in the model: the layers whose linears are FP8 run the FP8 attention forward, the others (the first
+// and the last) the BF16 one. Each layer's saved attention output must be, bit for bit, what the kernel it should have
+// run gives on that layer's saved qkv, and not what the other kernel gives (the two differ by FP8's rounding, so the
+// comparison tells them apart). The loss then moves by little (at init attention is nearly uniform): measured 1.4e-5 of
+// itself on an H100.
+GPU_TEST(model_fp8_attention_in_the_fp8_layers) {
+    if (!BUILD_FP8 || !attention_hopper_available) return skip_test("--fp8-attention needs the FP8 build for GPU_ARCH=sm_90a");
+    const int B = 2, T = 256, N = B * T;
+    ModelConfig c = model_config_preset("tiny", 256);
+    c.n_layers = 3;   // layer 1 FP8, layers 0 and 2 BF16
+    const std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
+    DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
+    const std::vector<float> w = model_init_weights(c, TEST_SEED);
+    float loss[2];
+    for (int attention_fp8 = 0; attention_fp8 < 2; attention_fp8++) {
+        Fp8Options fp8;
+        fp8.attention = attention_fp8 == 1;
+        Model m;
+        model_create(&m, c, B, T, fp8);
+        model_upload_weights(&m, w.data());
+        loss[attention_fp8] = model_loss(&m, d_inputs.ptr, d_targets.ptr, B, T);
+        if (fp8.attention) {
+            const size_t A = (size_t)m.n_heads * c.head_dim;
+            DeviceBuffer<bf16> bf16_out(N * A), fp8_out(N * A);
+            DeviceBuffer<float> lse((size_t)B * m.n_heads * T);
+            DeviceBuffer<uint8_t> scratch(attention_fp8_scratch_bytes(B, T, m.n_heads, m.n_kv_heads, c.head_dim));
+            for (int l = 0; l < c.n_layers; l++) {
+                const LayerActs la = model_layer_acts(&m, l);
+                std::vector<bf16> saved(N * A);
+                cudaCheck(cudaMemcpy(saved.data(), la.att, saved.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+                attention_forward(bf16_out.ptr, lse.ptr, la.qkv, B, T, m.n_heads, m.n_kv_heads, c.head_dim, 0);
+                attention_forward_fp8(fp8_out.ptr, lse.ptr, la.qkv, scratch.ptr, B, T, m.n_heads, m.n_kv_heads, c.head_dim, 0);
+                const std::vector<bf16> by_bf16 = bf16_out.download(), by_fp8 = fp8_out.download();
+                const bool want_fp8 = model_layer_fp8(&m, l);
+                const bool is_bf16 = memcmp(saved.data(), by_bf16.data(), saved.size() * sizeof(bf16)) == 0;
+                const bool is_fp8 = memcmp(saved.data(), by_fp8.data(), saved.size() * sizeof(bf16)) == 0;
+                printf("    layer %d (%s linears): attention output %s\n", l, want_fp8 ? "FP8" : "BF16",
+                       is_fp8 && !is_bf16 ? "of the FP8 kernel" : is_bf16 && !is_fp8 ? "of the BF16 kernel" : "of neither (or both)");
+                expect(want_fp8 ? is_fp8 && !is_bf16 : is_bf16 && !is_fp8, "layer %d: the attention output is not the %s kernel's alone", l,
+                       want_fp8 ? "FP8" : "BF16");
+            }
+        }
+        model_destroy(&m);
+    }
+    const double rel = fabs(loss[1] - loss[0]) / loss[0];
+    printf("    loss: BF16 attention %.6f, FP8 attention in layer 1 %.6f (relative difference %.2e)\n", loss[0], loss[1], rel);
+    expect(rel < 4e-5, "FP8 attention moved the loss by %.2e of itself", rel);
+}
+
 // ==============================================================================================
 // 10. The FP8 linear layer against the host: on the same dequantized operands (the GEMM's own error), and
 // against the exact float64 layer (the quantization error, as an SQNR in dB).
@@ -4785,6 +5000,7 @@ HOST_TEST(train_parse_rejects_bad_values) {
                                    {{"probe", "--dry-run"}, {"--dry-run", "unknown"}}});
     else   // the FP8 recipe's flags, refused by the BF16 build
         cases.insert(cases.end(), {{{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
+                                   {{"--fp8-attention"}, {"--fp8-attention", "PRECISION=BF16"}},
                                    {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
                                    {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
                                    {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}},
@@ -4864,6 +5080,7 @@ HOST_TEST(train_checkpoint_header) {
         {"rope", [](CheckpointHeader* x) { x->rope_theta = 500000.0f; }, {"rope_theta"}},
         {"amax history", [](CheckpointHeader* x) { x->amax_history = 16; }, {"--amax-history", "16"}},
         {"FP8 layers", [](CheckpointHeader* x) { x->fp8_all_layers = 1; }, {"--fp8-all-layers"}},
+        {"FP8 attention", [](CheckpointHeader* x) { x->fp8_attention = 1; }, {"--fp8-attention", "= 1"}},
         {"fast accum", [](CheckpointHeader* x) { x->fp8_fast_accum = 0; }, {"--fp8-fast-accum", "= 0"}},
         {"amax sync", [](CheckpointHeader* x) { x->tp_amax_sync = 1; }, {"--tp-amax-sync", "= 1"}},
         {"qk norm", [](CheckpointHeader* x) { x->qk_norm = 1; }, {"--qk-norm", "= 1"}},
@@ -8147,7 +8364,9 @@ static void bench_tp() {
 
 // Attention, forward and backward, both kernel paths in one run. Causal FLOPs: forward 2 B H T^2 D (Q K^T and
 // P V, 2 T^2 D each, halved by the mask), backward 2.5 x that (five products instead of two). The floor is
-// those FLOPs at the BF16 tensor-core rate (~790 TFLOP/s measured for a large BF16 GEMM on the H200).
+// those FLOPs at the BF16 tensor-core rate (~790 TFLOP/s measured for a large BF16 GEMM on the H200); the FP8
+// forward's (Hopper builds: its cast of Q, K, V included, and the cast alone on a line of its own) at the FP8 rate
+// (~1450). Its backward is the BF16 one.
 static void bench_attention() {
     struct Shape { const char* name; int B, T, NH, NKV, HD; };
     const Shape shapes[] = {
@@ -8184,6 +8403,19 @@ static void bench_attention() {
         }
         if (paths.size() == 2)
             printf("%-10s %34s | %17.2fx | %17.2fx |\n", "", "hopper / mma.sync speed", fwd_ms[0] / fwd_ms[1], bwd_ms[0] / bwd_ms[1]);
+        if (attention_hopper_available) {
+            void* fp8_scratch;
+            cudaCheck(cudaMalloc(&fp8_scratch, attention_fp8_scratch_bytes(sh.B, sh.T, sh.NH, sh.NKV, sh.HD)));
+            const float fp8_ms = bench_median_ms([&] {
+                attention_forward_fp8(out, lse, qkv, fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+            });
+            const float cast_ms = bench_median_ms([&] { attention_fp8_cast(fp8_scratch, qkv, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0); });
+            printf("%-10s %2d %5d %3d %3d %3d | %-14s | %8.3f %8.1f | %8s %8s | %5.0f%%\n", sh.name, sh.B, sh.T, sh.NH, sh.NKV,
+                   sh.HD, "hopper FP8", fp8_ms, fwd_flops / fp8_ms / 1e9, "-", "-", 100.0 * fwd_flops / fp8_ms / 1e9 / 1450.0);
+            printf("%-10s %34s | %8.3f %8s |\n", "", "of which the FP8 cast", cast_ms, "");
+            printf("%-10s %34s | %17.2fx |\n", "", "FP8 / BF16 hopper forward speed", fwd_ms[1] / fp8_ms);
+            cudaCheck(cudaFree(fp8_scratch));
+        }
         for (void* ptr : {(void*)qkv, (void*)dqkv, (void*)out, (void*)dout, (void*)lse, (void*)scratch}) cudaCheck(cudaFree(ptr));
     }
 }

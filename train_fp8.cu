@@ -89,6 +89,7 @@ struct TrainOptions {
     bool adam_atan2 = false;
     // the FP8 linear layers (llama2.cuh, Fp8Options; FP8 build only)
     bool fp8_all_layers = false;
+    bool fp8_attention = false;              // attention's forward on FP8 tensor cores (attention.cuh; Hopper builds)
     int amax_history = 1;                    // 1 = current scaling; more: delayed scaling from this many amaxes
     int quant_interval = 1;                  // delayed scaling: recompute the scales every this many steps
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
@@ -183,6 +184,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_switch("--update-clip", "AdamW update clipping: each tensor's update / max(1, its RMS)", &o->update_clip),
         flag_switch("--adam-atan2", "Adam-atan2 update: atan2(m, sqrt(v)), no eps", &o->adam_atan2),
         flag_switch("--fp8-all-layers", "FP8 in every decoder layer (default: first and last in BF16; FP8 build)", &o->fp8_all_layers),
+        flag_switch("--fp8-attention", "attention's forward on FP8 tensor cores: Q, K, V and P in E4M3, in the layers whose linears are FP8 (the backward stays BF16; FP8 build for GPU_ARCH=sm_90a)", &o->fp8_attention),
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
@@ -470,6 +472,11 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (!m_ok) return strprintf("--m-dtype %s: the first moment can be e4m3, bf16 or fp32", o->m_dtype.c_str());
     if (!v_ok) return strprintf("--v-dtype %s: the second moment can be bf16, e4m3, e5m2 or fp32", o->v_dtype.c_str());
     const TrainOptions defaults;
+    if (o->fp8_attention && !BUILD_FP8)
+        return "--fp8-attention: FP8 attention is part of the FP8 build; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+    if (o->fp8_attention && !attention_hopper_available)
+        return "--fp8-attention: FP8 attention runs on the Hopper attention kernels, which this binary lacks; build for an H100 or "
+               "H200 with make GPU_ARCH=sm_90a";
     if (!BUILD_FP8 && (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 ||
                        o->fp8_stats != 0 || o->fp8_warn_saturated != defaults.fp8_warn_saturated ||
                        o->fp8_warn_flushed != defaults.fp8_warn_flushed || o->fp8_warn_after != defaults.fp8_warn_after ||
@@ -543,8 +550,9 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
 //   184  u64  XXH64 (seed 0) of the payload, bytes 256 .. 256+S-1
 //   192  f32  --qkv-clip C (0 = off)                 196  i32  --qk-norm (0/1)
 //   200  i32  --amax-warmup N                        204  i32  --wd-constant-lr (0/1)
-//   208  f32  --smooth-quant ALPHA (0 = off)         (files from before these five flags hold zeros in 192..211: all off)
-//   212..247  zero
+//   208  f32  --smooth-quant ALPHA (0 = off)         212  i32  --fp8-attention (0/1)
+//   (files from before these six flags hold zeros in 192..215: all off)
+//   216..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -597,7 +605,8 @@ struct CheckpointHeader {
     float qkv_clip;
     int32_t qk_norm, amax_warmup, wd_constant_lr;
     float smooth_quant;
-    uint8_t reserved[36];
+    int32_t fp8_attention;
+    uint8_t reserved[32];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -611,7 +620,7 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, payload_xxh64) == 184 && offsetof(CheckpointHeader, qkv_clip) == 192 &&
               offsetof(CheckpointHeader, qk_norm) == 196 && offsetof(CheckpointHeader, amax_warmup) == 200 &&
               offsetof(CheckpointHeader, wd_constant_lr) == 204 && offsetof(CheckpointHeader, smooth_quant) == 208 &&
-              offsetof(CheckpointHeader, reserved) == 212 &&
+              offsetof(CheckpointHeader, fp8_attention) == 212 && offsetof(CheckpointHeader, reserved) == 216 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -721,6 +730,7 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.amax_warmup = o.amax_warmup;
     h.wd_constant_lr = o.wd_constant_lr ? 1 : 0;
     h.smooth_quant = o.smooth_quant;
+    h.fp8_attention = o.fp8_attention ? 1 : 0;
     return h;
 }
 
@@ -748,6 +758,7 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"FP8 amax history (--amax-history)", got.amax_history, want.amax_history},
         {"FP8 quantization interval (--quant-interval)", got.quant_interval, want.quant_interval},
         {"FP8 in all layers (--fp8-all-layers)", got.fp8_all_layers, want.fp8_all_layers},
+        {"FP8 attention (--fp8-attention)", got.fp8_attention, want.fp8_attention},
         {"FP8 fast accumulation (--fp8-fast-accum)", got.fp8_fast_accum, want.fp8_fast_accum},
         {"FP8 amax MAX over the TP group (--tp-amax-sync)", got.tp_amax_sync, want.tp_amax_sync},
         {"FP8 amax warm-up steps (--amax-warmup)", got.amax_warmup, want.amax_warmup},
@@ -2063,6 +2074,7 @@ inline void train_create_ranks(TrainRun* run) {
     fp8.recipe.history_len = o.amax_history;
     fp8.recipe.interval = o.quant_interval;
     fp8.all_layers = o.fp8_all_layers;
+    fp8.attention = o.fp8_attention;
     fp8.fast_accum = o.fp8_fast_accum == 1;
     fp8.tp_amax_sync = o.tp_amax_sync;
     fp8.recipe.warmup = run->first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
