@@ -10,6 +10,8 @@
 //             over key tiles in a fixed order (turn counters between blocks).
 //   mma.sync (any other GPU, and tested on Hopper too): 4 warps on 64-row tiles, cp.async double
 //             buffering; the backward recomputes S and dP in a separate dQ kernel (7 products) to avoid atomics.
+// attention_forward_fp8 (Hopper only): Q, K, V cast to E4M3, then the Hopper forward on FP8 tensor cores; its
+// outputs are attention_forward's, and the BF16 backward runs on them.
 
 // Layouts: qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a block occupies HD
 // columns. out and dout [B*T, NH*HD]; lse [B, NH, T] float; the backward's scratch is sized by
