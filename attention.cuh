@@ -857,8 +857,8 @@ __device__ inline void hattn_wgmma_rs(float* d, const uint32_t* a, uint64_t b, i
                     "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB))
     }
 }
-// The FP8 products, E4M3 in, FP32 accumulate, k = 32 (32 bytes of each operand row): both operands K-major, the
-// only layout FP8 wgmma reads. d[64 x 128] (+)= A[64 x 32] B[32 x 128], both from shared memory (S = Q K^T) ...
+// The FP8 products, E4M3 in, FP32 accumulators (inside a product fewer bits are kept), k = 32 (32 bytes of each
+// operand row): both operands K-major, the only layout FP8 wgmma reads. d[64 x 128] (+)= A[64 x 32] B[32 x 128], both from shared memory (S = Q K^T) ...
 __device__ inline void hattn_wgmma_ss_e4m3(float* d, uint64_t a, uint64_t b, int accumulate) {
     HATTN_WGMMA("m64n128k32.f32.e4m3.e4m3", HATTN_R64, HATTN_D64, "%64, %65, p, 1, 1", "l"(a), "l"(b))
 }
