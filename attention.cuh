@@ -10,8 +10,6 @@
 //             over key tiles in a fixed order (turn counters between blocks).
 //   mma.sync (any other GPU, and tested on Hopper too): 4 warps on 64-row tiles, cp.async double
 //             buffering; the backward recomputes S and dP in a separate dQ kernel (7 products) to avoid atomics.
-// attention_forward_fp8 (Hopper only): Q, K, V cast to E4M3, then the Hopper forward on FP8 tensor cores; its
-// outputs are attention_forward's, and the BF16 backward runs on them.
 
 // Layouts: qkv [B*T, (NH+2*NKV)*HD] bf16, columns Q heads, K heads, V heads; head h of a block occupies HD
 // columns. out and dout [B*T, NH*HD]; lse [B, NH, T] float; the backward's scratch is sized by
@@ -857,8 +855,8 @@ __device__ inline void hattn_wgmma_rs(float* d, const uint32_t* a, uint64_t b, i
                     "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB))
     }
 }
-// The FP8 products, E4M3 in, FP32 accumulators (inside a product fewer bits are kept), k = 32 (32 bytes of each
-// operand row): both operands K-major, the only layout FP8 wgmma reads. d[64 x 128] (+)= A[64 x 32] B[32 x 128], both from shared memory (S = Q K^T) ...
+// The FP8 products, E4M3 in, FP32 accumulate, k = 32 (32 bytes of each operand row): both operands K-major, the
+// only layout FP8 wgmma reads. d[64 x 128] (+)= A[64 x 32] B[32 x 128], both from shared memory (S = Q K^T) ...
 __device__ inline void hattn_wgmma_ss_e4m3(float* d, uint64_t a, uint64_t b, int accumulate) {
     HATTN_WGMMA("m64n128k32.f32.e4m3.e4m3", HATTN_R64, HATTN_D64, "%64, %65, p, 1, 1", "l"(a), "l"(b))
 }
