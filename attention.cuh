@@ -173,11 +173,10 @@ __device__ inline void attention_pack_a_e4m3(uint32_t (*pa)[4], const float (*c)
             const float* lo = c[4 * kk + 2 * (r / 2)];
             const float* hi = c[4 * kk + 2 * (r / 2) + 1];
             const int i = 2 * (r % 2);
-            pa[kk][r] = fp8x2_encode<E4M3>(lo[i] * scale, lo[i + 1] * scale) |
-                        (uint32_t)fp8x2_encode<E4M3>(hi[i] * scale, hi[i + 1] * scale) << 16;
+            pa[kk][r] = fp8x4_encode<E4M3>(lo[i] * scale, lo[i + 1] * scale, hi[i] * scale, hi[i + 1] * scale);
         }
 }
-// The FP8 forward's scale of Q, K or V from the tensor's amax (the bits of |x|, as the amax kernels gather it):
+// The FP8 forward's scale of a tile of Q, K or V from its amax (the bits of |x|, as the cast gathers it):
 // the scale rule of the linear layers, E4M3, margin 0.
 __host__ __device__ inline float attention_fp8_scale(unsigned int amax_bits) {
     float amax;
@@ -869,6 +868,21 @@ __device__ inline void hattn_wgmma_rs_e4m3(float* d, const uint32_t* a, uint64_t
 #undef HATTN_WGMMA
 #endif   // __CUDA_ARCH__
 
+// The FP8 forward's inputs (attention_fp8_cast): Q, K and V of qkv in E4M3, each tile at current scaling from its
+// own amax (the linear layers' scale rule), so that one pass over qkv finds the amaxes and writes the codes:
+//   q8 [B, T, NH HD] and k8 [B, T, NKV HD]   Q and K times their tiles' scales, row-major as in qkv
+//   vt8 [B, NKV HD, Tp]                       V^T times its tiles' scales, Tp = T rounded up to 128 (the forward's
+//                                            key tiles), keys of each 16 in attention_fp8_key order, keys past T zero
+//   q_scale [B, NH, Tp / 64]                  a scale per 64 query rows of a head: one consumer's rows of a work tile
+//   k_scale, v_scale [B, NKV, Tp / 128]       a scale per 128-key tile of a K/V head: one K/V tile of the forward
+// V is transposed because FP8 wgmma reads both operands K-major: for P V, K is the key.
+__host__ __device__ inline int attention_fp8_padded_T(int T) { return (T + HATTN_FWD_BN - 1) / HATTN_FWD_BN * HATTN_FWD_BN; }
+constexpr int ATTN_FP8_Q_ROWS = 64;   // query rows per Q scale
+struct AttentionFp8Inputs {
+    fp8 *q, *k, *vt;
+    float *q_scale, *k_scale, *v_scale;
+};
+
 // ---- Hopper forward. Work tiles: (query tile of 64 NC rows, query head, batch), NC = hattn_fwd_consumers,
 // numbered longest rows first, in groups of neighbouring query tiles (hattn_fwd_tile, attention_fwd_query_group)
 // so that the K/V tiles come from L2. Persistent blocks, one per SM: block i takes tiles i, i + grid, i + 2 grid,
@@ -877,11 +891,12 @@ __device__ inline void hattn_wgmma_rs_e4m3(float* d, const uint32_t* a, uint64_t
 // Consumer c owns query rows 64c..64c+63 of a tile. Per K/V tile: S = Q K^T (wgmma, both operands K-major),
 // online softmax in registers as in the mma.sync kernel (base 2, masked only on the diagonal tile), then
 // O += P V (P from registers, V MN-major); the order of issues and waits that overlaps them is below.
-// FP8 (the same kernel, FP8 = true; inputs from attention_fp8_cast): Q, K and V arrive in E4M3 at per-tensor
-// scales sq, sk, sv (powers of two), V transposed so that both operands of P V are K-major. S = Q K^T runs on FP8
-// tensor cores and the scales fold into the softmax's multiplier (scores = raw / (sq sk)). P, in [0, 1] after the
-// online softmax, is cast to E4M3 times 256 (exact: a power of two), which keeps the probabilities down to 2^-14
-// in E4M3's normal range (its subnormals start at 2^-6); l sums the unrounded P, and O = acc / (256 sv l).
+// FP8 (the same kernel, FP8 = true; inputs from attention_fp8_cast): Q, K and V arrive in E4M3 with a scale per
+// tile (powers of two: sq per consumer's 64 rows, sk and sv per K/V tile), V transposed so that both operands of
+// P V are K-major. S = Q K^T runs on FP8 tensor cores and the scales fold into the softmax's multiplier (scores =
+// raw / (sq sk)). P, in [0, 1] after the online softmax, is cast to E4M3 times 256 (exact: a power of two), which
+// keeps the probabilities down to 2^-14 in E4M3's normal range (its subnormals start at 2^-6); l sums the
+// unrounded P, and O = acc / (256 sv l), O's units following sv from tile to tile.
 // The C fragment of S holds keys 2t, 2t+1, 8+2t, 9+2t of each 16 where the FP8 A fragment wants 4t..4t+3: rather
 // than shuffle bytes between lanes, the cast permutes V's keys the same way (attention_fp8_key), so that
 // sum_k P[k] V[k] pairs the right key with its probability.
@@ -892,12 +907,12 @@ enum HattnFwdBarrier : int {
 };
 static_assert(HATTN_FWD_BAR_TURN + hattn_fwd_consumers<64>() <= 16, "a block has 16 named barriers");
 // Q, K and V tiles come from q_map, k_map and v_map (BF16: qkv for all three; FP8: attention_fp8_cast's q8, k8
-// and vt8); fp8_amax: the amaxes of Q, K and V (FP8 only).
+// and vt8); fp8: the cast's tensors, of which the kernel reads the scales (FP8 only).
 template <int HD, bool FP8>
 __global__ void __launch_bounds__(128 * (1 + hattn_fwd_consumers<HD>()), 1)
 attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
                                 const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                                const unsigned int* fp8_amax, int B, int T, int NH, int NKV, int qg) {
+                                const AttentionFp8Inputs fp8, int B, int T, int NH, int NKV, int qg) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef HattnFwdSmem<HD, FP8> S;
     // CH: BF16 tiles per head (64 columns each); FP8 has one tile of HD bytes a row. ROW: bytes a Q or K row of a tile.
@@ -991,13 +1006,8 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(hattn_consumer_regs(NC)));
     const int c = wg - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // The softmax's multiplier of raw scores, and O's at the end. FP8: the scales of the cast undone.
-    float scale_log2 = rsqrtf((float)HD) * ATTN_LOG2E, out_scale = 1.0f;
-    if constexpr (FP8) {
-        const float sq = attention_fp8_scale(fp8_amax[0]), sk = attention_fp8_scale(fp8_amax[1]);
-        scale_log2 /= sq * sk;
-        out_scale = 1.0f / (ATTN_FP8_P_SCALE * attention_fp8_scale(fp8_amax[2]));
-    }
+    const float scale_log2 = rsqrtf((float)HD) * ATTN_LOG2E;   // the softmax's multiplier of raw scores (base 2)
+    const int Tp = attention_fp8_padded_T(T);                  // FP8: the scales' row length (below)
 
     float o[HD / 8][4];
     float m[2], l[2];                                         // running max (scaled, base 2) and sum of rows g, g+8
@@ -1022,6 +1032,14 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         // is stored), so that every consumer has a first tile.
         const int row_first = qt * BM + 64 * c;
         const int nkv_c = row_first >= T ? 1 : min(row_first + 63, T - 1) / BN + 1;
+        // FP8: the multiplier of tile j's raw scores is scale_log2 / (sq sk_j), with sq the scale of this consumer's
+        // Q rows and sk_j, sv_j those of K/V tile j (issue_scores loads them). O accumulates 256 P V in units of the
+        // last V tile's scale: going from tile j to j + 1 multiplies it by sv_{j+1} / sv_j with alpha (exact: powers
+        // of two), and at the end O = acc / (256 sv l).
+        const size_t kv_row = ((size_t)b * NKV + h / (NH / NKV)) * (Tp / BN);
+        const size_t q_row = ((size_t)b * NH + h) * (Tp / ATTN_FP8_Q_ROWS) + row_first / ATTN_FP8_Q_ROWS;
+        const float q_log2 = FP8 && row_first < T ? scale_log2 / fp8.q_scale[q_row] : scale_log2;
+        float sk_load = 1.0f, sv_load = 1.0f, sv_acc = 1.0f;   // tile j's (issue_scores(j)), and O's units
         const int qb = it % QB;
         const unsigned char* q_tile = smem + S::Q + qb * S::Q_BYTES + 64 * c * ROW;   // this consumer's rows of chunk 0
         attention_zero<HD / 8>(o);
@@ -1034,6 +1052,10 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         auto issue_scores = [&](int j) {
             const int u = kv_base + j;
             const unsigned char* k_tile = smem + S::K + (u % HATTN_FWD_STAGES) * S::KV_BYTES;
+            if constexpr (FP8) {
+                sk_load = fp8.k_scale[kv_row + j];
+                sv_load = fp8.v_scale[kv_row + j];
+            }
             hattn_bar_wait(k_full + u % HATTN_FWD_STAGES, (u / HATTN_FWD_STAGES) & 1);
             hattn_wgmma_fence();
             if constexpr (FP8) {
@@ -1063,7 +1085,16 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
                     for (int i = 0; i < 4; i++)
                         if (k0 + n * 8 + 2 * t + i % 2 > row_base + g + 8 * (i / 2)) sc[n][i] = -INFINITY;
             }
-            attention_softmax_step<BN / 8>(sc, m, l, alpha, scale_log2);
+            attention_softmax_step<BN / 8>(sc, m, l, alpha, FP8 ? q_log2 / sk_load : scale_log2);
+        };
+        // FP8: O's units follow V's scale to the tile whose P is packed next (after softmax, before the rescale).
+        auto follow_v_scale = [&] {
+            if constexpr (FP8) {
+                const float r = sv_load / sv_acc;
+                alpha[0] *= r;
+                alpha[1] *= r;
+                sv_acc = sv_load;
+            }
         };
         // O += P_j V_j (issued, not awaited), a m64n64 product per 64 columns of V (one m64n128 over both
         // halves is slower). FP8: V^T's rows 64ch.. are those columns, and a step of 32 keys is 32 bytes of its rows.
@@ -1124,6 +1155,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         hattn_fence_regs<BN / 2>(&sc[0][0]);
         hattn_bar_arrive(k_empty + kv_base % HATTN_FWD_STAGES);
         softmax(0);
+        follow_v_scale();
         pack_p();
         // The pipeline keeps the tensor cores fed while the exponentials run: with P_j ready (bf16, registers),
         // S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs while P_j V_j
@@ -1141,6 +1173,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_wgmma_wait<0>();
             hattn_fence_regs<HD / 2>(&o[0][0]);
             hattn_bar_arrive(v_empty + (kv_base + j) % HATTN_FWD_STAGES);
+            follow_v_scale();
             attention_rescale_rows<HD / 8>(o, alpha);
             pack_p();
         }
@@ -1163,6 +1196,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         }
         // Store: O / l and lse of the consumer's rows.
         attention_finish_rows<HD>(o, m, l, lse + ((size_t)b * NH + h) * T, row_base, T, lane);
+        const float out_scale = FP8 ? 1.0f / (ATTN_FP8_P_SCALE * sv_acc) : 1.0f;
         attention_store_strip<HD>(out + (size_t)b * T * NH * HD + h * HD, NH * HD, row_base, T, o, out_scale, lane);
         kv_base += nkv;
     }
@@ -1616,78 +1650,96 @@ __global__ void attention_backward_dq_kernel_hopper(bf16* dqkv, const float* dq_
 }
 
 // ----------------------------------------------------------------------------------------------
-// The FP8 forward's inputs (attention_fp8_cast): Q, K and V of qkv at per-tensor current scaling, E4M3.
-//   q8 [B, T, NH HD] and k8 [B, T, NKV HD]   Q and K times sq and sk, row-major as in qkv
-//   vt8 [B, NKV HD, Tp]                       V^T times sv, Tp = T rounded up to 128 (the forward's key tiles),
-//                                            keys of each 16 in attention_fp8_key order, keys past T zero
-//   amax [3]                                  the amaxes of Q, K and V (bits of |x|); the scales follow from them
-// V is transposed because FP8 wgmma reads both operands K-major: for P V, K is the key.
-__host__ __device__ inline int attention_fp8_padded_T(int T) { return (T + HATTN_FWD_BN - 1) / HATTN_FWD_BN * HATTN_FWD_BN; }
-struct AttentionFp8Inputs {
-    fp8 *q, *k, *vt;
-    unsigned int* amax;
+// What the cast does to 8 columns of Q or K (row `row` of qkv, from column `col`) as it reads them: nothing here;
+// llama2.cuh's RoPE rotates them and writes the rotated values back, so that the rotation and the cast are one pass.
+struct AttentionFp8Plain {
+    __device__ void operator()(Packed128<bf16>&, size_t, int) const {}
 };
-// The three amaxes, each thread 8 columns (16 bytes) of a row at a time; every part of a row is a whole number
-// of 64-column heads, so 8 columns never straddle two parts.
-__global__ void attention_fp8_amax_kernel(unsigned int* amax, const bf16* qkv, size_t rows, int NH, int NKV, int HD) {
-    const int C3 = (NH + 2 * NKV) * HD;
-    const size_t vectors = rows * C3 / 8;
-    unsigned int m[3] = {0u, 0u, 0u};
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < vectors; i += (size_t)gridDim.x * blockDim.x) {
-        const int col = (int)(i * 8 % C3), part = col < NH * HD ? 0 : col < (NH + NKV) * HD ? 1 : 2;
-        const Packed128<bf16> v = load128(qkv + i * 8);
-        unsigned int vm = 0u;
-#pragma unroll
-        for (int k = 0; k < 8; k++) vm = max(vm, abs_bits(to_float(v.v[k])));
-        m[part] = max(m[part], vm);
-    }
-#pragma unroll
-    for (int part = 0; part < 3; part++) {
-        for (int o = 16; o > 0; o >>= 1) m[part] = max(m[part], __shfl_xor_sync(0xffffffffu, m[part], o));
-        if (threadIdx.x % 32 == 0 && m[part] != 0u) atomicMax(amax + part, m[part]);
-    }
-}
-// Block (64 tokens from t0, head column block hh of qkv, batch b): a Q or K head is cast row by row; a V head
-// goes through shared memory and leaves as 64 keys of each of its HD rows of vt8.
+// Block (128 tokens from t0, head column block hh of qkv, batch b), 4 vectors of 8 columns a thread. The tile is
+// read once into registers; its amax (for Q, one per 64 rows) sets the scale; then a Q or K head is cast row by
+// row, and a V head goes through shared memory to leave as 128 keys of each of its HD rows of vt8.
 template <int HD>
-__global__ void __launch_bounds__(256) attention_fp8_cast_kernel(AttentionFp8Inputs in, const bf16* qkv, int T, int NH, int NKV) {
-    const int t0 = blockIdx.x * 64, hh = blockIdx.y, b = blockIdx.z, C3 = (NH + 2 * NKV) * HD, Tp = attention_fp8_padded_T(T);
+constexpr int attention_fp8_cast_threads() { return HATTN_FWD_BN * HD / 8 / 4; }
+template <int HD, class Produce>
+__global__ void __launch_bounds__(attention_fp8_cast_threads<HD>(), 2)
+attention_fp8_cast_kernel(AttentionFp8Inputs in, const bf16* qkv, int T, int NH, int NKV, Produce produce) {
+    constexpr int ROWS = HATTN_FWD_BN, THREADS = attention_fp8_cast_threads<HD>(), WARPS = THREADS / 32, VECS = 4;
+    const int t0 = blockIdx.x * ROWS, hh = blockIdx.y, b = blockIdx.z, C3 = (NH + 2 * NKV) * HD;
+    const int Tp = attention_fp8_padded_T(T), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bf16* src = qkv + (size_t)b * T * C3 + hh * HD;
-    if (hh < NH + NKV) {
+    Packed128<bf16> x[VECS];        // vectors 0 and 1 lie in rows 0-63, 2 and 3 in rows 64-127
+    unsigned int m[2] = {0u, 0u};   // amax bits of rows 0-63 and 64-127
+#pragma unroll
+    for (int v = 0; v < VECS; v++) {
+        const int i = threadIdx.x + THREADS * v, r = i / (HD / 8), c = i % (HD / 8) * 8;
+        if (t0 + r < T) {
+            x[v] = load128(src + (size_t)(t0 + r) * C3 + c);
+            if (hh < NH + NKV) produce(x[v], (size_t)b * T + t0 + r, hh * HD + c);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) x[v].v[k] = __float2bfloat16(0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) m[v / (VECS / 2)] = max(m[v / (VECS / 2)], abs_bits(to_float(x[v].v[k])));
+    }
+    __shared__ unsigned int warp_max[2][WARPS];
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        for (int o = 16; o > 0; o >>= 1) m[half] = max(m[half], __shfl_xor_sync(0xffffffffu, m[half], o));
+        if (lane == 0) warp_max[half][warp] = m[half];
+    }
+    __shared__ bf16 tile[ROWS][HD + 2];   // V: [key][head column]; +2: the transposed reads spread over the banks
+    const int kvh = hh - NH - NKV;
+    if (kvh >= 0) {
+#pragma unroll
+        for (int v = 0; v < VECS; v++) {
+            const int i = threadIdx.x + THREADS * v, r = i / (HD / 8), c = i % (HD / 8) * 8;
+#pragma unroll
+            for (int k = 0; k < 8; k += 2)
+                *reinterpret_cast<__nv_bfloat162*>(&tile[r][c + k]) = __halves2bfloat162(x[v].v[k], x[v].v[k + 1]);
+        }
+    }
+    __syncthreads();
+    float scale[2];
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        unsigned int a = 0u;
+        for (int w = 0; w < WARPS; w++) a = max(a, warp_max[half][w]);
+        m[half] = a;
+    }
+    if (hh < NH) {   // Q: a scale per 64 rows
+        scale[0] = attention_fp8_scale(m[0]);
+        scale[1] = attention_fp8_scale(m[1]);
+        float* dst = in.q_scale + ((size_t)b * NH + hh) * (Tp / ATTN_FP8_Q_ROWS) + 2 * blockIdx.x;
+        if (threadIdx.x < 2) dst[threadIdx.x] = scale[threadIdx.x];
+    } else {         // K or V: one for the tile
+        scale[0] = scale[1] = attention_fp8_scale(max(m[0], m[1]));
+        const int kv = kvh < 0 ? hh - NH : kvh;
+        float* dst = (kvh < 0 ? in.k_scale : in.v_scale) + ((size_t)b * NKV + kv) * (Tp / ROWS);
+        if (threadIdx.x == 0) dst[blockIdx.x] = scale[0];
+    }
+    if (kvh < 0) {
         const bool is_q = hh < NH;
-        const float scale = attention_fp8_scale(in.amax[is_q ? 0 : 1]);
         const int pitch = (is_q ? NH : NKV) * HD;
         fp8* dst = (is_q ? in.q + hh * HD : in.k + (hh - NH) * HD) + (size_t)b * T * pitch;
-        for (int i = threadIdx.x; i < 64 * HD / 8; i += blockDim.x) {
-            const int t = t0 + i / (HD / 8), c = i % (HD / 8) * 8;
-            if (t >= T) break;
-            const Packed128<bf16> v = load128(src + (size_t)t * C3 + c);
+#pragma unroll
+        for (int v = 0; v < VECS; v++) {
+            const int i = threadIdx.x + THREADS * v, r = i / (HD / 8), c = i % (HD / 8) * 8;
+            if (t0 + r >= T) break;
+            const float sc = scale[v / (VECS / 2)];
+            auto e = [&](int k) { return to_float(x[v].v[k]) * sc; };
             uint2 packed;
-            packed.x = fp8x2_encode<E4M3>(to_float(v.v[0]) * scale, to_float(v.v[1]) * scale) |
-                       (uint32_t)fp8x2_encode<E4M3>(to_float(v.v[2]) * scale, to_float(v.v[3]) * scale) << 16;
-            packed.y = fp8x2_encode<E4M3>(to_float(v.v[4]) * scale, to_float(v.v[5]) * scale) |
-                       (uint32_t)fp8x2_encode<E4M3>(to_float(v.v[6]) * scale, to_float(v.v[7]) * scale) << 16;
-            *reinterpret_cast<uint2*>(dst + (size_t)t * pitch + c) = packed;
+            packed.x = fp8x4_encode<E4M3>(e(0), e(1), e(2), e(3));
+            packed.y = fp8x4_encode<E4M3>(e(4), e(5), e(6), e(7));
+            *reinterpret_cast<uint2*>(dst + (size_t)(t0 + r) * pitch + c) = packed;
         }
         return;
     }
-    __shared__ float tile[64][HD + 1];   // [token][head column], scaled; +1: the transposed reads hit distinct banks
-    const int kvh = hh - NH - NKV;
-    const float scale = attention_fp8_scale(in.amax[2]);
-    for (int i = threadIdx.x; i < 64 * HD / 8; i += blockDim.x) {
-        const int r = i / (HD / 8), c = i % (HD / 8) * 8;
-        const bool inside = t0 + r < T;
-        Packed128<bf16> v;
-        if (inside) v = load128(src + (size_t)(t0 + r) * C3 + c);
-#pragma unroll
-        for (int k = 0; k < 8; k++) tile[r][c + k] = inside ? to_float(v.v[k]) * scale : 0.0f;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < HD * 16; i += blockDim.x) {   // 4 keys (4 bytes) a thread: row d, positions p..p+3
-        const int d = i / 16, p = i % 16 * 4, group = p & ~15;
-        auto x = [&](int j) { return tile[group + attention_fp8_key(p % 16 + j)][d]; };
-        const uint32_t packed = fp8x2_encode<E4M3>(x(0), x(1)) | (uint32_t)fp8x2_encode<E4M3>(x(2), x(3)) << 16;
-        *reinterpret_cast<uint32_t*>(in.vt + ((size_t)b * NKV * HD + kvh * HD + d) * Tp + t0 + p) = packed;
+    for (int i = threadIdx.x; i < HD * ROWS / 4; i += blockDim.x) {   // 4 keys (4 bytes) a thread: row d, keys p..p+3
+        const int d = i / (ROWS / 4), p = i % (ROWS / 4) * 4, group = p & ~15;
+        auto e = [&](int j) { return to_float(tile[group + attention_fp8_key(p % 16 + j)][d]) * scale[0]; };
+        fp8* row = in.vt + ((size_t)b * NKV * HD + kvh * HD + d) * Tp;
+        *reinterpret_cast<uint32_t*>(row + t0 + p) = fp8x4_encode<E4M3>(e(0), e(1), e(2), e(3));
     }
 }
 
@@ -1805,7 +1857,7 @@ inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, con
     int blocks;
     const int qg = attention_fwd_query_group<HD, FP8>(B, T, NH, NKV, &blocks);
     attention_forward_hopper_kernel<HD, FP8><<<blocks, 128 * (1 + hattn_fwd_consumers<HD>()), smem, s>>>(
-        out, lse, q_map, k_map, v_map, FP8 ? fp8->amax : nullptr, B, T, NH, NKV, qg);
+        out, lse, q_map, k_map, v_map, FP8 ? *fp8 : AttentionFp8Inputs{}, B, T, NH, NKV, qg);
     cudaCheckLaunch();
 }
 
@@ -1862,50 +1914,62 @@ inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int
 // The FP8 forward (Hopper builds only): qkv cast to E4M3 (attention_fp8_cast) into `scratch`
 // (attention_fp8_scratch_bytes), then the Hopper forward on FP8 tensor cores. Same outputs as attention_forward:
 // the backward runs on them unchanged, from the BF16 qkv.
-// The four parts of the scratch, each from a 256-byte boundary: q8, k8, vt8, amax.
-inline void attention_fp8_parts(size_t bytes[4], int B, int T, int NH, int NKV, int HD) {
-    const size_t sizes[4] = {(size_t)B * T * NH * HD, (size_t)B * T * NKV * HD, (size_t)B * NKV * HD * attention_fp8_padded_T(T),
-                             3 * sizeof(unsigned int)};
-    for (int i = 0; i < 4; i++) bytes[i] = (sizes[i] + 255) / 256 * 256;
+// The six parts of the scratch, each from a 256-byte boundary: q8, k8, vt8, q_scale, k_scale, v_scale.
+inline void attention_fp8_parts(size_t bytes[6], int B, int T, int NH, int NKV, int HD) {
+    const int Tp = attention_fp8_padded_T(T);
+    const size_t sizes[6] = {(size_t)B * T * NH * HD, (size_t)B * T * NKV * HD, (size_t)B * NKV * HD * Tp,
+                             (size_t)B * NH * (Tp / ATTN_FP8_Q_ROWS) * sizeof(float), (size_t)B * NKV * (Tp / HATTN_FWD_BN) * sizeof(float),
+                             (size_t)B * NKV * (Tp / HATTN_FWD_BN) * sizeof(float)};
+    for (int i = 0; i < 6; i++) bytes[i] = (sizes[i] + 255) / 256 * 256;
 }
 inline size_t attention_fp8_scratch_bytes(int B, int T, int NH, int NKV, int HD) {
-    size_t bytes[4];
+    size_t bytes[6], total = 0;
     attention_fp8_parts(bytes, B, T, NH, NKV, HD);
-    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
+    for (size_t b : bytes) total += b;
+    return total;
 }
 inline AttentionFp8Inputs attention_fp8_inputs(void* scratch, int B, int T, int NH, int NKV, int HD) {
-    size_t bytes[4];
+    size_t bytes[6];
     attention_fp8_parts(bytes, B, T, NH, NKV, HD);
     AttentionFp8Inputs in;
     in.q = static_cast<fp8*>(scratch);
     in.k = in.q + bytes[0];
     in.vt = in.k + bytes[1];
-    in.amax = reinterpret_cast<unsigned int*>(in.vt + bytes[2]);
+    in.q_scale = reinterpret_cast<float*>(in.vt + bytes[2]);
+    in.k_scale = reinterpret_cast<float*>(reinterpret_cast<fp8*>(in.q_scale) + bytes[3]);
+    in.v_scale = reinterpret_cast<float*>(reinterpret_cast<fp8*>(in.k_scale) + bytes[4]);
     return in;
 }
-// The cast alone (the forward's first half; the tests check its bytes).
-inline AttentionFp8Inputs attention_fp8_cast(void* scratch, const bf16* qkv, int B, int T, int NH, int NKV, int HD, cudaStream_t s) {
+// The cast alone (the forward's first half; the tests check its bytes), its Q and K read through `produce`.
+template <class Produce = AttentionFp8Plain>
+inline AttentionFp8Inputs attention_fp8_cast(void* scratch, const bf16* qkv, int B, int T, int NH, int NKV, int HD, cudaStream_t s,
+                                             const Produce& produce = Produce()) {
     const AttentionFp8Inputs in = attention_fp8_inputs(scratch, B, T, NH, NKV, HD);
-    cudaCheck(cudaMemsetAsync(in.amax, 0, 3 * sizeof(unsigned int), s));
-    const size_t rows = (size_t)B * T;
-    attention_fp8_amax_kernel<<<cast_grid(rows * (NH + 2 * NKV) * HD), CAST_THREADS, 0, s>>>(in.amax, qkv, rows, NH, NKV, HD);
-    cudaCheckLaunch();
-    const dim3 grid(attention_fp8_padded_T(T) / 64, NH + 2 * NKV, B);
-    if (HD == 64) attention_fp8_cast_kernel<64><<<grid, 256, 0, s>>>(in, qkv, T, NH, NKV);
-    else attention_fp8_cast_kernel<128><<<grid, 256, 0, s>>>(in, qkv, T, NH, NKV);
+    const dim3 grid(attention_fp8_padded_T(T) / HATTN_FWD_BN, NH + 2 * NKV, B);
+    if (HD == 64) attention_fp8_cast_kernel<64><<<grid, attention_fp8_cast_threads<64>(), 0, s>>>(in, qkv, T, NH, NKV, produce);
+    else attention_fp8_cast_kernel<128><<<grid, attention_fp8_cast_threads<128>(), 0, s>>>(in, qkv, T, NH, NKV, produce);
     cudaCheckLaunch();
     return in;
+}
+inline void attention_fp8_check(const char* who) {
+    if (!attention_hopper_available)
+        fail("%s: FP8 attention runs on the Hopper kernels only; build with GPU_ARCH=sm_90a (an H100 or H200)", who);
+}
+// The forward's second half, from a cast's tensors (attention_fp8_cast, or llama2.cuh's RoPE fused with it).
+inline void attention_forward_fp8_cast_done(bf16* out, float* lse, const AttentionFp8Inputs& in, int B, int T, int NH, int NKV,
+                                            int HD, cudaStream_t s) {
+    attention_check("attention_forward_fp8_cast_done", B, T, NH, NKV, HD, {out, lse, in.q});
+    attention_fp8_check("attention_forward_fp8_cast_done");
+#if defined(ATTENTION_HOPPER)
+    if (HD == 64) attention_forward_hopper<64, true>(out, lse, nullptr, &in, B, T, NH, NKV, s);
+    else attention_forward_hopper<128, true>(out, lse, nullptr, &in, B, T, NH, NKV, s);
+#endif
 }
 inline void attention_forward_fp8(bf16* out, float* lse, const bf16* qkv, void* scratch, int B, int T, int NH, int NKV, int HD,
                                   cudaStream_t s) {
     attention_check("attention_forward_fp8", B, T, NH, NKV, HD, {out, lse, qkv, scratch});
-    if (!attention_hopper_available)
-        fail("attention_forward_fp8: FP8 attention runs on the Hopper kernels only; build with GPU_ARCH=sm_90a (an H100 or H200)");
-#if defined(ATTENTION_HOPPER)
-    const AttentionFp8Inputs in = attention_fp8_cast(scratch, qkv, B, T, NH, NKV, HD, s);
-    if (HD == 64) attention_forward_hopper<64, true>(out, lse, qkv, &in, B, T, NH, NKV, s);
-    else attention_forward_hopper<128, true>(out, lse, qkv, &in, B, T, NH, NKV, s);
-#endif
+    attention_fp8_check("attention_forward_fp8");
+    attention_forward_fp8_cast_done(out, lse, attention_fp8_cast(scratch, qkv, B, T, NH, NKV, HD, s), B, T, NH, NKV, HD, s);
 }
 
 // Floats of scratch attention_backward needs: the mma.sync kernels use B*NH*T (D); the Hopper kernels the

@@ -98,6 +98,11 @@ template <Fp8Format F>
 __device__ inline uint16_t fp8x2_encode(float lo, float hi) {
     return (uint16_t)__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, F == E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
+// Four into a word, the first in the lowest byte.
+template <Fp8Format F>
+__device__ inline uint32_t fp8x4_encode(float a, float b, float c, float d) {
+    return fp8x2_encode<F>(a, b) | (uint32_t)fp8x2_encode<F>(c, d) << 16;
+}
 
 // ----------------------------------------------------------------------------------------------
 // 2. The scale rule: scale = 2^(floor(log2(fp8_max / amax)) - margin), x_fp8 = cast(x * scale),

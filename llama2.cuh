@@ -742,6 +742,30 @@ inline void rope_backward(bf16* dqkv, const float* cos_t, const float* sin_t, in
     rope_launch("rope_backward", dqkv, cos_t, sin_t, B, T, NH, NKV, HD, -1.0f, s);
 }
 
+// rope_forward fused into the FP8 attention's cast (attention_fp8_cast's `produce`): each 8 columns of Q or K are
+// rotated as rope_kernel rotates them and written back to qkv (the backward reads them), then cast. One pass over
+// qkv instead of the rotation's read and write and the cast's read.
+struct RopeAttentionFp8 {
+    bf16* qkv;
+    const float *cos_t, *sin_t;
+    int T, HD, cols;
+    __device__ void operator()(Packed128<bf16>& x, size_t row, int col) const {
+        const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
+#pragma unroll
+        for (int q = 0; q < BF16_PER_16B / 2; q++)
+            rope_rotate(to_float(x.v[2 * q]), to_float(x.v[2 * q + 1]), cos_t[pair0 + q], sin_t[pair0 + q], 1.0f, &x.v[2 * q],
+                        &x.v[2 * q + 1]);
+        store128(qkv + row * cols + col, x);
+    }
+};
+inline AttentionFp8Inputs rope_forward_attention_fp8(bf16* qkv, const float* cos_t, const float* sin_t, void* scratch, int B, int T,
+                                                     int NH, int NKV, int HD, cudaStream_t s) {
+    attention_check("rope_forward_attention_fp8", B, T, NH, NKV, HD, {qkv, scratch});
+    attention_fp8_check("rope_forward_attention_fp8");
+    ProfileRange range(PHASE_ROPE, s, "rope forward + FP8 attention cast");
+    return attention_fp8_cast(scratch, qkv, B, T, NH, NKV, HD, s, RopeAttentionFp8{qkv, cos_t, sin_t, T, HD, (NH + 2 * NKV) * HD});
+}
+
 // dqkv [N, cols] after rope_backward, for a cast, from dqkv before it: the Q and K columns (the first rot_cols)
 // rotated back, V as it is; bit for bit what rope_backward writes in place. A 16-column chunk lies in one head.
 struct RopeBackwardCast {
@@ -1230,7 +1254,7 @@ struct ModelActivations {
     bf16* dgate_up;        // [N,2F]
     bf16* dswiglu;         // [N,F]
     float* att_scratch;    // FP32, attention_backward's scratch (attention_backward_scratch_floats)
-    fp8* att_fp8;          // --fp8-attention: the FP8 forward's Q, K, V^T and amaxes (attention_fp8_scratch_bytes)
+    fp8* att_fp8;          // --fp8-attention: the FP8 forward's Q, K, V^T and their scales (attention_fp8_scratch_bytes)
     float* norm_scratch;   // FP32, rmsnorm_backward's partial dw rows (rmsnorm_backward_scratch)
     float* qk_norm_scratch;   // --qk-norm: qk_norm_backward's partial dw rows
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
@@ -1975,11 +1999,18 @@ inline void model_forward(Model* m, const int* d_inputs, int B, int T) {
         if (c.qk_norm)
             qk_norm_forward(la.qkv, la.qk_norm_x, la.qk_norm_rstd, w.qk_norm.w, N, m->n_heads, m->n_kv_heads, c.head_dim,
                             c.norm_eps, s);
-        rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+        // --fp8-attention in an FP8 layer: RoPE and the attention's FP8 cast in one pass, then the FP8 forward
+        const bool fp8_attention = m->fp8_options.attention && model_layer_fp8(m, l);
+        AttentionFp8Inputs att8{};
+        if (fp8_attention)
+            att8 = rope_forward_attention_fp8(la.qkv, m->rope_cos, m->rope_sin, a.att_fp8, B, T, m->n_heads, m->n_kv_heads,
+                                              c.head_dim, s);
+        else
+            rope_forward(la.qkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         {
             ProfileRange range(PHASE_ATTN_FWD, s, "attention forward");
-            if (m->fp8_options.attention && model_layer_fp8(m, l))
-                attention_forward_fp8(la.att, la.lse, la.qkv, a.att_fp8, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
+            if (fp8_attention)
+                attention_forward_fp8_cast_done(la.att, la.lse, att8, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
             else
                 attention_forward(la.att, la.lse, la.qkv, B, T, m->n_heads, m->n_kv_heads, c.head_dim, s);
         }

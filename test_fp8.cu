@@ -2095,44 +2095,72 @@ GPU_TEST(attention_hopper_many_waves) {
     }
 }
 
-// The FP8 forward (attention_forward_fp8, Hopper builds). Its cast first, byte for byte against the host codec: Q
-// and K keep qkv's layout, V lands transposed with the keys of each 16 in the order of the FP8 A fragment of P
-// (written out here from the fragment layouts, not taken from the kernel's helper), the keys past T zero.
+// The FP8 forward (attention_forward_fp8, Hopper builds). Its inputs: qkv with magnitudes that change from tile to
+// tile by powers of two (Q by 64 rows, K and V by 128 keys), so that neighbouring tiles get different scales and
+// the kernel must apply each tile's own. Q and K only shrink (the scores stay as soft as the BF16 tests' are).
+static AttentionRun attention_fp8_run(const AttentionShape& sh) {
+    AttentionRun run(sh, ATTN_PATH_HOPPER);
+    for (size_t row = 0; row < (size_t)sh.B * sh.T; row++) {
+        const int t = (int)(row % sh.T);
+        const int e[3] = {-(t / 64 % 2), -(t / 128 % 2), t / 128 % 3};   // Q, K, V
+        for (int c = 0; c < run.C3; c++) {
+            const int part = c < sh.NH * sh.HD ? 0 : c < (sh.NH + sh.NKV) * sh.HD ? 1 : 2;
+            bf16& x = run.qkv[row * run.C3 + c];
+            x = __float2bfloat16(ldexpf(to_float(x), e[part]));   // exact
+        }
+    }
+    return run;
+}
+// Its cast, byte for byte against the host codec: each tile quantized on its own (host_quantize: its amax, the scale
+// rule, the codes), Q and K in qkv's layout, V transposed with the keys of each 16 in the order of the FP8 A
+// fragment of P (written out here from the fragment layouts, not taken from the kernel's helper), keys past T zero.
 static const int ATTN_FP8_KEY_ORDER[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
-struct AttentionFp8Host {   // the host's view of the FP8 inputs: amaxes, scales, codes decoded (unscaled)
-    double amax[3], scale[3];
-    std::vector<double> q, k, v;   // [B,T,NH,HD], [B,T,NKV,HD], [B,T,NKV,HD]: decode(code) / scale
+struct AttentionFp8Host {   // the host's view of the FP8 inputs: scales, codes, codes decoded (unscaled)
+    std::vector<float> q_scale, k_scale, v_scale;   // [B, NH, Tp / 64], [B, NKV, Tp / 128] (tiles past T: none)
+    std::vector<double> q, k, v;                    // [B,T,NH,HD], [B,T,NKV,HD], [B,T,NKV,HD]: decode(code) / scale
     std::vector<uint8_t> q8, k8, vt8;
 };
 static AttentionFp8Host attention_fp8_host(const AttentionRun& run) {
     const AttentionShape& sh = run.sh;
     const int Tp = (sh.T + 127) / 128 * 128;
     AttentionFp8Host h;
-    const std::vector<double> parts[3] = {run.block(run.qkv, 0, sh.NH), run.block(run.qkv, sh.NH, sh.NKV),
-                                          run.block(run.qkv, sh.NH + sh.NKV, sh.NKV)};
+    const int heads[3] = {sh.NH, sh.NKV, sh.NKV}, rows[3] = {64, 128, 128};
+    std::vector<float>* scales[3] = {&h.q_scale, &h.k_scale, &h.v_scale};
     std::vector<double>* decoded[3] = {&h.q, &h.k, &h.v};
-    std::vector<uint8_t>* codes[2] = {&h.q8, &h.k8};
-    for (int i = 0; i < 3; i++) {
-        h.amax[i] = 0;
-        for (double x : parts[i]) h.amax[i] = std::max(h.amax[i], fabs(x));
-        h.scale[i] = ref_fp8_scale(h.amax[i], E4M3, 0);
-        decoded[i]->resize(parts[i].size());
-        std::vector<uint8_t> c(parts[i].size());
-        for (size_t j = 0; j < c.size(); j++) {
-            c[j] = fp8_encode_ref((float)(parts[i][j] * h.scale[i]), E4M3);
-            (*decoded[i])[j] = fp8_decode_ref(c[j], E4M3) / h.scale[i];
-        }
-        if (i < 2) *codes[i] = c;
+    std::vector<uint8_t> codes[3];
+    for (int part = 0, head0 = 0; part < 3; head0 += heads[part], part++) {
+        const std::vector<bf16> x = attention_columns(run.qkv, sh.B * sh.T, run.C3, head0 * sh.HD, heads[part] * sh.HD);
+        const int n = heads[part], R = rows[part];
+        scales[part]->assign((size_t)sh.B * n * (Tp / R), 0.0f);
+        decoded[part]->resize(x.size());
+        codes[part].resize(x.size());
+        for (int b = 0; b < sh.B; b++)
+            for (int hd = 0; hd < n; hd++)
+                for (int t0 = 0; t0 < sh.T; t0 += R) {   // tile: rows t0.. of head hd, gathered, quantized, put back
+                    auto at = [&](int t, int d) { return (((size_t)b * sh.T + t) * n + hd) * sh.HD + d; };
+                    const int t1 = std::min(t0 + R, sh.T);
+                    std::vector<bf16> tile;
+                    for (int t = t0; t < t1; t++)
+                        for (int d = 0; d < sh.HD; d++) tile.push_back(x[at(t, d)]);
+                    RefScaleLog g;
+                    const std::vector<uint8_t> c = host_quantize(tile, E4M3, &g);
+                    (*scales[part])[((size_t)b * n + hd) * (Tp / R) + t0 / R] = (float)g.scale;
+                    for (int t = t0, i = 0; t < t1; t++)
+                        for (int d = 0; d < sh.HD; d++, i++) {
+                            codes[part][at(t, d)] = c[i];
+                            (*decoded[part])[at(t, d)] = fp8_decode_ref(c[i], E4M3) / g.scale;
+                        }
+                }
     }
+    h.q8 = codes[0];
+    h.k8 = codes[1];
     h.vt8.assign((size_t)sh.B * sh.NKV * sh.HD * Tp, 0);
     for (int b = 0; b < sh.B; b++)
         for (int kvh = 0; kvh < sh.NKV; kvh++)
             for (int d = 0; d < sh.HD; d++)
                 for (int p = 0; p < Tp; p++) {
                     const int key = p / 16 * 16 + ATTN_FP8_KEY_ORDER[p % 16];
-                    if (key < sh.T)
-                        h.vt8[(((size_t)b * sh.NKV + kvh) * sh.HD + d) * Tp + p] =
-                            fp8_encode_ref((float)(parts[2][(((size_t)b * sh.T + key) * sh.NKV + kvh) * sh.HD + d] * h.scale[2]), E4M3);
+                    if (key < sh.T) h.vt8[(((size_t)b * sh.NKV + kvh) * sh.HD + d) * Tp + p] = codes[2][(((size_t)b * sh.T + key) * sh.NKV + kvh) * sh.HD + d];
                 }
     return h;
 }
@@ -2141,21 +2169,29 @@ GPU_TEST(attention_fp8_cast_matches_host) {
     if (!attention_hopper_available) return skip_test("the FP8 attention runs on the Hopper kernels (GPU_ARCH=sm_90a)");
     for (const AttentionShape& sh : {attention_test_shapes[1], attention_test_shapes[4], attention_test_shapes[7]}) {
         printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
-        AttentionRun run(sh, ATTN_PATH_HOPPER);
+        const AttentionRun run = attention_fp8_run(sh);
         const AttentionFp8Host h = attention_fp8_host(run);
         DeviceBuffer<bf16> d_qkv(run.qkv);
         DeviceBuffer<uint8_t> scratch(attention_fp8_scratch_bytes(sh.B, sh.T, sh.NH, sh.NKV, sh.HD));
         scratch.poison();
         const AttentionFp8Inputs in = attention_fp8_cast(scratch.ptr, d_qkv.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
         cudaCheck(cudaDeviceSynchronize());
-        unsigned int amax_bits[3];
-        cudaCheck(cudaMemcpy(amax_bits, in.amax, sizeof(amax_bits), cudaMemcpyDeviceToHost));
-        const char* names[3] = {"Q", "K", "V"};
-        for (int i = 0; i < 3; i++) {
-            float a;
-            memcpy(&a, &amax_bits[i], 4);
-            expect(a == (float)h.amax[i], "amax of %s: %g, want %g", names[i], a, h.amax[i]);
-        }
+        // The scales of the tiles that hold rows below T (a tile past T is never read), and how many differ.
+        auto compare_scales = [&](const char* what, const float* dev, const std::vector<float>& want, int tiles, int rows) {
+            std::vector<float> got(want.size());
+            cudaCheck(cudaMemcpy(got.data(), dev, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+            std::set<float> distinct;
+            for (size_t i = 0; i < got.size(); i++) {
+                if ((int)(i % tiles) * rows >= sh.T) continue;
+                distinct.insert(want[i]);
+                expect(got[i] == want[i], "%s of tile %zu: %g, want %g", what, i, got[i], want[i]);
+            }
+            printf("    %-7s %zu tiles, %zu distinct scales\n", what, got.size(), distinct.size());
+        };
+        const int Tp = attention_fp8_padded_T(sh.T);
+        compare_scales("q_scale", in.q_scale, h.q_scale, Tp / 64, 64);
+        compare_scales("k_scale", in.k_scale, h.k_scale, Tp / 128, 128);
+        compare_scales("v_scale", in.v_scale, h.v_scale, Tp / 128, 128);
         auto compare = [&](const char* what, const fp8* dev, const std::vector<uint8_t>& want) {
             std::vector<uint8_t> got(want.size());
             cudaCheck(cudaMemcpy(got.data(), dev, got.size(), cudaMemcpyDeviceToHost));
@@ -2229,7 +2265,7 @@ GPU_TEST(attention_fp8_forward_matches_reference) {
     if (!attention_hopper_available) return skip_test("the FP8 attention runs on the Hopper kernels (GPU_ARCH=sm_90a)");
     for (const AttentionShape& sh : attention_test_shapes) {
         printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
-        AttentionRun run(sh, ATTN_PATH_HOPPER);
+        const AttentionRun run = attention_fp8_run(sh);
         const AttentionFp8Host h = attention_fp8_host(run);
         const size_t N = (size_t)sh.B * sh.T;
         std::vector<double> emu_out(N * sh.NH * sh.HD), emu_lse((size_t)sh.B * sh.NH * sh.T);
@@ -3419,6 +3455,35 @@ GPU_TEST(rope_forward_backward) {
                                         attention_columns(qkv, N, C3, (NH + NKV) * HD, NKV * HD)),
                    "rope_%s changed the V block", dir);
         }
+    }
+}
+
+// RoPE fused into the FP8 attention's cast (the model's path under --fp8-attention) is rope_forward then
+// attention_fp8_cast, byte for byte: qkv as rotated in place, and every byte of the cast's tensors and scales.
+GPU_TEST(rope_forward_attention_fp8_matches_unfused) {
+    if (!attention_hopper_available) return skip_test("the FP8 attention runs on the Hopper kernels (GPU_ARCH=sm_90a)");
+    for (const AttentionShape& sh : {attention_test_shapes[1], attention_test_shapes[4], attention_test_shapes[7]}) {
+        printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
+        const AttentionRun run = attention_fp8_run(sh);
+        std::vector<float> cos_t, sin_t;
+        rope_tables(&cos_t, &sin_t, sh.T, sh.HD, 10000.0);
+        DeviceBuffer<float> d_cos(cos_t), d_sin(sin_t);
+        DeviceBuffer<bf16> unfused(run.qkv), fused(run.qkv);
+        const size_t bytes = attention_fp8_scratch_bytes(sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
+        DeviceBuffer<uint8_t> cast_unfused(bytes), cast_fused(bytes);
+        cast_unfused.poison();
+        cast_fused.poison();
+        rope_forward(unfused.ptr, d_cos.ptr, d_sin.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+        attention_fp8_cast(cast_unfused.ptr, unfused.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+        rope_forward_attention_fp8(fused.ptr, d_cos.ptr, d_sin.ptr, cast_fused.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+        const std::vector<bf16> q_want = unfused.download(), q_got = fused.download();
+        const std::vector<uint8_t> c_want = cast_unfused.download(), c_got = cast_fused.download();
+        size_t q_bad = 0, c_bad = 0;
+        for (size_t i = 0; i < q_want.size(); i++) q_bad += memcmp(&q_got[i], &q_want[i], sizeof(bf16)) != 0;
+        for (size_t i = 0; i < c_want.size(); i++) c_bad += c_got[i] != c_want[i];
+        printf("    qkv: %zu of %zu values differ; the cast: %zu of %zu bytes differ\n", q_bad, q_want.size(), c_bad, c_want.size());
+        expect(q_bad == 0, "qkv after the fused RoPE: %zu values differ from rope_forward's", q_bad);
+        expect(c_bad == 0, "the fused cast: %zu bytes differ from attention_fp8_cast's after rope_forward", c_bad);
     }
 }
 
@@ -8365,8 +8430,8 @@ static void bench_tp() {
 // Attention, forward and backward, both kernel paths in one run. Causal FLOPs: forward 2 B H T^2 D (Q K^T and
 // P V, 2 T^2 D each, halved by the mask), backward 2.5 x that (five products instead of two). The floor is
 // those FLOPs at the BF16 tensor-core rate (~790 TFLOP/s measured for a large BF16 GEMM on the H200); the FP8
-// forward's (Hopper builds: its cast of Q, K, V included, and the cast alone on a line of its own) at the FP8 rate
-// (~1450). Its backward is the BF16 one.
+// forward's (Hopper builds: its cast of Q, K, V included; the kernel, the cast, and the cast fused into RoPE on
+// lines of their own) at the FP8 rate (~1450). Its backward is the BF16 one.
 static void bench_attention() {
     struct Shape { const char* name; int B, T, NH, NKV, HD; };
     const Shape shapes[] = {
@@ -8410,10 +8475,33 @@ static void bench_attention() {
                 attention_forward_fp8(out, lse, qkv, fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
             });
             const float cast_ms = bench_median_ms([&] { attention_fp8_cast(fp8_scratch, qkv, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0); });
+            // In the model RoPE comes first, and under --fp8-attention the cast runs fused with it: the forward's
+            // cost there is (RoPE + cast) + the kernel, against RoPE + the BF16 kernel.
+            std::vector<float> cos_t, sin_t;
+            rope_tables(&cos_t, &sin_t, sh.T, sh.HD, 10000.0);
+            float* tables;
+            cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
+            cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+            cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+            const float* sin_d = tables + cos_t.size();
+            const float rope_ms = bench_median_ms([&] { rope_forward(qkv, tables, sin_d, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0); });
+            const float fused_ms = bench_median_ms([&] {
+                rope_forward_attention_fp8(qkv, tables, sin_d, fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+            });
+            const AttentionFp8Inputs in = attention_fp8_inputs(fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
+            const float kernel_ms = bench_median_ms([&] {
+                attention_forward_fp8_cast_done(out, lse, in, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+            });
             printf("%-10s %2d %5d %3d %3d %3d | %-14s | %8.3f %8.1f | %8s %8s | %5.0f%%\n", sh.name, sh.B, sh.T, sh.NH, sh.NKV,
                    sh.HD, "hopper FP8", fp8_ms, fwd_flops / fp8_ms / 1e9, "-", "-", 100.0 * fwd_flops / fp8_ms / 1e9 / 1450.0);
-            printf("%-10s %34s | %8.3f %8s |\n", "", "of which the FP8 cast", cast_ms, "");
-            printf("%-10s %34s | %17.2fx |\n", "", "FP8 / BF16 hopper forward speed", fwd_ms[1] / fp8_ms);
+            printf("%-10s %34s | %8.3f %8.1f |\n", "", "of which the kernel (TFLOP/s)", kernel_ms, fwd_flops / kernel_ms / 1e9);
+            printf("%-10s %34s | %8.3f %8s |\n", "", "and the FP8 cast", cast_ms, "");
+            printf("%-10s %34s | %8.3f %8s |\n", "", "RoPE alone", rope_ms, "");
+            printf("%-10s %34s | %8.3f %8s |\n", "", "RoPE with the cast fused", fused_ms, "");
+            printf("%-10s %34s | %17.2fx |\n", "", "FP8 / BF16 forward speed", fwd_ms[1] / fp8_ms);
+            printf("%-10s %34s | %17.2fx |\n", "", "the kernels alone", fwd_ms[1] / kernel_ms);
+            printf("%-10s %34s | %17.2fx |\n", "", "in the model (with RoPE)", (rope_ms + fwd_ms[1]) / (fused_ms + kernel_ms));
+            cudaCheck(cudaFree(tables));
             cudaCheck(cudaFree(fp8_scratch));
         }
         for (void* ptr : {(void*)qkv, (void*)dqkv, (void*)out, (void*)dout, (void*)lse, (void*)scratch}) cudaCheck(cudaFree(ptr));
