@@ -177,11 +177,14 @@ __device__ inline void attention_pack_a_e4m3(uint32_t (*pa)[4], const float (*c)
         }
 }
 // The FP8 forward's scale of a tile of Q, K or V from its amax (the bits of |x|, as the cast gathers it):
-// the scale rule of the linear layers, E4M3, margin 0.
+// the scale rule of the linear layers, E4M3, margin 0, capped at 2^64. O follows V's scale from tile to tile
+// (attention_forward_hopper_kernel), and an all-zero tile's scale (2^108, from the amax floor) would carry it past
+// FP32's range; with the cap O stays below 2^8 2^64 T max|V|.
+constexpr float ATTN_FP8_MAX_SCALE = 0x1p64f;
 __host__ __device__ inline float attention_fp8_scale(unsigned int amax_bits) {
     float amax;
     memcpy(&amax, &amax_bits, sizeof(amax));
-    return fp8_scale_from_amax(amax, E4M3_MAX, 0, 1.0f);
+    return fminf(fp8_scale_from_amax(amax, E4M3_MAX, 0, 1.0f), ATTN_FP8_MAX_SCALE);
 }
 
 // One step of the online softmax over a strip of NB 8-column blocks of raw scores s (masked ones -inf), rows
@@ -1688,7 +1691,7 @@ attention_fp8_cast_kernel(AttentionFp8Inputs in, const bf16* qkv, int T, int NH,
         for (int o = 16; o > 0; o >>= 1) m[half] = max(m[half], __shfl_xor_sync(0xffffffffu, m[half], o));
         if (lane == 0) warp_max[half][warp] = m[half];
     }
-    __shared__ bf16 tile[ROWS][HD + 2];   // V: [key][head column]; +2: the transposed reads spread over the banks
+    __shared__ bf16 tile[ROWS][HD + 2];   // V: [key][head column]; +2: odd rows of words for the transposed reads
     const int kvh = hh - NH - NKV;
     if (kvh >= 0) {
 #pragma unroll

@@ -2097,23 +2097,26 @@ GPU_TEST(attention_hopper_many_waves) {
 
 // The FP8 forward (attention_forward_fp8, Hopper builds). Its inputs: qkv with magnitudes that change from tile to
 // tile by powers of two (Q by 64 rows, K and V by 128 keys), so that neighbouring tiles get different scales and
-// the kernel must apply each tile's own. Q and K only shrink (the scores stay as soft as the BF16 tests' are).
+// the kernel must apply each tile's own. Q and K only shrink (the scores stay as soft as the BF16 tests' are). V's
+// keys 128-255 are zero where T > 256: a tile at the scale cap between ordinary ones.
 static AttentionRun attention_fp8_run(const AttentionShape& sh) {
     AttentionRun run(sh, ATTN_PATH_HOPPER);
     for (size_t row = 0; row < (size_t)sh.B * sh.T; row++) {
         const int t = (int)(row % sh.T);
         const int e[3] = {-(t / 64 % 2), -(t / 128 % 2), t / 128 % 3};   // Q, K, V
+        const bool zero_v = sh.T > 256 && t / 128 == 1;
         for (int c = 0; c < run.C3; c++) {
             const int part = c < sh.NH * sh.HD ? 0 : c < (sh.NH + sh.NKV) * sh.HD ? 1 : 2;
             bf16& x = run.qkv[row * run.C3 + c];
-            x = __float2bfloat16(ldexpf(to_float(x), e[part]));   // exact
+            x = __float2bfloat16(part == 2 && zero_v ? 0.0f : ldexpf(to_float(x), e[part]));   // exact
         }
     }
     return run;
 }
 // Its cast, byte for byte against the host codec: each tile quantized on its own (host_quantize: its amax, the scale
-// rule, the codes), Q and K in qkv's layout, V transposed with the keys of each 16 in the order of the FP8 A
-// fragment of P (written out here from the fragment layouts, not taken from the kernel's helper), keys past T zero.
+// rule, the codes; a scale above the cast's cap of 2^64 cast again at the cap), Q and K in qkv's layout, V
+// transposed with the keys of each 16 in the order of the FP8 A fragment of P (written out here from the fragment
+// layouts, not taken from the kernel's helper), keys past T zero.
 static const int ATTN_FP8_KEY_ORDER[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
 struct AttentionFp8Host {   // the host's view of the FP8 inputs: scales, codes, codes decoded (unscaled)
     std::vector<float> q_scale, k_scale, v_scale;   // [B, NH, Tp / 64], [B, NKV, Tp / 128] (tiles past T: none)
@@ -2143,7 +2146,11 @@ static AttentionFp8Host attention_fp8_host(const AttentionRun& run) {
                     for (int t = t0; t < t1; t++)
                         for (int d = 0; d < sh.HD; d++) tile.push_back(x[at(t, d)]);
                     RefScaleLog g;
-                    const std::vector<uint8_t> c = host_quantize(tile, E4M3, &g);
+                    std::vector<uint8_t> c = host_quantize(tile, E4M3, &g);
+                    if (g.scale > 0x1p64) {
+                        g.scale = 0x1p64;
+                        for (size_t i = 0; i < c.size(); i++) c[i] = fp8_encode_ref(to_float(tile[i]) * (float)g.scale, E4M3);
+                    }
                     (*scales[part])[((size_t)b * n + hd) * (Tp / R) + t0 / R] = (float)g.scale;
                     for (int t = t0, i = 0; t < t1; t++)
                         for (int d = 0; d < sh.HD; d++, i++) {
