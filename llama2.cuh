@@ -708,6 +708,14 @@ __device__ inline void rope_rotate(float x0, float x1, float c, float sin, float
     *y1 = __float2bfloat16(fmaf(x0, s, x1 * c));
 }
 
+// The 4 pairs of a 16-byte vector, in place; pair0 indexes the tables at the first pair.
+__device__ inline void rope_rotate_vec(Packed128<bf16>& v, const float* cos_t, const float* sin_t, size_t pair0, float sign) {
+#pragma unroll
+    for (int q = 0; q < BF16_PER_16B / 2; q++)
+        rope_rotate(to_float(v.v[2 * q]), to_float(v.v[2 * q + 1]), cos_t[pair0 + q], sin_t[pair0 + q], sign, &v.v[2 * q],
+                    &v.v[2 * q + 1]);
+}
+
 // One thread rotates 4 pairs (16 bytes).
 __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, int N, int T, int rot_heads,
                             int qkv_cols, int HD, float sign) {
@@ -719,10 +727,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_t, const float* sin_t, i
     const int t = (int)(n % T);
     bf16* p = qkv + n * qkv_cols + (size_t)head * HD + chunk * BF16_PER_16B;
     Packed128<bf16> v = load128(p);
-    for (int q = 0; q < BF16_PER_16B / 2; q++) {
-        const size_t pair = (size_t)t * (HD / 2) + chunk * (BF16_PER_16B / 2) + q;
-        rope_rotate(to_float(v.v[2 * q]), to_float(v.v[2 * q + 1]), cos_t[pair], sin_t[pair], sign, &v.v[2 * q], &v.v[2 * q + 1]);
-    }
+    rope_rotate_vec(v, cos_t, sin_t, (size_t)t * (HD / 2) + chunk * (BF16_PER_16B / 2), sign);
     store128(p, v);
 }
 
@@ -750,11 +755,7 @@ struct RopeAttentionFp8 {
     const float *cos_t, *sin_t;
     int T, HD, cols;
     __device__ void operator()(Packed128<bf16>& x, size_t row, int col) const {
-        const size_t pair0 = (size_t)(row % T) * (HD / 2) + (col % HD) / 2;
-#pragma unroll
-        for (int q = 0; q < BF16_PER_16B / 2; q++)
-            rope_rotate(to_float(x.v[2 * q]), to_float(x.v[2 * q + 1]), cos_t[pair0 + q], sin_t[pair0 + q], 1.0f, &x.v[2 * q],
-                        &x.v[2 * q + 1]);
+        rope_rotate_vec(x, cos_t, sin_t, (size_t)(row % T) * (HD / 2) + (col % HD) / 2, 1.0f);
         store128(qkv + row * cols + col, x);
     }
 };
