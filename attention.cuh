@@ -186,6 +186,8 @@ __host__ __device__ inline float attention_fp8_scale(unsigned int amax_bits) {
     memcpy(&amax, &amax_bits, sizeof(amax));
     return fminf(fp8_scale_from_amax(amax, E4M3_MAX, 0, 1.0f), ATTN_FP8_MAX_SCALE);
 }
+// 1 / x for x a power of two (these scales: 2^-119 to 2^64), exact: the exponent field negated, 254 - (e + 127).
+__device__ inline float attention_fp8_inverse_scale(float x) { return __int_as_float(0x7f000000 - __float_as_int(x)); }
 
 // One step of the online softmax over a strip of NB 8-column blocks of raw scores s (masked ones -inf), rows
 // g and g+8 of the warp's 16 (one quad per row): in base 2 with scores scaled by scale_log2 = log2(e)/sqrt(HD),
@@ -1036,13 +1038,23 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         const int row_first = qt * BM + 64 * c;
         const int nkv_c = row_first >= T ? 1 : min(row_first + 63, T - 1) / BN + 1;
         // FP8: the multiplier of tile j's raw scores is scale_log2 / (sq sk_j), with sq the scale of this consumer's
-        // Q rows and sk_j, sv_j those of K/V tile j (issue_scores loads them). O accumulates 256 P V in units of the
-        // last V tile's scale: going from tile j to j + 1 multiplies it by sv_{j+1} / sv_j with alpha (exact: powers
-        // of two), and at the end O = acc / (256 sv l).
+        // Q rows and sk_j, sv_j those of K/V tile j. O accumulates 256 P V in units of the last V tile's scale:
+        // going from tile j to j + 1 multiplies it by sv_{j+1} / sv_j with alpha (exact: powers of two), and at the
+        // end O = acc / (256 sv l). The scales are loaded here, ahead of their use: lane i of each warp holds those
+        // of K/V tile 32 r + i (r: the current 32 tiles; issue_scores loads the next 32), and tile j's come by a
+        // shuffle where they are used, so that no load latency sits on the softmax's path.
         const size_t kv_row = ((size_t)b * NKV + h / (NH / NKV)) * (Tp / BN);
         const size_t q_row = ((size_t)b * NH + h) * (Tp / ATTN_FP8_Q_ROWS) + row_first / ATTN_FP8_Q_ROWS;
-        const float q_log2 = FP8 && row_first < T ? scale_log2 / fp8.q_scale[q_row] : scale_log2;
-        float sk_load = 1.0f, sv_load = 1.0f, sv_acc = 1.0f;   // tile j's (issue_scores(j)), and O's units
+        const float sq = FP8 && row_first < T ? fp8.q_scale[q_row] : 1.0f;
+        float k_scales = 1.0f, v_scales = 1.0f, sv_acc = 1.0f;
+        auto load_kv_scales = [&](int j0) {
+            if constexpr (FP8) {
+                const size_t at = kv_row + min(j0 + lane, nkv - 1);
+                k_scales = fp8.k_scale[at];
+                v_scales = fp8.v_scale[at];
+            }
+        };
+        load_kv_scales(0);
         const int qb = it % QB;
         const unsigned char* q_tile = smem + S::Q + qb * S::Q_BYTES + 64 * c * ROW;   // this consumer's rows of chunk 0
         attention_zero<HD / 8>(o);
@@ -1055,10 +1067,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         auto issue_scores = [&](int j) {
             const int u = kv_base + j;
             const unsigned char* k_tile = smem + S::K + (u % HATTN_FWD_STAGES) * S::KV_BYTES;
-            if constexpr (FP8) {
-                sk_load = fp8.k_scale[kv_row + j];
-                sv_load = fp8.v_scale[kv_row + j];
-            }
+            if (FP8 && j > 0 && j % 32 == 0) load_kv_scales(j);
             hattn_bar_wait(k_full + u % HATTN_FWD_STAGES, (u / HATTN_FWD_STAGES) & 1);
             hattn_wgmma_fence();
             if constexpr (FP8) {
@@ -1088,15 +1097,19 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
                     for (int i = 0; i < 4; i++)
                         if (k0 + n * 8 + 2 * t + i % 2 > row_base + g + 8 * (i / 2)) sc[n][i] = -INFINITY;
             }
-            attention_softmax_step<BN / 8>(sc, m, l, alpha, FP8 ? q_log2 / sk_load : scale_log2);
+            const float sk = __shfl_sync(0xffffffffu, k_scales, j % 32);
+            attention_softmax_step<BN / 8>(sc, m, l, alpha,
+                                           FP8 ? scale_log2 * attention_fp8_inverse_scale(sq) * attention_fp8_inverse_scale(sk)
+                                               : scale_log2);
         };
-        // FP8: O's units follow V's scale to the tile whose P is packed next (after softmax, before the rescale).
-        auto follow_v_scale = [&] {
+        // FP8: O's units follow V's scale to tile j, whose P is packed next (after softmax, before the rescale).
+        auto follow_v_scale = [&](int j) {
             if constexpr (FP8) {
-                const float r = sv_load / sv_acc;
+                const float sv = __shfl_sync(0xffffffffu, v_scales, j % 32);
+                const float r = sv * attention_fp8_inverse_scale(sv_acc);
                 alpha[0] *= r;
                 alpha[1] *= r;
-                sv_acc = sv_load;
+                sv_acc = sv;
             }
         };
         // O += P_j V_j (issued, not awaited), a m64n64 product per 64 columns of V (one m64n128 over both
@@ -1158,7 +1171,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
         hattn_fence_regs<BN / 2>(&sc[0][0]);
         hattn_bar_arrive(k_empty + kv_base % HATTN_FWD_STAGES);
         softmax(0);
-        follow_v_scale();
+        follow_v_scale(0);
         pack_p();
         // The pipeline keeps the tensor cores fed while the exponentials run: with P_j ready (bf16, registers),
         // S_{j+1} is issued, then O += P_j V_j behind it; once S_{j+1} has landed its softmax runs while P_j V_j
@@ -1176,7 +1189,7 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
             hattn_wgmma_wait<0>();
             hattn_fence_regs<HD / 2>(&o[0][0]);
             hattn_bar_arrive(v_empty + (kv_base + j) % HATTN_FWD_STAGES);
-            follow_v_scale();
+            follow_v_scale(j + 1);
             attention_rescale_rows<HD / 8>(o, alpha);
             pack_p();
         }

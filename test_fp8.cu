@@ -2221,10 +2221,10 @@ GPU_TEST(attention_fp8_cast_matches_host) {
 // is left between the two: Hopper's FP8 tensor cores do not accumulate in full FP32 (about 14 significant bits are
 // kept, as DeepSeek-V3's report measured on H800s), so S and lse differ from float64 by ~1e-4 of themselves; that
 // moves a few P across a rounding boundary of E4M3 (a step of 2^-3 or 2^-4 of that P); and O is rounded to BF16.
-// Measured on an H100 over the shapes below: out rel_l2 <= 4.0e-3, max_rel <= 1.3e-2; lse <= 1.1e-4 (relative,
+// Measured on an H100 over the shapes below: out rel_l2 <= 4.2e-3, max_rel <= 1.3e-2; lse <= 1.2e-4 (relative,
 // both measures). A wrong key order, scale or tile gives errors of order 1.
 // The exact reference (float64 on the BF16 inputs) measures what FP8 costs: E4M3 keeps 4 significant bits (a
-// relative rounding error of 2.5% rms) in Q, K (the scores), V and P; measured rel_l2 2.2-4.7e-2, max_rel <= 5.8e-2.
+// relative rounding error of 2.5% rms) in Q, K (the scores), V and P; measured rel_l2 2.2-4.8e-2, max_rel <= 5.8e-2.
 static void ref_attention_fp8_forward(double* out, double* lse, const AttentionFp8Host& h, const AttentionShape& sh) {
     const int BN = 128, group = sh.NH / sh.NKV;
     const double scale = 1.0 / sqrt((double)sh.HD);
@@ -2270,7 +2270,10 @@ static const double ATTN_FP8_EXACT_MAX_TOL = 8e-2;   // max_rel against it
 
 GPU_TEST(attention_fp8_forward_matches_reference) {
     if (!attention_hopper_available) return skip_test("the FP8 attention runs on the Hopper kernels (GPU_ARCH=sm_90a)");
-    for (const AttentionShape& sh : attention_test_shapes) {
+    // and T past 32 K/V tiles, where the kernel loads the next 32 tiles' scales
+    std::vector<AttentionShape> shapes(std::begin(attention_test_shapes), std::end(attention_test_shapes));
+    shapes.push_back({1, 4200, 2, 1, 64});
+    for (const AttentionShape& sh : shapes) {
         printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
         const AttentionRun run = attention_fp8_run(sh);
         const AttentionFp8Host h = attention_fp8_host(run);
