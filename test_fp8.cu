@@ -2224,7 +2224,7 @@ GPU_TEST(attention_fp8_cast_matches_host) {
 // Measured on an H100 over the shapes below: out rel_l2 <= 4.2e-3, max_rel <= 1.3e-2; lse <= 1.2e-4 (relative,
 // both measures). A wrong key order, scale or tile gives errors of order 1.
 // The exact reference (float64 on the BF16 inputs) measures what FP8 costs: E4M3 keeps 4 significant bits (a
-// relative rounding error of 2.5% rms) in Q, K (the scores), V and P; measured rel_l2 2.2-4.8e-2, max_rel <= 5.8e-2.
+// relative rounding error of 2.5% rms) in Q, K (the scores), V and P; measured rel_l2 2.2-4.9e-2, max_rel <= 5.8e-2.
 static void ref_attention_fp8_forward(double* out, double* lse, const AttentionFp8Host& h, const AttentionShape& sh) {
     const int BN = 128, group = sh.NH / sh.NKV;
     const double scale = 1.0 / sqrt((double)sh.HD);
