@@ -8489,14 +8489,10 @@ static void bench_attention() {
             // cost there is (RoPE + cast) + the kernel, against RoPE + the BF16 kernel.
             std::vector<float> cos_t, sin_t;
             rope_tables(&cos_t, &sin_t, sh.T, sh.HD, 10000.0);
-            float* tables;
-            cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
-            cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-            cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-            const float* sin_d = tables + cos_t.size();
-            const float rope_ms = bench_median_ms([&] { rope_forward(qkv, tables, sin_d, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0); });
+            const DeviceBuffer<float> d_cos(cos_t), d_sin(sin_t);
+            const float rope_ms = bench_median_ms([&] { rope_forward(qkv, d_cos.ptr, d_sin.ptr, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0); });
             const float fused_ms = bench_median_ms([&] {
-                rope_forward_attention_fp8(qkv, tables, sin_d, fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
+                rope_forward_attention_fp8(qkv, d_cos.ptr, d_sin.ptr, fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD, 0);
             });
             const AttentionFp8Inputs in = attention_fp8_inputs(fp8_scratch, sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
             const float kernel_ms = bench_median_ms([&] {
@@ -8511,7 +8507,6 @@ static void bench_attention() {
             printf("%-10s %34s | %17.2fx |\n", "", "FP8 / BF16 forward speed", fwd_ms[1] / fp8_ms);
             printf("%-10s %34s | %17.2fx |\n", "", "the kernels alone", fwd_ms[1] / kernel_ms);
             printf("%-10s %34s | %17.2fx |\n", "", "in the model (with RoPE)", (rope_ms + fwd_ms[1]) / (fused_ms + kernel_ms));
-            cudaCheck(cudaFree(tables));
             cudaCheck(cudaFree(fp8_scratch));
         }
         for (void* ptr : {(void*)qkv, (void*)dqkv, (void*)out, (void*)dout, (void*)lse, (void*)scratch}) cudaCheck(cudaFree(ptr));
