@@ -1097,10 +1097,12 @@ attention_forward_hopper_kernel(bf16* out, float* lse, const __grid_constant__ C
                     for (int i = 0; i < 4; i++)
                         if (k0 + n * 8 + 2 * t + i % 2 > row_base + g + 8 * (i / 2)) sc[n][i] = -INFINITY;
             }
-            const float sk = __shfl_sync(0xffffffffu, k_scales, j % 32);
-            attention_softmax_step<BN / 8>(sc, m, l, alpha,
-                                           FP8 ? scale_log2 * attention_fp8_inverse_scale(sq) * attention_fp8_inverse_scale(sk)
-                                               : scale_log2);
+            float mult = scale_log2;
+            if constexpr (FP8) {   // scale_log2 / (sq sk_j), sk_j from lane j % 32
+                const float sk = __shfl_sync(0xffffffffu, k_scales, j % 32);
+                mult = scale_log2 * attention_fp8_inverse_scale(sq) * attention_fp8_inverse_scale(sk);
+            }
+            attention_softmax_step<BN / 8>(sc, m, l, alpha, mult);
         };
         // FP8: O's units follow V's scale to tile j, whose P is packed next (after softmax, before the rescale).
         auto follow_v_scale = [&](int j) {
