@@ -6,7 +6,7 @@ asked). FLOPs as ours: forward 2 B H T^2 D (causal halves 4 B H T^2 D), backward
 (KV < H) use enable_gqa=True where the backend takes it (gqa "native"), else k and v expanded to H heads once,
 before timing (gqa "expanded"), so either way only the attention kernels are timed. "-": no GQA.
 
-Run: python3 bench_sdpa.py [--backends cudnn,flash] [--reps N]   (PyTorch with CUDA and a GPU)
+Run: python3 scripts/bench_sdpa.py [--backends cudnn,flash] [--reps N]   (PyTorch with CUDA and a GPU)
 """
 import argparse
 import statistics

@@ -18,12 +18,12 @@ The first --warmup steps (they compile) are timed apart; then --steps timed step
 sync: ms per step (mean, min-max), tokens/s, model TFLOP/s as train_fp8 counts them (6 x matmul parameters
 per token, plus 12 x L x D x T for attention) and peak GPU memory (torch.cuda.max_memory_allocated).
 
-Run: python3 bench_torch.py [--modes eager,compile,float8] [--steps 10] [--warmup 3] [--batch 8] [--seq 2048]
+Run: python3 scripts/bench_torch.py [--modes eager,compile,float8] [--steps 10] [--warmup 3] [--batch 8] [--seq 2048]
                             [--layers 22] [--compile-scope block|model] [--device cuda|cpu]
 Needs PyTorch 2.5+ (enable_gqa) with CUDA and a GPU (--device cpu: a smoke test of the code paths), and for
 float8 torchao (0.17 pairs with torch 2.11; it needs nothing else) and an FP8 GPU (sm_89+). Where torchao is
 not installed, its wheel can be put on the path:
-  pip install --no-deps --target /tmp/site torchao-*.whl && PYTHONPATH=/tmp/site python3 bench_torch.py
+  pip install --no-deps --target /tmp/site torchao-*.whl && PYTHONPATH=/tmp/site python3 scripts/bench_torch.py
 """
 import argparse
 import gc
