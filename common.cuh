@@ -124,6 +124,9 @@ inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessor
 // the step's GPU span minus every range: the GPU waiting for the host between ranges (launch overhead, host
 // synchronizations, host work). Ranges do not nest: one opened inside another is NVTX only and its time
 // counts in the outer one's phase.
+// A kernel that computes a layer's math counts in that layer's phase in both builds, also where it writes FP8
+// (a cast fused into RMSNorm, SwiGLU or RoPE): the same math lands in the same row of either build, and the
+// FP8 cast phase holds only kernels that do nothing but quantize (plain casts, amax passes, scale updates).
 
 enum ProfilePhase {
     PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_FP8_CAST, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE,
@@ -132,8 +135,9 @@ enum ProfilePhase {
 };
 inline const char* profile_phase_name(ProfilePhase p) {
     static const char* names[PHASE_COUNT] = {
-        "forward GEMMs (decoder linears)", "backward GEMMs (decoder linears)", "FP8 casts, amax, scales",
-        "attention forward", "attention backward", "RMSNorm (+ residual add)", "RoPE", "SwiGLU", "embedding",
+        "forward GEMMs (decoder linears)", "backward GEMMs (decoder linears)", "FP8 casts alone, amax, scales",
+        "attention forward", "attention backward", "RMSNorm (+ residual add, + fused cast)", "RoPE (+ fused cast)",
+        "SwiGLU (+ fused cast)", "embedding",
         "lm_head GEMMs", "cross-entropy, loss", "tensor-parallel all-reduces", "input copies to the GPU",
         "optimizer (zero grads, grad norm, AdamW)", "weight re-quantization (W8, W8^T)", "other (memsets)"};
     return names[p];

@@ -219,11 +219,12 @@ void model_copy_shard(const ModelConfig& c, int tp_size, int rank, T* whole, T* 
 
 // Model FLOPs per trained token (forward + backward), the PaLM convention (also llm.c's):
 //   6 * (parameters of the matmuls: all but the embedding table; the norm weights are negligible)
-//   + 12 * L * D * T for attention: Q K^T and P V are 2 * T * D multiply-adds each per token and layer
-//     forward (4 T D), twice that backward; counted over all T keys, as if there were no causal mask.
+//   + 6 * L * D * T for causal attention: Q K^T and P V are D multiply-adds per key each, per token and layer,
+//     and a token attends to T / 2 keys on average: 2 * D * T FLOPs forward, twice that backward (the backward's
+//     recomputation of P is not counted, as a recomputed activation is not).
 inline double model_flops_per_token(const ModelConfig& c, int T) {
     double matmul_params = (double)model_num_params(c) - (double)c.vocab_size * c.dim;
-    return 6.0 * matmul_params + 12.0 * c.n_layers * (double)c.dim * T;
+    return 6.0 * matmul_params + 6.0 * c.n_layers * (double)c.dim * T;
 }
 
 // fn(i) for every i in [0, n) on all host cores: each i once, in any order and on any thread, so fn(i) must
@@ -634,7 +635,7 @@ inline void rmsnorm_forward_fp8(const Fp8CastOut& o, bf16* resid_out, float* rst
                                 const bf16* w, int N, int D, float eps, cudaStream_t s) {
     const bool current = !o.recipe.delayed();
     rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, current ? &o.meta->amax_pending : nullptr);
-    ProfileRange range(PHASE_FP8_CAST, s, "rmsnorm: cast X");
+    ProfileRange range(PHASE_NORM, s, "rmsnorm: cast X");
     fp8_cast_produced(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, current);
 }
 // The RMSNorm backward's kernel and grid for rows of D: P packs of 8 columns per thread, the fewest of 1, 2, 4, 8
@@ -819,7 +820,7 @@ inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float
     check_rows("rope_backward_fp8", HD, {dqkv});
     if (HD % CAST_VEC != 0) fail("rope_backward_fp8: head_dim %d must be a multiple of %d (a cast chunk within one head)", HD, CAST_VEC);
     if (!is_aligned16(cos_t) || !is_aligned16(sin_t)) fail("rope_backward_fp8: the cos/sin tables must be 16-byte aligned (got %p, %p)", cos_t, sin_t);
-    ProfileRange range(PHASE_FP8_CAST, s, "rope backward: cast dY");
+    ProfileRange range(PHASE_ROPE, s, "rope backward: cast dY");
     const int cols = (NH + 2 * NKV) * HD;
     fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
 }
@@ -1090,14 +1091,14 @@ struct SwigluBackwardCast {
 // reads back (amax, cast).
 inline void swiglu_forward_fp8(const Fp8CastOut& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_forward_fp8", F, {gate_up});
-    ProfileRange range(PHASE_FP8_CAST, s, "swiglu forward: cast X");
+    ProfileRange range(PHASE_SWIGLU, s, "swiglu forward: cast X");
     fp8_cast_produced(o, SwigluCast{gate_up, F}, N, F, s);
 }
 // swiglu_backward into an FP8 linear's dY (dY8 [N,2F] and dY8^T of w_gate_up), no BF16 dgate_up: costs as above,
 // dout and gate_up read once per pass.
 inline void swiglu_backward_fp8(const Fp8CastOut& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_backward_fp8", F, {dout, gate_up});
-    ProfileRange range(PHASE_FP8_CAST, s, "swiglu backward: cast dY");
+    ProfileRange range(PHASE_SWIGLU, s, "swiglu backward: cast dY");
     fp8_cast_produced(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s);
 }
 
@@ -1902,7 +1903,7 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
         printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
                (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
     }
-    printf("model FLOPs per token: %.3f GFLOP (6 x %zu matmul parameters + 12 x L x D x T attention)\n",
+    printf("model FLOPs per token: %.3f GFLOP (6 x %zu matmul parameters + 6 x L x D x T causal attention)\n",
            model_flops_per_token(c, T) / 1e9, model_num_params(c) - (size_t)c.vocab_size * c.dim);
 }
 
@@ -2130,9 +2131,11 @@ inline float model_forward_backward(Model* m, const int* d_inputs, const int* d_
 // must always stand for the same work; train_fp8.cu's micro-batches are (it runs eagerly the first micro-batch,
 // which loads every kernel and makes every GEMM plan, the profiled step and --fp8-stats steps). Thread-local
 // capture: the other ranks' threads go on meanwhile.
-inline void model_graph_launch(Model* m, int key, const std::function<void()>& enqueue) {
+// Returns whether this launch captured the graph (its time then includes the capture).
+inline bool model_graph_launch(Model* m, int key, const std::function<void()>& enqueue) {
     auto it = m->graphs.find(key);
-    if (it == m->graphs.end()) {
+    const bool capture = it == m->graphs.end();
+    if (capture) {
         cudaGraph_t graph;
         cudaGraphExec_t exec;
         cudaCheck(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal));
@@ -2143,6 +2146,7 @@ inline void model_graph_launch(Model* m, int key, const std::function<void()>& e
         it = m->graphs.emplace(key, exec).first;
     }
     cudaCheck(cudaGraphLaunch(it->second, m->stream));
+    return capture;
 }
 
 // Evaluation: the mean loss over B x T tokens (B, T at most the allocated ones), no gradients.

@@ -7190,7 +7190,9 @@ GPU_TEST(train_profile_adds_up) {
     write_synthetic_corpus(data);
     std::vector<std::string> args = {"--steps", "3", "--warmup", "1", "--lr", "3e-3"};
     if constexpr (BUILD_FP8) args.push_back("--fp8-all-layers");   // tiny's two layers would otherwise both be BF16: no casts to time
-    TrainResult plain = train(tiny_run_options(data, args));
+    const TrainOptions plain_options = tiny_run_options(data, args);
+    const long plain_tokens_per_step = plain_options.total_batch;
+    TrainResult plain = train(plain_options);
     args.insert(args.end(), {"--profile", "2"});
     TrainResult profiled = train(tiny_run_options(data, args));
     expect(profiled.profiled && !plain.profiled, "only the run with --profile 2 should report a profile");
@@ -7199,7 +7201,6 @@ GPU_TEST(train_profile_adds_up) {
     const ProfileReport& r = profiled.profile;
     for (ProfilePhase p : {PHASE_GEMM_FWD, PHASE_GEMM_BWD, PHASE_ATTN_FWD, PHASE_ATTN_BWD, PHASE_NORM, PHASE_ROPE, PHASE_SWIGLU,
                            PHASE_EMBEDDING, PHASE_LM_HEAD, PHASE_LOSS, PHASE_DATA, PHASE_OPTIMIZER, PHASE_WEIGHT_QUANT}) {
-        if (BUILD_FP8 && p == PHASE_SWIGLU) continue;   // every layer FP8: SwiGLU forward and backward run inside the casts (PHASE_FP8_CAST)
         expect(r.ranges[p] > 0 && r.ms[p] >= 0.0, "phase '%s': %d ranges, %.4f ms", profile_phase_name(p), r.ranges[p], r.ms[p]);
     }
     expect(r.ranges[PHASE_DATA] == 2, "two micro-batches should make 2 input-copy ranges, not %d", r.ranges[PHASE_DATA]);
@@ -7207,6 +7208,20 @@ GPU_TEST(train_profile_adds_up) {
         expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
     else
         expect(r.ranges[PHASE_FP8_CAST] == 0, "the BF16 build has no FP8 casts, yet %d cast ranges", r.ranges[PHASE_FP8_CAST]);
+    // the summary: step 1 eager, then (two micro-batches) step 1 captures the second micro-batch's graph and the
+    // next non-eager step the first's; the profiled step 2 is eager
+    const RunSummary &a = plain.summary, &b = profiled.summary;
+    printf("    summary: plain %d timed, %d eager, %d capturing; profiled %d, %d, %d\n", a.timed, a.eager, a.captured, b.timed, b.eager,
+           b.captured);
+    expect(a.steps == 3 && a.eager == 1 && a.captured == 1 && a.timed == 1, "plain run: %d steps, %d eager, %d capturing, %d timed; want 3, 1, 1, 1",
+           a.steps, a.eager, a.captured, a.timed);
+    expect(b.steps == 3 && b.eager == 2 && b.captured == 1 && b.timed == 0, "profiled run: %d steps, %d eager, %d capturing, %d timed; want 3, 2, 1, 0",
+           b.steps, b.eager, b.captured, b.timed);
+    expect(a.mean_ms > 0 && a.mean_ms == a.median_ms && a.min_ms == a.max_ms && a.mean_ms == a.min_ms && a.memory_gib > 0,
+           "one timed step: mean %.3f, median %.3f, min %.3f, max %.3f ms should be one number; memory %.2f GiB", a.mean_ms, a.median_ms,
+           a.min_ms, a.max_ms, a.memory_gib);
+    expect(std::fabs(a.tokens_per_s * a.mean_ms / 1e3 - (double)plain_tokens_per_step) < 1e-6 * plain_tokens_per_step,
+           "tokens/s %.1f at %.3f ms a step is not %ld tokens a step", a.tokens_per_s, a.mean_ms, plain_tokens_per_step);
     printf("    GPU span %.3f ms, ranges %.3f ms, idle %.3f ms\n", r.span_ms, r.busy_ms, r.idle_ms());
     expect(r.span_ms > 0.0 && r.busy_ms > 0.0 && r.busy_ms <= r.span_ms + 1e-3, "the ranges (%.4f ms) should fit in the span (%.4f ms)",
            r.busy_ms, r.span_ms);

@@ -26,6 +26,7 @@
 #include "adamw_fp8.cuh"
 #include "dataloader.h"
 #include <chrono>
+#include <numeric>
 #include <functional>
 #include <thread>
 #include <algorithm>
@@ -274,6 +275,10 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
     printf("  %-22s this text\n", "--help");
     printf("A run stops on SIGINT (Ctrl-C) or SIGTERM after its current step, writes a checkpoint (with --out) and prints\n"
            "the command that resumes it; a second signal stops it at once.\n");
+    printf("Each step prints its time, tokens/s, model TFLOP/s and MFU; the run ends with a summary line over the steps that\n"
+           "ran as later steps run (not the first, not CUDA-graph captures, --profile or --fp8-stats steps): mean and median\n"
+           "ms, tokens/s, TFLOP/s and MFU at the mean, GPU memory. Model FLOPs per token: 6 x the matmul parameters (all\n"
+           "but the embedding) + 6 x layers x dim x T for causal attention (a token attends to T/2 keys on average).\n");
 }
 
 inline int grad_accum_steps(const TrainOptions& o) { return (int)(o.total_batch / ((long)o.batch * o.seq)); }
@@ -1798,13 +1803,23 @@ inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector
     return warnings;
 }
 
+// The end-of-run summary: the steps that ran as every later step runs, and what they measured. Left out: the
+// first step of the call (it loads the kernels and makes the GEMM plans), steps that captured a CUDA graph,
+// the --profile step and the --fp8-stats steps (both eager, the latter with counters).
+struct RunSummary {
+    int steps = 0, timed = 0, captured = 0, eager = 0;   // steps run; timed; left out for a capture; left out as eager
+    double mean_ms = 0, median_ms = 0, min_ms = 0, max_ms = 0;
+    double tokens_per_s = 0, tflops = 0, mfu = NAN;       // at the mean step time; MFU in percent (NaN: no peak known)
+    double memory_gib = 0;                                // GPU 0's memory in use at the end (cudaMemGetInfo)
+};
+
 struct TrainResult {
     int first_step = 0, last_step = 0;    // the steps this call ran (1-based, inclusive)
     std::vector<float> losses, grad_norms, lrs;   // one per step run
     std::vector<std::pair<int, float>> val_losses;   // (step, loss); step 0 = before training
     long bad_steps = 0;                   // non-finite steps skipped, whole run (resumes included)
     bool stopped_on_bad_steps = false;    // --max-bad-steps non-finite steps in a row ended the run
-    double tokens_per_s = 0;              // mean over the steps after the first
+    RunSummary summary;                   // the timed steps' figures, printed at the end
     long graph_launches = 0;              // micro-batches replayed from a CUDA graph
     int stop_signal = 0;                  // SIGINT or SIGTERM stopped the run after last_step (0: not stopped)
     bool profiled = false;                // --profile: the step ran in this call, and its table is `profile`
@@ -1838,8 +1853,8 @@ struct TrainRun {
     long bad_in_row = 0;
     uint64_t sample_rng = 0;
     StepProfile profile;
-    double time_sum = 0;                  // ms of the steps after the first
-    int timed_steps = 0;
+    std::vector<double> timed_ms;         // the summary's steps' times (RunSummary)
+    bool captured = false;                // this step captured a CUDA graph
     TrainResult result;
 };
 
@@ -1849,6 +1864,7 @@ struct StepStats {
     float loss = 0, grad_norm = 0, lr = 0;
     bool bad = false;                     // non-finite loss or gradient norm: the update was skipped
     bool fp8_stats_step = false;
+    bool captured = false;                // a micro-batch of this step captured a CUDA graph
     double ms = 0, tokens_per_s = 0, tflops = 0, mfu = NAN;
     std::vector<Fp8TensorStats> fp8_stats;   // --fp8-stats steps: each FP8 tensor's health
     std::vector<std::string> fp8_warnings;   // and the doctor's warnings
@@ -2190,7 +2206,8 @@ inline void train_micro_batches(TrainRun* run, int step, bool eager) {
             auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, run->grad_scale); };
             // two graphs: the first micro-batch of a step writes the gradients, the others add to them
             if (graph) {   // keys 2, 3: the same in the --amax-warmup steps (their casts are current-scaled)
-                model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0), micro_batch);
+                if (model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0), micro_batch))
+                    run->captured = true;   // every rank captures at the same micro-batch: a plain store of the same value
                 r.model.accumulate_grads = true;   // as the micro-batch would leave it: a replay runs no host code
             } else {
                 micro_batch();
@@ -2257,7 +2274,9 @@ inline StepStats train_step(TrainRun* run, int step) {
     if (profile_step) profile_begin(&run->profile, run->ranks[0].model.stream, (size_t)run->accum * (40 * run->config.n_layers + 40) + 20);
     s.fp8_stats_step = BUILD_FP8 && o.fp8_stats > 0 && step % o.fp8_stats == 0;
     if (s.fp8_stats_step) model_fp8_stats_begin(&run->ranks[0].model);   // under --tp: rank 0's shards
+    run->captured = false;
     train_micro_batches(run, step, profile_step || s.fp8_stats_step);
+    s.captured = run->captured;
     train_update(run, &s);
     if (s.fp8_stats_step) {   // counted over this step's casts, W after its update
         s.fp8_stats = model_fp8_stats_read(&run->ranks[0].model);
@@ -2286,7 +2305,11 @@ inline StepStats train_step(TrainRun* run, int step) {
 // The step's line on stdout, and its numbers in the result.
 inline void train_print_step(TrainRun* run, const StepStats& s) {
     const TrainOptions& o = *run->o;
-    if (s.step > run->first_step) { run->time_sum += s.ms; run->timed_steps++; }
+    RunSummary& sum = run->result.summary;
+    sum.steps++;
+    if (s.step == run->first_step || s.step == o.profile || s.fp8_stats_step) sum.eager++;
+    else if (s.captured) sum.captured++;
+    else run->timed_ms.push_back(s.ms);
     run->result.losses.push_back(s.loss);
     run->result.grad_norms.push_back(s.grad_norm);
     run->result.lrs.push_back(s.lr);
@@ -2346,6 +2369,38 @@ inline void train_checkpoint(TrainRun* run, int step) {
     }
     std::string path = checkpoint_save(o.out, h, o.keep_checkpoints, opts, models);
     printf("checkpoint: %s (step %d)\n", path.c_str(), step);
+}
+
+// The run's summary line: the timed steps' mean and median time, and at the mean the throughput, the model
+// FLOP/s (model_flops_per_token's convention) and MFU; GPU 0's memory in use now, with every buffer of the run allocated.
+inline void train_summary(TrainRun* run) {
+    RunSummary& sum = run->result.summary;
+    {
+        size_t free_b, total_b;
+        cudaCheck(cudaSetDevice(run->ranks[0].device));
+        cudaCheck(cudaMemGetInfo(&free_b, &total_b));
+        sum.memory_gib = (total_b - free_b) / 1073741824.0;
+    }
+    std::vector<double> ms = run->timed_ms;
+    sum.timed = (int)ms.size();
+    const std::string left_out = strprintf("%d of %d steps timed (left out: %d eager (the first, --profile, --fp8-stats), %d capturing CUDA graphs)",
+                                           sum.timed, sum.steps, sum.eager, sum.captured);
+    if (ms.empty()) {
+        printf("summary | %s | GPU memory %.1f GiB\n", left_out.c_str(), sum.memory_gib);
+        return;
+    }
+    std::sort(ms.begin(), ms.end());
+    const size_t n = ms.size();
+    sum.median_ms = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+    sum.mean_ms = std::accumulate(ms.begin(), ms.end(), 0.0) / n;
+    sum.min_ms = ms.front();
+    sum.max_ms = ms.back();
+    sum.tokens_per_s = run->tokens_per_step / (sum.mean_ms / 1000.0);
+    sum.tflops = run->flops_per_token * sum.tokens_per_s / 1e12;
+    sum.mfu = run->peak.tflops > 0 ? 100.0 * sum.tflops / (run->peak.tflops * run->P) : NAN;
+    printf("summary | %s | ms/step mean %.2f median %.2f min %.2f max %.2f | tokens/s %.0f | model TFLOP/s %.1f | MFU %s | "
+           "GPU memory %.1f GiB\n", left_out.c_str(), sum.mean_ms, sum.median_ms, sum.min_ms, sum.max_ms, sum.tokens_per_s, sum.tflops,
+           std::isnan(sum.mfu) ? "-" : strprintf("%.1f%%", sum.mfu).c_str(), sum.memory_gib);
 }
 
 // The end of the run: the logs closed, every GPU buffer freed, the NCCL communicators destroyed.
@@ -2481,7 +2536,7 @@ inline TrainResult train(const TrainOptions& o) {
         if (stopped) train_report_stop(&run, step);   // and the loop ends
     }
     profile_destroy(&run.profile);
-    if (run.timed_steps > 0) run.result.tokens_per_s = run.tokens_per_step / (run.time_sum / run.timed_steps / 1000.0);
+    train_summary(&run);
     if (run.result.bad_steps > 0) printf("non-finite steps skipped in this run so far: %ld\n", run.result.bad_steps);
     train_close(&run);
     return run.result;
