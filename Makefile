@@ -5,6 +5,8 @@
 #   make test               build and run the numerics test
 #   make sanitize           the GPU tests under compute-sanitizer: memcheck, and racecheck for shared-memory kernels
 #   make bench              GEMM and cast-kernel throughput tables (needs a GPU)
+#   make results            every figure of the README's Results, ours and PyTorch's, measured in one run on this GPU into
+#                           results/<GPU>.md (scripts/results.sh --help; RESULTS_FLAGS adds options)
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
 #   make train              build, prepare data, train the default preset into out/default (refused if it holds a run
 #                           already: the message gives the command that continues it)
@@ -91,6 +93,8 @@ train_fp8_bf16: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 # (the tests run ./train_fp8 too: a resume refused by the program itself); study.sh's table maker on fixed logs and
 # plot_fp8_stats.py on synthetic CSVs first (host only; it reports SKIP without numpy and matplotlib)
 test: test_fp8 train_fp8
+	python3 scripts/results.py test
+	python3 scripts/results.py check README.md
 	./study.sh test
 	python3 plot_fp8_stats.py test
 	./test_fp8
@@ -123,6 +127,11 @@ train: train_fp8 data
 bench: test_fp8
 	./test_fp8 --bench
 
+# make results builds what it runs itself (both precisions); RESULTS_FLAGS: e.g. "--reps 5" or "--only step,attention".
+RESULTS_FLAGS ?=
+results:
+	scripts/results.sh $(RESULTS_FLAGS)
+
 # The recipe lab (study.sh --help; STUDY_FLAGS adds flags, e.g. STUDY_FLAGS="--seeds 5 --only bf16,fp8"; BF16 against
 # FP8 at 1.1B's shape, one run at a time, for the time to quality: STUDY_FLAGS="--preset 1b").
 # make -j2 study builds the two binaries side by side.
@@ -143,7 +152,7 @@ MUTATE_FLAGS ?=
 mutants:
 	./mutate.sh $(MUTATE_FLAGS)
 
-.PHONY: all test sanitize bench data train study soak mutants clean
+.PHONY: all test sanitize bench results data train study soak mutants clean
 clean:
 	rm -f train_fp8 train_fp8_bf16 test_fp8 $(STAMP)
 	rm -rf scratch-mutants

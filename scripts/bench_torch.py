@@ -11,14 +11,20 @@ with enable_gqa=True. Modes:
   compile  torch.compile of each decoder layer and of the head (final RMSNorm, lm_head, cross-entropy), the
            per-block recipe: one compiled graph serves all the layers, a short compile; --compile-scope model
            compiles the whole model as one graph instead (longer to compile)
-  float8   torchao's convert_to_float8_training, tensorwise scaling (dynamic, one scale per tensor), on the
+  float8-tensorwise
+           torchao's convert_to_float8_training, tensorwise scaling (dynamic, one scale per tensor), on the
            decoder layers' linears except the first and last layers (lm_head stays BF16), as our FP8 recipe;
            then compiled as `compile`. Skipped, with a line saying why, if torchao is not importable
+  float8-rowwise
+           the same with torchao's rowwise recipe (a scale per row of each operand, E4M3 everywhere)
 The first --warmup steps (they compile) are timed apart; then --steps timed steps, each ended by a device
-sync: ms per step (mean, min-max), tokens/s, model TFLOP/s as train_fp8 counts them (6 x matmul parameters
-per token, plus 12 x L x D x T for attention) and peak GPU memory (torch.cuda.max_memory_allocated).
+sync: ms per step (mean, median, min-max), tokens/s at the mean, model TFLOP/s as train_fp8 counts them (6 x
+matmul parameters per token, plus 6 x L x D x T for causal attention), peak GPU memory
+(torch.cuda.max_memory_allocated) and the GPU memory in use (torch.cuda.mem_get_info: the caching allocator's
+reserve and the CUDA context too, as train_fp8 reports it). Each mode ends with one `result |` line for
+scripts/results.py; a mode that fails (out of memory, say) prints why and the others still run.
 
-Run: python3 scripts/bench_torch.py [--modes eager,compile,float8] [--steps 10] [--warmup 3] [--batch 8] [--seq 2048]
+Run: python3 scripts/bench_torch.py [--modes compile,float8-tensorwise] [--steps 10] [--warmup 3] [--batch 8] [--seq 2048]
                             [--layers 22] [--compile-scope block|model] [--device cuda|cpu]
 Needs PyTorch 2.5+ (enable_gqa) with CUDA and a GPU (--device cpu: a smoke test of the code paths), and for
 float8 torchao (0.17 pairs with torch 2.11; it needs nothing else) and an FP8 GPU (sm_89+). Where torchao is
@@ -42,7 +48,7 @@ except ImportError as err:
 # The `1b` preset (llama2.cuh's model_config_preset) with a 32000-token vocabulary.
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, FFN_DIM, VOCAB = 2048, 22, 32, 4, 5632, 32000
 NORM_EPS, ROPE_THETA = 1e-5, 10000.0
-MODES = ("eager", "compile", "float8")
+MODES = ("eager", "compile", "float8-tensorwise", "float8-rowwise")
 ROW = "{:<8} {:>10} {:>17} {:>10} {:>11} {:>9} {:>10} {:>17}"
 
 
@@ -132,18 +138,18 @@ class Llama(nn.Module):
 
 
 def model_flops_per_token(model, T):
-    """train_fp8's count: 6 x the matmul parameters (all but the embedding) + 12 L D T for attention."""
+    """train_fp8's count: 6 x the matmul parameters (all but the embedding) + 6 L D T for causal attention."""
     matmul_params = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
-    return 6 * matmul_params + 12 * len(model.layers) * DIM * T
+    return 6 * matmul_params + 6 * len(model.layers) * DIM * T
 
 
-def convert_to_float8(model):
-    """torchao's tensorwise float8 training on the linears of decoder layers 1 .. L-2; None if torchao is
-    missing (the reason is printed)."""
+def convert_to_float8(model, recipe):
+    """torchao's float8 training (recipe "tensorwise" or "rowwise") on the linears of decoder layers 1 .. L-2;
+    None if torchao is missing (the reason is printed)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
-        print(f"float8: skipped, torchao is not importable ({err}); put a torchao wheel on PYTHONPATH "
+        print(f"float8-{recipe}: skipped, torchao is not importable ({err}); put a torchao wheel on PYTHONPATH "
               f"(see this file's docstring)", flush=True)
         return None
     last = len(model.layers) - 1
@@ -152,10 +158,10 @@ def convert_to_float8(model):
         parts = fqn.split(".")
         return parts[0] == "layers" and 0 < int(parts[1]) < last
 
-    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, module_filter_fn=in_fp8_layer, config=config)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-    print(f"float8: {converted} linears converted ({max(0, last - 1)} of {last + 1} layers)", flush=True)
+    print(f"float8-{recipe}: {converted} linears converted ({max(0, last - 1)} of {last + 1} layers)", flush=True)
     return model
 
 
@@ -174,9 +180,9 @@ def build(mode, args, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(args.layers, args.seq)
-    if mode == "float8" and convert_to_float8(model) is None:
+    if mode.startswith("float8-") and convert_to_float8(model, mode.split("-")[1]) is None:
         return None
-    if mode in ("compile", "float8"):
+    if mode != "eager":
         model = compile_model(model, args.compile_scope)
     return model
 
@@ -224,6 +230,11 @@ def bench_mode(mode, args, device):
         step_ms.append(1e3 * (time.perf_counter() - start))
         losses.append(loss.item())
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        in_use_gib = (total - free) / 2**30
+    else:
+        in_use_gib = None
 
     flops_per_token = model_flops_per_token(getattr(model, "_orig_mod", model), args.seq)
     del model, optimizer
@@ -233,9 +244,17 @@ def bench_mode(mode, args, device):
         torch.cuda.empty_cache()
     ms = statistics.mean(step_ms)
     tokens_per_s = args.batch * args.seq / (ms / 1e3)
-    return {"ms": ms, "min": min(step_ms), "max": max(step_ms), "tokens_per_s": tokens_per_s,
-            "tflops": flops_per_token * tokens_per_s / 1e12, "peak_gib": peak_gib, "warmup_s": warmup_s,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+    return {"ms": ms, "median": statistics.median(step_ms), "min": min(step_ms), "max": max(step_ms),
+            "tokens_per_s": tokens_per_s, "tflops": flops_per_token * tokens_per_s / 1e12, "peak_gib": peak_gib,
+            "in_use_gib": in_use_gib, "warmup_s": warmup_s, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def result_line(mode, r, args):
+    """The line scripts/results.py reads: one per mode that ran."""
+    gib = lambda x: "-" if x is None else f"{x:.1f}"
+    return (f"result | mode {mode} | B {args.batch} T {args.seq} layers {args.layers} | ms/step mean {r['ms']:.2f} "
+            f"median {r['median']:.2f} min {r['min']:.2f} max {r['max']:.2f} | tokens/s {r['tokens_per_s']:.0f} | "
+            f"model TFLOP/s {r['tflops']:.1f} | peak allocated {gib(r['peak_gib'])} GiB | GPU memory {gib(r['in_use_gib'])} GiB")
 
 
 def row(mode, r):
@@ -276,7 +295,12 @@ def main():
     device = torch.device(args.device)
     torch.set_float32_matmul_precision("high")
     where = f"GPU {torch.cuda.get_device_name()}" if device.type == "cuda" else "CPU"
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {where}", flush=True)
+    try:
+        import torchao
+        ao = f"torchao {torchao.__version__}"
+    except ImportError:
+        ao = "torchao not installed"
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {ao}, {where}", flush=True)
     print(f"LLaMA-2 `1b` shape: dim {DIM}, {args.layers} layers, {N_HEADS} heads, {N_KV_HEADS} KV heads, "
           f"ffn {FFN_DIM}, vocab {VOCAB}; B {args.batch}, T {args.seq} ({args.batch * args.seq} tokens a step); "
           f"FP32 params, BF16 autocast, fused AdamW, clip 1.0; compile scope {args.compile_scope}; "
@@ -286,11 +310,20 @@ def main():
                         "loss first -> last")
     results = {}
     for mode in args.modes:
-        r = bench_mode(mode, args, device)
+        try:
+            r = bench_mode(mode, args, device)
+        except Exception as err:  # out of memory, a recipe this torchao or GPU lacks: the other modes still run
+            print(f"{mode}: failed at B {args.batch}, T {args.seq}: {type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                  flush=True)
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         if r is None:
             continue
         results[mode] = r
         print(header + "\n" + row(mode, r), flush=True)
+        print(result_line(mode, r, args), flush=True)
         if not (math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])):
             print(f"{mode}: the loss is not finite: its timing is of a broken step", flush=True)
 

@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""The tables of `make results`, and the check that the README quotes them.
+
+    scripts/results.py make RAW_DIR OUT.md   the tables of one results.sh run (RAW_DIR: its programs' outputs)
+    scripts/results.py check README.md       every figure of a README paragraph that cites results/NAME.md
+                                             (a decimal number, or one ending in k, x or %) is in that file
+    scripts/results.py test                  this script's checks on synthetic outputs (host only; make test)
+
+Ours: each train_fp8 run's `summary |` line (the timed steps' mean ms, tokens/s at that mean, model TFLOP/s,
+GPU memory in use). PyTorch: bench_torch.py's `result |` lines. A row is the median over the rounds of a
+run's figure, with the rounds' min-max; a ratio is the median of the rounds' ratios (round i against round i).
+"""
+import os
+import re
+import statistics
+import sys
+import tempfile
+
+STEP_ROWS = [  # (file prefix, label) of the 1.1B step table, in order
+    ("step-fp8", "ours, FP8 recipe"),
+    ("step-fp8-delayed", "ours, FP8, delayed scaling (--amax-history 16)"),
+    ("step-fp8-all-layers", "ours, FP8 in every layer (--fp8-all-layers)"),
+    ("step-bf16", "ours, BF16 build"),
+    ("torch-compile", "PyTorch, torch.compile BF16"),
+    ("torch-float8-tensorwise", "PyTorch + torchao float8, tensorwise"),
+    ("torch-float8-rowwise", "PyTorch + torchao float8, rowwise"),
+]
+PAIR_ROWS = [  # (label, FP8 prefix, BF16 prefix) of the long-context and 7B table
+    ("1.1B, T 8192, B 2", "long-fp8", "long-bf16"),
+    ("7B-shaped", "7b-fp8", "7b-bf16"),
+]
+SUMMARY = re.compile(r"^summary \| .*ms/step mean ([\d.]+) median ([\d.]+) min ([\d.]+) max ([\d.]+) \| tokens/s (\d+) \| "
+                     r"model TFLOP/s ([\d.]+) \| MFU \S+ \| GPU memory ([\d.]+) GiB", re.M)
+TORCH = re.compile(r"^result \| mode (\S+) \| .*ms/step mean ([\d.]+) median ([\d.]+) min ([\d.]+) max ([\d.]+) \| "
+                   r"tokens/s (\d+) \| model TFLOP/s ([\d.]+) \| peak allocated \S+ GiB \| GPU memory ([\d.]+) GiB", re.M)
+PROFILE_LINE = re.compile(r"^  (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)%(?:\s+(\d+))?$")
+OURS_ATTN = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \| (hopper|mma\.sync)\s*\|\s+([\d.]+)\s+([\d.]+) \|"
+                       r"\s+([\d.]+)\s+([\d.]+) \|", re.M)
+SDPA = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(cudnn|flash|efficient)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+"
+                  r"([\d.]+)\s+([\d.]+)", re.M)
+
+
+def fail(msg):
+    sys.exit(f"results.py: {msg}")
+
+
+def read(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def kilo(x):
+    return f"{x / 1000:.1f}k"
+
+
+def spread(values, fmt):
+    """median (min-max), or the one value"""
+    med = fmt(statistics.median(values))
+    return med if len(values) == 1 else f"{med} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def load_runs(raw):
+    """{prefix: {round: {ms, tokens, tflops, gib}}} from the raw folder's step, long, 7b and torch logs."""
+    runs = {}
+    for name in sorted(os.listdir(raw)):
+        m = re.fullmatch(r"((?:step|long|7b)-[a-z0-9-]+?)-(\d+)\.log", name)
+        if m:
+            s = SUMMARY.search(read(os.path.join(raw, name)))
+            if s:
+                runs.setdefault(m.group(1), {})[int(m.group(2))] = {
+                    "ms": float(s.group(1)), "tokens": float(s.group(5)), "tflops": float(s.group(6)), "gib": float(s.group(7))}
+            continue
+        m = re.fullmatch(r"torch-(\d+)\.log", name)
+        if m:
+            for t in TORCH.finditer(read(os.path.join(raw, name))):
+                runs.setdefault("torch-" + t.group(1), {})[int(m.group(1))] = {
+                    "ms": float(t.group(2)), "tokens": float(t.group(6)), "tflops": float(t.group(7)), "gib": float(t.group(8))}
+    return runs
+
+
+def ratio(runs, a, b):
+    """tokens/s of a over b, round by round (the rounds both have): the formatted spread, or None"""
+    rounds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
+    if not rounds:
+        return None
+    return spread([runs[a][r]["tokens"] / runs[b][r]["tokens"] for r in rounds], lambda x: f"{x:.2f}x")
+
+
+def run_cells(rounds):
+    v = list(rounds.values())
+    return [str(len(v)), spread([r["ms"] for r in v], lambda x: f"{x:.1f}"), spread([r["tokens"] for r in v], kilo),
+            spread([r["tflops"] for r in v], lambda x: f"{x:.0f}"), spread([r["gib"] for r in v], lambda x: f"{x:.1f}")]
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def env_caption(env):
+    return (f"One **{env.get('gpu', '?')}** ({env.get('gpu memory', '?')}), driver {env.get('driver', '?')}; CUDA "
+            f"{env.get('cuda', '?')}, cuBLASLt {env.get('cublaslt', '?')}; PyTorch {env.get('torch', '?')}, torchao "
+            f"{env.get('torchao', '?')}; commit {env.get('commit', '?')}, {env.get('date', '?')}")
+
+
+def step_section(runs, skipped):
+    lines = ["## 1.1B step", ""]
+    if "step" in skipped:
+        return lines + [f"Not measured: {skipped['step']}", ""]
+    lines += ["LLaMA 1.1B (TinyLlama's shape: dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocabulary 32000), "
+              "B 8, T 2048, uniformly random tokens. Ours: `train_fp8 --model 1b --batch 8 --seq 2048 --steps 10`, the "
+              "summary's mean over steps 3-10 (CUDA-graph replays); PyTorch: `scripts/bench_torch.py`, 10 steps after 3 "
+              "warm-up steps, FP32 master weights, BF16 autocast, fused AdamW. ms/step, tokens/s and model TFLOP/s "
+              "(6 x matmul parameters + 6 x L x D x T causal attention, a token): median over the rounds (min-max). "
+              "GPU memory: in use on the device (the CUDA context and, for PyTorch, its allocator's reserve included).", ""]
+    rows = []
+    for prefix, label in STEP_ROWS:
+        if prefix in runs:
+            r = ratio(runs, prefix, "step-bf16") if prefix != "step-bf16" else None
+            rows.append([label] + run_cells(runs[prefix]) + [r or "-"])
+        else:
+            rows.append([label, "0", "not run", "-", "-", "-", "-"])
+    lines.append(table(["run", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "vs ours BF16"], rows))
+    lines.append("")
+    for other in ("torch-compile", "torch-float8-tensorwise", "torch-float8-rowwise"):
+        r = ratio(runs, "step-fp8", other)
+        if r:
+            lines.append(f"- ours FP8 / {dict(STEP_ROWS)[other]}: **{r}** in tokens/s, round by round.")
+    lines.append("")
+    return lines
+
+
+def pair_section(runs, skipped, shapes):
+    lines = ["## Long context and a 7B shape", ""]
+    lines += ["The 1.1B at T 8192 (B 2) and LLaMA-2 7B's dimensions (dim 4096, 32 heads, FFN 11008, vocabulary 32000; "
+              "the layers and B in each row), the same random tokens, FP8 build against BF16 build, interleaved; "
+              "columns as above.", ""]
+    rows = []
+    for label, fp8, bf16 in PAIR_ROWS:
+        for prefix, build in ((fp8, "FP8"), (bf16, "BF16")):
+            what = f"{label} ({shapes[prefix]})" if prefix in shapes else label
+            if prefix in runs:
+                cells = run_cells(runs[prefix])
+                rows.append([what, build] + cells + [ratio(runs, fp8, bf16) or "-" if build == "FP8" else ""])
+            else:
+                why = skipped.get(prefix.split("-")[0], "no summary line (the raw output says why)")
+                rows.append([what, build, "0", f"not run: {why}", "-", "-", "-", ""])
+    lines.append(table(["shape", "build", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "FP8 / BF16"], rows))
+    return lines + [""]
+
+
+def parse_profile(text):
+    """{phase: ms} of a run's --profile table, with 'span' for the GPU span; None if it has none."""
+    at = text.find("profile of step")
+    if at < 0:
+        return None
+    phases = {}
+    for line in text[at:].splitlines()[2:]:
+        m = PROFILE_LINE.match(line)
+        if not m:
+            break
+        phases[m.group(1)] = float(m.group(2))
+    return phases
+
+
+def profile_section(raw, runs):
+    lines = ["## Where the step goes", ""]
+    prof = {}
+    for build in ("fp8", "bf16"):
+        path = os.path.join(raw, f"step-{build}-1.log")
+        prof[build] = parse_profile(read(path)) if os.path.exists(path) else None
+    if not prof["fp8"] or not prof["bf16"]:
+        return lines + ["Not measured: no --profile table in the first round's runs.", ""]
+    lines += ["`--profile 5` in the first round's FP8 and BF16 runs: step 5, run eagerly with CUDA events around each "
+              "phase (ms). A kernel that computes a layer's math counts in that layer's row in both builds, also where "
+              "it writes FP8 (a cast fused into RMSNorm, SwiGLU or RoPE); the FP8-casts row holds only kernels that do "
+              "nothing but quantize. The last column is what the FP8 build spends more (+) or less (-).", ""]
+    names = list(prof["fp8"]) + [n for n in prof["bf16"] if n not in prof["fp8"]]
+    rows = []
+    for n in names:
+        a, b = prof["fp8"].get(n), prof["bf16"].get(n)
+        fmt = lambda x: "-" if x is None else f"{x:.1f}"
+        diff = f"{(a or 0) - (b or 0):+.1f}"
+        bold = n.startswith("GPU span")
+        cells = [n, fmt(a), fmt(b), diff]
+        rows.append([f"**{c}**" for c in cells] if bold else cells)
+    timed = [f"{statistics.median(r['ms'] for r in runs[p].values()):.1f}" if p in runs else "-" for p in ("step-fp8", "step-bf16")]
+    rows.append(["a timed step (CUDA-graph replay; the table above, median)", timed[0], timed[1], ""])
+    lines.append(table(["phase", "FP8 build", "BF16 build", "FP8 - BF16"], rows))
+    return lines + [""]
+
+
+def attention_section(raw):
+    lines = ["## Attention", ""]
+    ours_path, sdpa_path = os.path.join(raw, "bench-attention.log"), os.path.join(raw, "sdpa.log")
+    if not os.path.exists(ours_path):
+        return lines + ["Not measured.", ""]
+    ours = {}
+    for m in OURS_ATTN.finditer(read(ours_path)):
+        ours.setdefault(m.group(1).strip(), {})[m.group(7)] = (float(m.group(9)), float(m.group(11)))
+    sdpa = {}
+    if os.path.exists(sdpa_path):
+        for m in SDPA.finditer(read(sdpa_path)):
+            sdpa.setdefault(m.group(1).strip(), {})[m.group(7)] = (float(m.group(10)), float(m.group(12)))
+    lines += ["Causal BF16 attention, TFLOP/s forward / backward (forward 2 B H T^2 D FLOPs, the causal half; backward "
+              "2.5x that): ours (`./test_fp8 --bench attention`, the Hopper kernels and the portable `mma.sync` ones) "
+              "against PyTorch's SDPA (`scripts/bench_sdpa.py`: cuDNN and FlashAttention-2, many calls between two "
+              "CUDA events so that Python's dispatch stays outside the timing).", ""]
+    rows = []
+    fmt = lambda p: "-" if p is None else f"{p[0]:.1f} / {p[1]:.1f}"
+    for shape, paths in ours.items():
+        h, m, c, f = paths.get("hopper"), paths.get("mma.sync"), sdpa.get(shape, {}).get("cudnn"), sdpa.get(shape, {}).get("flash")
+        vs = "-" if not (h and c) else f"{h[0] / c[0]:.2f}x / {h[1] / c[1]:.2f}x"
+        hm = "-" if not (h and m) else f"{h[0] / m[0]:.2f}x / {h[1] / m[1]:.2f}x"
+        rows.append([shape, fmt(h), fmt(m), fmt(c), fmt(f), vs, hm])
+    lines.append(table(["shape", "ours, Hopper", "ours, mma.sync", "cuDNN", "FlashAttention-2", "Hopper / cuDNN",
+                        "Hopper / mma.sync"], rows))
+    lines += ["", "The whole output, with the FP8 forward's lines (`--fp8-attention`):", "", "```", read(ours_path).strip(), "```", ""]
+    return lines
+
+
+def kernels_section(raw):
+    path = os.path.join(raw, "bench-kernels.log")
+    lines = ["## GEMMs, casts, optimizer", ""]
+    if not os.path.exists(path):
+        return lines + ["Not measured.", ""]
+    return lines + ["`./test_fp8 --bench gemm cast optimizer`, as it printed:", "", "```", read(path).strip(), "```", ""]
+
+
+def make(raw, out):
+    env = {}
+    env_path = os.path.join(raw, "env.txt")
+    if not os.path.exists(env_path):
+        fail(f"{env_path} is missing: RAW_DIR must be a results.sh run's folder")
+    for line in read(env_path).splitlines():
+        k, _, v = line.partition(": ")
+        env[k] = v
+    skipped = {}
+    for name in os.listdir(raw):
+        m = re.fullmatch(r"skipped-(\w+)\.log", name)
+        if m:
+            skipped[m.group(1)] = read(os.path.join(raw, name)).strip()
+    runs = load_runs(raw)
+    shapes = {}
+    for prefix in ("7b-fp8", "7b-bf16"):   # the 7B rows' layers and batch, from their command lines
+        first = os.path.join(raw, f"{prefix}-1.log")
+        if prefix in runs and os.path.exists(first):
+            cmd = read(first).splitlines()[0]
+            lm, bm = re.search(r"--layers (\d+)", cmd), re.search(r"--batch (\d+)", cmd)
+            if lm and bm:
+                shapes[prefix] = f"{lm.group(1)} layers, B {bm.group(1)}"
+    name = os.path.basename(out)
+    lines = [f"# Results: {env.get('gpu', '?')}", "", env_caption(env) + ".", "",
+             f"`make results` (scripts/results.sh) measured every table here in one run and wrote this file; the "
+             f"programs' whole output is in `{name[:-3]}.raw.txt` beside it. Rounds: {env.get('reps', '?')}, each row's "
+             f"runs interleaved with the others'.", ""]
+    if "torch-missing" in " ".join(os.listdir(raw)):
+        lines += [read(os.path.join(raw, "torch-missing.log")).strip(), ""]
+    lines += step_section(runs, skipped) + profile_section(raw, runs) + pair_section(runs, skipped, shapes)
+    lines += attention_section(raw) + kernels_section(raw)
+    with open(out, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    print(f"results.py: wrote {out}")
+
+
+FIGURE = re.compile(r"(?<![\w.])[+-]?\d[\d,]*(?:\.\d+[kx%]?|[kx%])(?![\w])")
+CITE = re.compile(r"\((?:[^()]*?)(results/[\w.-]+\.md)")
+
+
+def check(readme):
+    """Every figure of a README paragraph that cites results/NAME.md appears in that file; returns the problems."""
+    text = read(readme)
+    base = os.path.dirname(os.path.abspath(readme))
+    problems, checked = [], 0
+    for para in re.split(r"\n\s*\n", text):
+        cited = re.findall(r"results/[\w.-]+\.md", para)
+        if not cited:
+            continue
+        sources = []
+        for c in dict.fromkeys(cited):
+            path = os.path.join(base, c)
+            if not os.path.exists(path):
+                problems.append(f"{readme} cites {c}, which does not exist")
+                continue
+            sources.append(read(path))
+        if not sources:
+            continue
+        for fig in FIGURE.findall(re.sub(r"results/[\w.-]+\.md|\]\([^)]*\)", "", para)):
+            checked += 1
+            bare = fig.lstrip("+")
+            if not any(re.search(r"(?<![\w.])" + re.escape(bare) + r"(?![\w])", s) for s in sources):
+                problems.append(f"{readme}: the figure {fig} is in no results file its paragraph cites ({', '.join(dict.fromkeys(cited))}): "
+                                f"\"{' '.join(para.split())[:100]}...\"")
+    return problems, checked
+
+
+def self_test():
+    failures, checks = [], []
+
+    def expect(cond, what):
+        checks.append(what)
+        if not cond:
+            failures.append(what)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "raw")
+        os.mkdir(raw)
+        open(os.path.join(raw, "env.txt"), "w").write("gpu: NVIDIA Test GPU\ncommit: abc1234\nreps: 2\ndate: 2026-01-01\n")
+        summ = ("summary | 8 of 10 steps timed (left out: 1 eager (the first, --profile, --fp8-stats), 1 capturing CUDA graphs) | "
+                "ms/step mean {ms} median {ms} min {ms} max {ms} | tokens/s {tok} | model TFLOP/s {tf} | MFU 30.0% | GPU memory {gib} GiB\n")
+        for r, (f8, b16) in enumerate([(100.0, 125.0), (102.0, 124.0)], 1):
+            for prefix, ms in (("step-fp8", f8), ("step-bf16", b16), ("long-fp8", f8), ("long-bf16", b16)):
+                text = "cmd\n" + summ.format(ms=ms, tok=round(16384 / ms * 1000), tf=600.0, gib=35.5)
+                if r == 1 and prefix.startswith("step"):
+                    text += ("profile of step 5 (PRECISION=X): 1 ms\n  phase  ms  %  ranges\n"
+                             f"  forward GEMMs (decoder linears)   {ms / 2:.3f}   50.0%   88\n"
+                             f"  GPU span of the step   {ms:.3f}  100.0%\n  outside GEMMs and attention: 1 ms\n")
+                open(os.path.join(raw, f"{prefix}-{r}.log"), "w").write(text)
+            open(os.path.join(raw, f"torch-{r}.log"), "w").write(
+                "result | mode compile | B 8 T 2048 layers 22 | ms/step mean 200.00 median 200.00 min 199.00 max 201.00 | "
+                "tokens/s 81920 | model TFLOP/s 500.0 | peak allocated 40.0 GiB | GPU memory 45.0 GiB\n")
+        open(os.path.join(raw, "skipped-7b.log"), "w").write("skipped: 10 s of the --budget left")
+        out = os.path.join(tmp, "Test-GPU.md")
+        make(raw, out)
+        md = read(out)
+        expect("| ours, FP8 recipe | 2 | 101.0 (100.0-102.0) | 162.2k (160.6k-163.8k) | 600 (600-600) | 35.5 (35.5-35.5) | "
+               "1.23x (1.22x-1.25x) |" in md, "the FP8 row: medians, min-max and its ratio to BF16 round by round")
+        expect("| ours, BF16 build | 2 | 124.5 (124.0-125.0) | 131.6k (131.1k-132.1k) | 600 (600-600) | 35.5 (35.5-35.5) | - |" in md,
+               "the baseline row, without a ratio to itself")
+        expect("ours FP8 / PyTorch, torch.compile BF16: **1.98x (1.96x-2.00x)**" in md, "the ratio to torch.compile")
+        expect("| ours, FP8 in every layer (--fp8-all-layers) | 0 | not run |" in md, "a row without runs says so")
+        expect("| forward GEMMs (decoder linears) | 50.0 | 62.5 | -12.5 |" in md, "the profile's phase row and difference")
+        expect("not run: skipped: 10 s of the --budget left" in md, "a skipped section says why")
+        expect("commit abc1234" in md, "the caption names the commit")
+        # the README check: figures present pass, a figure missing fails, a missing file fails
+        os.mkdir(os.path.join(tmp, "results"))
+        os.rename(out, os.path.join(tmp, "results", "Test-GPU.md"))
+        readme = os.path.join(tmp, "README.md")
+        open(readme, "w").write("# x\n\nFP8 **1.23x (1.22x-1.25x)** our BF16, 162.2k tokens/s (results/Test-GPU.md).\n\n"
+                                "Unrelated 9.99x.\n")
+        problems, n = check(readme)
+        expect(not problems and n == 4, f"figures in the file pass ({n} checked, {problems})")
+        open(readme, "w").write("FP8 1.24x our BF16 ([Test GPU](results/Test-GPU.md)), 162.2k.\n")
+        problems, n = check(readme)
+        expect(len(problems) == 1 and "1.24x" in problems[0], f"a figure not in the file fails: {problems}")
+        open(readme, "w").write("FP8 1.23x (results/Other.md).\n")
+        problems, n = check(readme)
+        expect(len(problems) == 1 and "does not exist" in problems[0], f"a cited file that is missing fails: {problems}")
+    for f in failures:
+        print(f"results.py test FAILED: {f}")
+    print(f"results.py test: {'passed' if not failures else 'FAILED'} ({len(checks) - len(failures)} of {len(checks)} checks)")
+    return 1 if failures else 0
+
+
+def main():
+    args = sys.argv[1:]
+    if args[:1] == ["make"] and len(args) == 3:
+        make(args[1], args[2])
+    elif args[:1] == ["check"] and len(args) == 2:
+        problems, n = check(args[1])
+        for p in problems:
+            print(p)
+        if problems:
+            sys.exit(1)
+        print(f"results.py check: {n} figures of {args[1]} found in the results files they cite")
+    elif args == ["test"]:
+        sys.exit(self_test())
+    else:
+        fail("usage: scripts/results.py make RAW_DIR OUT.md | check README.md | test")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# make results: every figure of the README's Results, measured in one run on the GPU at hand, into
+# results/<GPU>.md (the tables, captioned with the GPU, the software and the commit) and results/<GPU>.raw.txt
+# (every program's output the tables were read from). scripts/results.py makes the tables.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+    cat <<'EOF'
+usage: scripts/results.sh [--reps N] [--only SECTIONS] [--budget SECONDS] [--out DIR]
+
+Builds both precisions (make train_fp8 test_fp8 train_fp8_bf16) and measures, on the GPU at hand:
+  step        the 1.1B step (B 8, T 2048, random tokens): our FP8 recipe, FP8 with delayed scaling
+              (--amax-history 16), FP8 in every layer, our BF16 build, and PyTorch (scripts/bench_torch.py):
+              torch.compile BF16, torchao float8 tensorwise and rowwise; interleaved (ours FP8, ..., ours BF16,
+              PyTorch, then again) N rounds; the first round's FP8 and BF16 runs also profile step 5 (--profile)
+  attention   ./test_fp8 --bench attention and scripts/bench_sdpa.py (cuDNN, FlashAttention-2)
+  kernels     ./test_fp8 --bench gemm cast optimizer
+  long        the 1.1B at T = 8192 (B 2), FP8 against BF16, N rounds interleaved
+  7b          LLaMA-2 7B's dimensions, FP8 against BF16, N rounds interleaved: all 32 layers where the GPU
+              has 120 GiB or more, else the first 16; B 2 if it fits, else 1
+Each train_fp8 run ends with its summary line (the timed steps' mean ms, tokens/s, model TFLOP/s, memory);
+a row's figure is the median over the rounds, with their min-max.
+
+  --reps N         rounds of each row (3)
+  --only LIST      comma list of the sections above (all)
+  --budget S       seconds for the whole run (540): a section that would start later is skipped, said so
+  --out DIR        where the two files go (results)
+Where PyTorch or torchao is missing the PyTorch rows are skipped with a line saying how to get it; the rest
+runs. The commit comes from git, or from RESULTS_COMMIT where the tree is a copy without .git.
+EOF
+}
+
+REPS=3 ONLY=step,attention,kernels,long,7b BUDGET=540 OUT=results
+while (($#)); do
+    case $1 in
+        --reps) REPS=$2; shift 2 ;;
+        --only) ONLY=$2; shift 2 ;;
+        --budget) BUDGET=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "results.sh: unknown option '$1' (scripts/results.sh --help lists them)" >&2; exit 2 ;;
+    esac
+done
+[[ $REPS =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --reps $REPS: want a whole number, 1 or more" >&2; exit 2; }
+[[ $BUDGET =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --budget $BUDGET: want seconds, 1 or more" >&2; exit 2; }
+for s in ${ONLY//,/ }; do
+    [[ ,step,attention,kernels,long,7b, == *",$s,"* ]] || { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b)" >&2; exit 2; }
+done
+wants() { [[ ,$ONLY, == *",$1,"* ]]; }
+command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1 ||
+    { echo "results.sh: no GPU here (nvidia-smi finds none): the results are measured on a GPU" >&2; exit 1; }
+
+START=$SECONDS
+RAW=$(mktemp -d "${TMPDIR:-/tmp}/results.XXXXXX")
+time_left() { echo $((BUDGET - (SECONDS - START))); }
+# section NAME SECONDS: true if the section may start (SECONDS: about what it takes), else a line in the raw log
+section() {
+    if ! wants "$1"; then return 1; fi
+    if (($(time_left) < $2)); then
+        echo "skipped: $(time_left) s of the --budget left, the section takes about $2 s" > "$RAW/skipped-$1.log"
+        echo "== $1: skipped, $(time_left) s left of --budget $BUDGET"
+        return 1
+    fi
+    echo "== $1 ($(time_left) s left)"
+}
+
+# ---- the software and the commit
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+if git rev-parse --git-dir > /dev/null 2>&1; then
+    COMMIT=$(git rev-parse --short HEAD)
+    [[ -z $(git status --porcelain --untracked-files=no) ]] || COMMIT="$COMMIT with uncommitted changes"
+else
+    COMMIT=${RESULTS_COMMIT:-unknown (no .git and no RESULTS_COMMIT)}
+fi
+make -j"$(nproc)" train_fp8 test_fp8 train_fp8_bf16 > "$RAW/build.log" 2>&1 ||
+    { tail -20 "$RAW/build.log"; echo "results.sh: the build failed (above)" >&2; exit 1; }
+CUBLASLT=$(ldd ./train_fp8 | awk '/libcublasLt/ {print $3}')
+{
+    echo "gpu: $GPU"
+    echo "driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
+    echo "gpu memory: $(nvidia-smi --query-gpu=memory.total --format=csv,noheader | head -1)"
+    echo "cuda: $(nvcc --version | sed -n 's/.*release \([0-9.]*\), V\([0-9.]*\).*/\2/p')"
+    echo "cublaslt: $(python3 -c "import ctypes,sys; v=ctypes.CDLL(sys.argv[1]).cublasLtGetVersion(); print(f'{v//10000}.{v//100%100}.{v%100}')" "$CUBLASLT" 2>/dev/null || echo unknown)"
+    echo "torch: $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not installed')"
+    echo "torchao: $(python3 -c 'import torchao; print(torchao.__version__)' 2>/dev/null || echo 'not installed')"
+    echo "commit: $COMMIT"
+    echo "date: $(date -u +%Y-%m-%d)"
+    echo "reps: $REPS"
+} > "$RAW/env.txt"
+cat "$RAW/env.txt"
+
+# A shard of 4M uniformly random tokens of a 32000-token vocabulary (the header names it): speed runs need no corpus.
+DATA=data/random32k.bin
+mkdir -p data
+[[ -f $DATA ]] || python3 -c "import random,struct; n=1<<22; r=random.Random(0); open('$DATA','wb').write(struct.pack('<256i',20240520,1,n,32000,*[0]*252)+struct.pack('<%dH'%n,*(r.randrange(32000) for _ in range(n))))"
+COMMON=(--data "$DATA" --val-data "$DATA" --warmup 1 --steps 10 --eval-every 0 --eval-batches 1 --sample-every 0)
+
+# ours NAME ROUND BINARY FLAGS...: one training run, its whole output kept
+ours() {
+    local name=$1 round=$2 bin=$3; shift 3
+    echo "$bin ${COMMON[*]} $*" > "$RAW/$name-$round.log"
+    "./$bin" "${COMMON[@]}" "$@" >> "$RAW/$name-$round.log" 2>&1
+    local line; line=$(grep -h '^summary' "$RAW/$name-$round.log")
+    if [[ -n $line ]]; then echo "  $name round $round: ms${line#*| ms}"; else echo "  $name round $round: failed: $(tail -1 "$RAW/$name-$round.log")"; fi
+}
+TORCH_OK=1
+python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null || {
+    TORCH_OK=0
+    echo "PyTorch with CUDA is not importable here: the PyTorch rows are skipped (install torch, then torchao's wheel:" \
+         "pip install --no-deps torchao-*.whl)" | tee "$RAW/torch-missing.log"
+}
+
+if section step $((REPS * 150)); then
+    for r in $(seq "$REPS"); do
+        P=(); [[ $r == 1 ]] && P=(--profile 5)
+        ours step-fp8 "$r" train_fp8 --model 1b --batch 8 --seq 2048 "${P[@]}"
+        ours step-fp8-delayed "$r" train_fp8 --model 1b --batch 8 --seq 2048 --amax-history 16
+        ours step-fp8-all-layers "$r" train_fp8 --model 1b --batch 8 --seq 2048 --fp8-all-layers
+        ours step-bf16 "$r" train_fp8_bf16 --model 1b --batch 8 --seq 2048 "${P[@]}"
+        if ((TORCH_OK)); then
+            python3 scripts/bench_torch.py --modes compile,float8-tensorwise,float8-rowwise --batch 8 --seq 2048 \
+                > "$RAW/torch-$r.log" 2>&1
+            grep -h '^result\|skipped\|failed' "$RAW/torch-$r.log" | sed 's/^/  torch: /'
+        fi
+    done
+fi
+
+if section attention 90; then
+    ./test_fp8 --bench attention > "$RAW/bench-attention.log" 2>&1
+    ((TORCH_OK)) && python3 scripts/bench_sdpa.py > "$RAW/sdpa.log" 2>&1
+fi
+
+if section kernels 120; then
+    ./test_fp8 --bench gemm cast optimizer > "$RAW/bench-kernels.log" 2>&1
+fi
+
+if section long $((REPS * 40)); then
+    for r in $(seq "$REPS"); do
+        ours long-fp8 "$r" train_fp8 --model 1b --batch 2 --seq 8192
+        ours long-bf16 "$r" train_fp8_bf16 --model 1b --batch 2 --seq 8192
+    done
+fi
+
+if section 7b $((REPS * 80)); then
+    MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    L=16; ((MIB >= 120 * 1024)) && L=32
+    B=2
+    for r in $(seq "$REPS"); do   # the BF16 build needs more memory: it decides B
+        ours 7b-bf16 "$r" train_fp8_bf16 --model 7b --layers $L --batch $B --seq 2048
+        if [[ $r == 1 && $B == 2 ]] && ! grep -q '^summary' "$RAW/7b-bf16-1.log"; then
+            mv "$RAW/7b-bf16-1.log" "$RAW/7b-bf16-b2-refused.log"
+            B=1
+            ours 7b-bf16 1 train_fp8_bf16 --model 7b --layers $L --batch $B --seq 2048
+        fi
+        ours 7b-fp8 "$r" train_fp8 --model 7b --layers $L --batch $B --seq 2048
+    done
+fi
+
+mkdir -p "$OUT"
+NAME=$(echo "$GPU" | sed 's/^NVIDIA //; s/[^A-Za-z0-9.]\+/-/g; s/-$//')
+python3 scripts/results.py make "$RAW" "$OUT/$NAME.md" || exit 1
+for f in "$RAW"/*; do echo "==== $(basename "$f")"; cat "$f"; done > "$OUT/$NAME.raw.txt"
+echo "results: $OUT/$NAME.md and $OUT/$NAME.raw.txt, $((SECONDS - START)) s"
+rm -rf "$RAW"
