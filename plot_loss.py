@@ -5,9 +5,10 @@
     python3 plot_loss.py OUT.png STUDY_DIR     a study's configurations: mean validation loss over seeds with a
                                                +-1 std band, and each configuration's final validation loss
     python3 plot_loss.py table STUDY_DIR       a study's table (markdown): mean +- std of the final and the best
-                                               validation loss per configuration, against the BF16 build; tokens/s,
-                                               and the training time at which each reaches the BF16 build's final
-                                               validation loss
+                                               validation loss per configuration, against the BF16 build (the
+                                               difference with its standard error, Welch); tokens/s, and the
+                                               training time at which each reaches the BF16 build's validation
+                                               loss at 60% of its run
 
 Each log.csv is the one train_fp8 writes (columns step, loss, val_loss, ...). A study folder is what study.sh
 writes: configs.tsv (NAME, BUILD, FLAGS a line), setup.txt (the flags of every run), and NAME/seed-S/ holding
@@ -194,30 +195,48 @@ def percent(value, reference):
     return 100.0 * (value - reference) / reference
 
 
+def welch(a, b):
+    """The difference of the mean final validation losses of configurations a and b (mean a - mean b), in % of b's
+    mean, with its standard error sqrt(s_a^2 / n_a + s_b^2 / n_b) (Welch's, the seeds of each independent) in the
+    same unit and t = difference / standard error: (diff, se, t), se and t None when either has fewer than 2 runs."""
+    (na, ma, sa), (nb, mb, sb) = a.final, b.final
+    diff = percent(ma, mb)
+    if sa is None or sb is None or (sa == 0 and sb == 0):
+        return diff, None, None
+    se = 100.0 * math.sqrt(sa * sa / na + sb * sb / nb) / mb
+    return diff, se, diff / se
+
+
+def format_difference(a, b):
+    diff, se, t = welch(a, b)
+    return f"{diff:+.2f}% (no standard error: fewer than 2 runs)" if se is None else f"{diff:+.2f}% ± {se:.2f}% (t {t:+.2f})"
+
+
 def versus_baseline(config, baseline):
-    """The difference of the final validation loss's mean to the baseline's: in % and in units of its std."""
+    """The difference of the final validation loss's mean to the baseline's, in %, with its standard error."""
     if config is baseline or config.final[1] is None or baseline is None or baseline.final[1] is None:
         return "-"
-    _, base_mean, base_std = baseline.final
-    text = f"{percent(config.final[1], base_mean):+.2f}%"
-    if base_std is not None and base_std > 0:
-        text += f", {(config.final[1] - base_mean) / base_std:+.2f} std"
-    return text
+    return format_difference(config, baseline)
+
+
+TARGET_FRACTION = 0.6   # the time-to-quality target: the BF16 build's validation loss at 60% of its run
 
 
 def set_times(configs, baseline):
-    """Each configuration's times to the target, the BF16 build's mean final validation loss (None without one).
-    A BF16 run that never reaches it counts with its time at its last evaluation: its final loss is one draw of the
-    BF16 build's final loss, which it reaches at its end."""
-    target = baseline.final[1] if baseline is not None else None
+    """Each configuration's times to the target: the BF16 build's mean validation loss at its evaluation nearest to
+    60% of its run, a loss every run should reach well before its end, so that neither build's final loss decides
+    the time. Returns (target, step), or (None, None) when the BF16 runs share no such evaluation."""
+    target, step = None, None
+    if baseline is not None and baseline.ok:
+        steps = [s for s, _ in baseline.ok[0].curve if s > 0]
+        if steps:
+            step = min(steps, key=lambda s: (abs(s - TARGET_FRACTION * baseline.ok[0].final_step), s))
+            losses = [dict(r.curve).get(step) for r in baseline.ok]
+            if all(v is not None for v in losses):
+                target = statistics.mean(losses)
     for c in configs:
-        if target is None:
-            c.times = []
-        elif c is baseline:
-            c.times = [t if t is not None else r.seconds[-1] for r, t in ((r, time_to_reach(r, target)) for r in c.timed)]
-        else:
-            c.times = [time_to_reach(r, target) for r in c.timed]
-    return target
+        c.times = [] if target is None else [time_to_reach(r, target) for r in c.timed]
+    return (target, step) if target is not None else (None, None)
 
 
 def format_time(c):
@@ -234,9 +253,10 @@ def format_time(c):
 def time_ratio(c, baseline):
     """The ratio of the mean time to the target to the BF16 build's, or None."""
     reached = [t for t in c.times if t is not None]
-    if c is baseline or not reached or baseline is None or not baseline.times:
+    base = [t for t in baseline.times if t is not None] if baseline is not None else []
+    if c is baseline or not reached or not base:
         return None
-    return mean_std(reached)[1] / mean_std(baseline.times)[1]
+    return mean_std(reached)[1] / mean_std(base)[1]
 
 
 def format_tokens(c, baseline):
@@ -274,13 +294,13 @@ def print_table(study_dir):
     configs = read_study(study_dir)
     by_name = {c.name: c for c in configs}
     baseline = by_name.get(BASELINE)
-    target = set_times(configs, baseline)
+    target, target_step = set_times(configs, baseline)
     setup_path = os.path.join(study_dir, "setup.txt")
     if os.path.exists(setup_path):
         with open(setup_path) as f:
             print(f"Setup of every run: `{f.read().strip()}`\n")
     print("| configuration | build | flags | n | final val loss | best val loss | final vs BF16 build | tokens/s | "
-          "time to BF16 loss (s) | vs BF16 time |")
+          "time to target (s) | vs BF16 time |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in configs:
         not_counted = len(c.runs) - len(c.ok)
@@ -288,22 +308,24 @@ def print_table(study_dir):
         versus = "(baseline)" if c is baseline else versus_baseline(c, baseline)
         flags = f"`{c.flags}`" if c.flags else ""
         ratio = time_ratio(c, baseline)
-        versus_time = "(baseline)" if c is baseline and c.times else f"{ratio:.2f}x" if ratio is not None else "-"
+        versus_time = "(baseline)" if c is baseline and any(t is not None for t in c.times) else \
+            f"{ratio:.2f}x" if ratio is not None else "-"
         print(f"| {c.name} | {c.build.upper()} | {flags} | {n} | {format_mean_std(c.final)} | "
               f"{format_mean_std(c.best)} | {versus} | {format_tokens(c, baseline)} | {format_time(c)} | "
               f"{versus_time} |")
     print("\nmean ± sample std (n - 1) over the seeds that count; vs BF16 build: the difference of the final "
-          "validation loss's mean, in % of the BF16 build's mean and in units of its std.")
+          "validation loss's mean, in % of the BF16 build's mean, ± its standard error (Welch: sqrt(s1^2/n1 + s2^2/n2)) "
+          "and t = difference / standard error; |t| < 2 is no difference found.")
     print("tokens/s: the median over a run's steps, mean over its seeds (in brackets: its ratio to the BF16 build's).")
     target_text = f"{target:.4f}, " if target is not None else ""
-    print(f"Time to BF16 loss: the training time at which a run's validation loss first reaches {target_text}the BF16 "
-          "build's mean final validation loss. The training time at step s is the sum of log.csv's ms over steps 1 to "
-          "s: each step's micro-batches and update on the host clock, without evaluation, sampling or checkpoints. "
+    step_text = f" (step {target_step})" if target_step is not None else ""
+    print(f"Time to target: the training time at which a run's validation loss first reaches {target_text}the BF16 "
+          f"build's mean validation loss at its evaluation nearest to 60% of its run{step_text}, a loss both builds "
+          "reach well before their end. The training time at step s is the sum of log.csv's ms over steps 1 to s: "
+          "each step's micro-batches and update on the host clock, evaluation, sampling and checkpoints excluded. "
           "The crossing is at the first evaluation at or below the target, interpolated linearly in the validation "
-          "loss between it and the evaluation before it (step 0 at time 0). A BF16 run that never reaches the target "
-          "counts with its time at its last evaluation (it ends at its own final loss, one draw of the BF16 build's); "
-          "a run of another configuration that never reaches it is left out of the mean (k of n reached). vs BF16 "
-          "time: the ratio of the mean times (0.80x: 20% sooner).")
+          "loss between it and the evaluation before it (step 0 at time 0); a run that never reaches it is left out "
+          "of the mean (k of n reached). vs BF16 time: the ratio of the mean times (0.80x: 20% sooner).")
     final_steps = sorted({r.final_step for c in configs for r in c.ok})
     if len(final_steps) > 1:
         print(f"\nWARNING: the counted runs end at different steps ({', '.join(map(str, final_steps))}): "
@@ -326,7 +348,7 @@ def print_table(study_dir):
     recipe, m_fp32 = by_name.get(RECIPE), by_name.get(M_FP32)
     print(f"- FP8 recipe ({RECIPE}) vs BF16 build ({BASELINE}), final val loss: {target_recipe(recipe, baseline)}")
     print(f"- FP8 first moment ({RECIPE}) vs --m-dtype fp32 ({M_FP32}), final val loss: {target_moment(recipe, m_fp32)}")
-    print(f"- FP8 recipe ({RECIPE}) reaches BF16's final val loss ({BASELINE}) sooner in training time: "
+    print(f"- FP8 recipe ({RECIPE}) reaches the target ({BASELINE}'s loss at 60% of its run) sooner in training time: "
           f"{target_time(recipe, baseline)}")
 
 
@@ -346,29 +368,25 @@ def target_recipe(recipe, baseline):
     why = missing((RECIPE, recipe), (BASELINE, baseline))
     if why:
         return why
-    diff = percent(recipe.final[1], baseline.final[1])
-    text = f"{diff:+.2f}% (within 0.5%: {yes_no(abs(diff) <= 0.5)})"
-    base_std = baseline.final[2]
-    if base_std is None or base_std == 0:
-        return text + ", n/a in BF16 std (fewer than 2 counted BF16 runs, or no spread)"
-    sigmas = (recipe.final[1] - baseline.final[1]) / base_std
-    return text + f", {sigmas:+.2f} BF16 std (within 2: {yes_no(abs(sigmas) <= 2)})"
+    diff, se, t = welch(recipe, baseline)
+    text = f"{format_difference(recipe, baseline)}, within 0.5%: {yes_no(abs(diff) <= 0.5)}"
+    return text if t is None else text + f", |t| < 2 (no difference found): {yes_no(abs(t) < 2)}"
 
 
 def target_moment(recipe, m_fp32):
     why = missing((RECIPE, recipe), (M_FP32, m_fp32))
     if why:
         return why
-    diff = percent(recipe.final[1], m_fp32.final[1])
-    return f"{diff:+.2f}% (within 0.5%: {yes_no(abs(diff) <= 0.5)})"
+    diff, _, _ = welch(recipe, m_fp32)
+    return f"{format_difference(recipe, m_fp32)}, within 0.5%: {yes_no(abs(diff) <= 0.5)}"
 
 
 def target_time(recipe, baseline):
     why = missing((RECIPE, recipe), (BASELINE, baseline))
     if why:
         return why
-    if not baseline.times:
-        return f"n/a: no {BASELINE} run has a training time"
+    if not any(t is not None for t in baseline.times):
+        return f"n/a: no {BASELINE} run has a training time that reaches the target"
     if not recipe.times:
         return f"n/a: no {RECIPE} run has a training time"
     reached = sum(t is not None for t in recipe.times)
