@@ -23,10 +23,11 @@ ifeq ($(filter $(PRECISION),FP8 BF16),)
 $(error PRECISION must be FP8 or BF16, not '$(PRECISION)')
 endif
 
-# ---- find the CUDA toolkit, cuBLASLt and NCCL; say clearly what is missing
+# ---- find the CUDA toolkit, cuBLASLt and NCCL; say clearly what is missing (not for make clean, which needs none)
+ifneq ($(filter-out clean,$(or $(MAKECMDGOALS),all)),)
 NVCC_PATH := $(shell command -v $(NVCC) 2>/dev/null)
 ifeq ($(NVCC_PATH),)
-$(error nvcc not found on PATH. Install the CUDA toolkit (12.x or 13.x, https://developer.nvidia.com/cuda-downloads) and add its bin/ to PATH, or run make NVCC=/path/to/nvcc)
+$(error $(NVCC) not found on PATH. Install the CUDA toolkit (12.x or 13.x, https://developer.nvidia.com/cuda-downloads) and add its bin/ to PATH, or run make NVCC=/path/to/nvcc)
 endif
 CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(realpath $(NVCC_PATH))))
 first_file = $(firstword $(wildcard $(1)))
@@ -45,6 +46,7 @@ $(error nccl.h not found (libnccl.so is at $(NCCL_LIB)). Install libnccl-dev or 
 endif
 ifeq ($(NCCL_LIB),)
 $(error libnccl.so not found (nccl.h is at $(NCCL_H)). Install libnccl-dev or set NCCL_HOME)
+endif
 endif
 
 ARCH_NUM := $(patsubst sm_%,%,$(GPU_ARCH))

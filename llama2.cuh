@@ -41,8 +41,13 @@ inline int llama_ffn_dim(int dim) {
     return multiple_of * ceil_div(2 * (4 * dim) / 3, multiple_of);
 }
 
+// A cap that keeps a mistyped layer count from allocating the host's memory away before anything else is checked
+// (the parameter table is built per layer): no model this program can train comes near it.
+constexpr int MODEL_MAX_LAYERS = 1024;
 // "" if the config can run, else what is wrong and what to do.
 inline std::string model_config_problem(const ModelConfig& c) {
+    if (c.n_layers > MODEL_MAX_LAYERS)
+        return strprintf("n_layers %d: at most %d (is a digit too many?)", c.n_layers, MODEL_MAX_LAYERS);
     if (c.vocab_size < 16 || c.vocab_size % 16 != 0)
         return strprintf("vocab_size %d must be a positive multiple of 16 (the GEMM rule): pad the vocabulary "
                          "(model_config_preset does)", c.vocab_size);

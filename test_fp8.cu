@@ -5005,6 +5005,138 @@ HOST_TEST(train_parse_defaults) {
     }
 }
 
+// The recipe as numbers: the defaults every run starts from, written here as the literals the README states, so that a
+// changed default (AdamW's eps, a beta, the scale margin, a format) fails here and not only in a test that reads the
+// same default back.
+HOST_TEST(recipe_defaults_are_the_readmes_numbers) {
+    const TrainOptions o;
+    const AdamWConfig a = adamw_config_from_options(o);
+    expect(a.beta1 == 0.9f && a.beta2 == 0.95f && a.eps == 1e-8f, "AdamW betas %g/%g, eps %g: want 0.9/0.95, 1e-8", a.beta1, a.beta2, a.eps);
+    expect(a.weight_decay == 0.1f && a.grad_clip == 1.0f && !a.update_clip && !a.use_atan2 && a.decay_lr == 0.0f,
+           "weight decay %g (0.1), clip %g (1.0), update clip %d, atan2 %d, decay lr %g: want 0, 0, 0", a.weight_decay, a.grad_clip,
+           a.update_clip, a.use_atan2, a.decay_lr);
+    expect(a.m_dtype == (BUILD_FP8 ? DT_E4M3 : DT_FP32) && a.v_dtype == (BUILD_FP8 ? DT_BF16 : DT_FP32),
+           "moments %s / %s: want %s", dtype_name(a.m_dtype), dtype_name(a.v_dtype), BUILD_FP8 ? "e4m3 / bf16" : "fp32 / fp32");
+    expect(o.lr == 6e-4f && o.warmup == 60 && o.final_lr_frac == 0.1f && o.steps == 600 && o.batch == 32 && o.seq == 512 &&
+           o.total_batch == 0, "schedule and batch: lr %g, warm-up %d, final %g, steps %d, B %d, T %d, total %ld: want 6e-4, 60, 0.1, "
+           "600, 32, 512, 0", o.lr, o.warmup, o.final_lr_frac, o.steps, o.batch, o.seq, o.total_batch);
+    expect(o.init == "normal" && o.init_std == 0.02 && o.seed == 1337, "init %s std %g seed %ld: want normal 0.02 1337", o.init.c_str(),
+           o.init_std, o.seed);
+    const Fp8Recipe r;
+    const Fp8Options f = fp8_options_from_options(o, 1);
+    expect(r.margin == 0 && f.recipe.margin == 0 && f.recipe.history_len == 1 && f.recipe.interval == 1 && !f.recipe.warmup,
+           "scale rule: margin %d, history %d, interval %d: want 0, 1, 1 (current scaling)", f.recipe.margin, f.recipe.history_len,
+           f.recipe.interval);
+    expect(f.enabled && !f.all_layers && f.fast_accum && !f.attention && !f.tp_amax_sync && f.smooth_quant == 0.0f && f.fused_casts,
+           "FP8 layers: all %d, fast accumulation %d, attention %d, smooth-quant %g: want 0, 1, 0, 0", f.all_layers, f.fast_accum,
+           f.attention, f.smooth_quant);
+    expect(fp8_tensor_format(FP8_X) == E4M3 && fp8_tensor_format(FP8_W) == E4M3 && fp8_tensor_format(FP8_DY) == E5M2,
+           "formats: X, W E4M3 and dY E5M2");
+    expect(o.fp8_stats == (BUILD_FP8 ? 50 : 0) && o.fp8_warn_saturated == 1e-3 && o.fp8_warn_flushed == 5e-2 && o.fp8_warn_after == 3,
+           "the doctor: every %d steps, saturated %g, flushed %g, %d in a row: want 50, 1e-3, 5e-2, 3", o.fp8_stats,
+           o.fp8_warn_saturated, o.fp8_warn_flushed, o.fp8_warn_after);
+}
+
+// Each flag sets its own field of the run's configuration and only it: the flag's value, parsed, against the defaults,
+// field by field of AdamWConfig, Fp8Options and ModelConfig (a flag wired to another's field, or to two, fails).
+static std::vector<std::string> config_fields_changed(const TrainOptions& o) {
+    const TrainOptions d;
+    const AdamWConfig a = adamw_config_from_options(o), ad = adamw_config_from_options(d);
+    const Fp8Options f = fp8_options_from_options(o, 1), fd = fp8_options_from_options(d, 1);
+    const ModelConfig c = model_config_from_options(o, BYTE_VOCAB), cd = model_config_from_options(d, BYTE_VOCAB);
+    std::vector<std::string> changed;
+    auto check = [&](const char* name, bool differs) { if (differs) changed.push_back(name); };
+    check("adamw.weight_decay", a.weight_decay != ad.weight_decay);
+    check("adamw.grad_clip", a.grad_clip != ad.grad_clip);
+    check("adamw.m_dtype", a.m_dtype != ad.m_dtype);
+    check("adamw.v_dtype", a.v_dtype != ad.v_dtype);
+    check("adamw.update_clip", a.update_clip != ad.update_clip);
+    check("adamw.use_atan2", a.use_atan2 != ad.use_atan2);
+    check("adamw.decay_lr", a.decay_lr != ad.decay_lr);
+    check("adamw.betas_eps", a.beta1 != ad.beta1 || a.beta2 != ad.beta2 || a.eps != ad.eps);
+    check("fp8.history_len", f.recipe.history_len != fd.recipe.history_len);
+    check("fp8.interval", f.recipe.interval != fd.recipe.interval);
+    check("fp8.warmup", f.recipe.warmup != fd.recipe.warmup);
+    check("fp8.all_layers", f.all_layers != fd.all_layers);
+    check("fp8.attention", f.attention != fd.attention);
+    check("fp8.fast_accum", f.fast_accum != fd.fast_accum);
+    check("fp8.tp_amax_sync", f.tp_amax_sync != fd.tp_amax_sync);
+    check("fp8.smooth_quant", f.smooth_quant != fd.smooth_quant);
+    check("model.dim", c.dim != cd.dim);
+    check("model.n_layers", c.n_layers != cd.n_layers);
+    check("model.n_heads", c.n_heads != cd.n_heads);
+    check("model.n_kv_heads", c.n_kv_heads != cd.n_kv_heads);
+    check("model.ffn_dim", c.ffn_dim != cd.ffn_dim);
+    check("model.qk_norm", c.qk_norm != cd.qk_norm);
+    check("model.qkv_clip", c.qkv_clip != cd.qkv_clip);
+    return changed;
+}
+HOST_TEST(train_flags_set_their_own_fields) {
+    struct Case { std::vector<std::string> args; std::vector<std::string> fields; };
+    std::vector<Case> cases = {
+        {{"--weight-decay", "0.05"}, {"adamw.weight_decay"}},
+        {{"--grad-clip", "0.5"}, {"adamw.grad_clip"}},
+        {{"--m-dtype", "bf16"}, {"adamw.m_dtype"}},
+        {{"--v-dtype", "e5m2"}, {"adamw.v_dtype"}},
+        {{"--update-clip"}, {"adamw.update_clip"}},
+        {{"--adam-atan2"}, {"adamw.use_atan2"}},
+        {{"--wd-constant-lr"}, {"adamw.decay_lr"}},
+        {{"--lr", "1e-3"}, {}},   // the schedule's, not the optimizer config's
+        {{"--dim", "512", "--heads", "8", "--kv-heads", "8"}, {"model.dim", "model.n_heads", "model.n_kv_heads"}},
+        {{"--layers", "3"}, {"model.n_layers"}},
+        {{"--ffn", "1024"}, {"model.ffn_dim"}},
+        {{"--qk-norm"}, {"model.qk_norm"}},
+        {{"--qkv-clip", "4"}, {"model.qkv_clip"}},
+    };
+    if constexpr (BUILD_FP8)
+        cases.insert(cases.end(), {
+            {{"--amax-history", "16"}, {"fp8.history_len"}},
+            {{"--amax-history", "16", "--quant-interval", "4"}, {"fp8.history_len", "fp8.interval"}},
+            {{"--amax-history", "16", "--amax-warmup", "5"}, {"fp8.history_len", "fp8.warmup"}},
+            {{"--fp8-all-layers"}, {"fp8.all_layers"}},
+            {{"--fp8-fast-accum", "0"}, {"fp8.fast_accum"}},
+            {{"--tp-amax-sync"}, {"fp8.tp_amax_sync"}},
+            {{"--smooth-quant", "0.3"}, {"fp8.smooth_quant"}},
+        });
+    if (BUILD_FP8 && attention_hopper_available) cases.push_back({{"--fp8-attention"}, {"fp8.attention"}});
+    for (const Case& k : cases) {
+        TrainOptions o;
+        const std::string err = parse_list(k.args, &o);
+        std::string line;
+        for (const std::string& a : k.args) line += " " + a;
+        expect(err.empty(), "%s: refused: %s", line.c_str(), err.c_str());
+        const std::vector<std::string> changed = config_fields_changed(o);
+        std::string got;
+        for (const std::string& c : changed) got += " " + c;
+        expect(changed == k.fields, "%s sets%s", line.c_str(), got.empty() ? " nothing" : got.c_str());
+    }
+    // the values themselves, where a flag has one
+    TrainOptions o;
+    expect(parse_list({"--weight-decay", "0.05", "--grad-clip", "0.5", "--qkv-clip", "4", "--lr", "1e-3", "--wd-constant-lr"}, &o).empty(), "parse");
+    const AdamWConfig a = adamw_config_from_options(o);
+    expect(a.weight_decay == 0.05f && a.grad_clip == 0.5f && a.decay_lr == 1e-3f && model_config_from_options(o, BYTE_VOCAB).qkv_clip == 4.0f,
+           "values: weight decay %g, clip %g, decay lr %g (the peak lr)", a.weight_decay, a.grad_clip, a.decay_lr);
+}
+
+// Accepted but worth a word: a checkpoint flag without --out saves nothing, and says so (once, naming the flag).
+HOST_TEST(train_parse_warns_when_nothing_is_saved) {
+    struct Case { std::vector<std::string> args; size_t warnings; const char* piece; };
+    const Case cases[] = {
+        {{"--checkpoint-every", "10"}, 1, "--checkpoint-every without --out: this run saves no checkpoint"},
+        {{"--keep-checkpoints", "3"}, 1, "--keep-checkpoints without --out"},
+        {{"--checkpoint-every", "10", "--out", "run"}, 0, ""},
+        {{"--steps", "100"}, 0, ""},
+    };
+    for (const Case& c : cases) {
+        TrainOptions o;
+        const std::string err = parse_list(c.args, &o);
+        expect(err.empty(), "%s: refused: %s", c.args[0].c_str(), err.c_str());
+        expect(o.warnings.size() == c.warnings && (c.warnings == 0 || o.warnings[0].find(c.piece) != std::string::npos),
+               "%s %s: %zu warnings (%s), want %zu holding '%s'", c.args[0].c_str(), c.args[1].c_str(), o.warnings.size(),
+               o.warnings.empty() ? "" : o.warnings[0].c_str(), c.warnings, c.piece);
+    }
+}
+
 HOST_TEST(train_parse_rejects_bad_values) {
     // each: the arguments, and the pieces the message must contain (the flag and the value)
     struct Case { std::vector<std::string> args; std::vector<std::string> pieces; };
@@ -5020,7 +5152,8 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--lr", "nan"}, {"--lr", "nan"}},
         {{"--lr", "1e-3x"}, {"--lr", "1e-3x"}},
         {{"--warmup", "-1"}, {"--warmup", "-1"}},
-        {{"--warmup", "2000", "--steps", "1000"}, {"--warmup", "2000", "--steps"}},
+        {{"--warmup", "2000", "--steps", "1000"}, {"--warmup 2000: exceeds --steps 1000", "at most 1000"}},
+        {{"--steps", "2"}, {"--warmup 60 (the default): exceeds --steps 2", "--warmup N with N at most 2"}},
         {{"--final-lr-frac", "1.5"}, {"--final-lr-frac", "1.5"}},
         {{"--weight-decay", "-0.1"}, {"--weight-decay", "-0.1"}},
         {{"--grad-clip", "-1"}, {"--grad-clip", "-1"}},
@@ -5049,6 +5182,11 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--amax-history", "5000"}, {"--amax-history", "5000"}},
         {{"--quant-interval", "0"}, {"--quant-interval", "0"}},
         {{"--keep-checkpoints", "-1"}, {"--keep-checkpoints", "-1"}},
+        // a mistyped size, refused before the parameter table is built (it would allocate per layer)
+        {{"--layers", "100000000"}, {"--layers 100000000", "n_layers 100000000: at most 1024"}},
+        {{"--model", "tiny", "--dim", "524288", "--heads", "4096", "--kv-heads", "4096"}, {"--dim 524288", "parameters, at most 1e+12"}},
+        {{"--model", "tiny", "--dim", "65536", "--heads", "512", "--kv-heads", "512", "--ffn", "262144", "--layers", "1024"},
+         {"--dim 65536 --layers 1024 --ffn 262144", "parameters, at most 1e+12"}},
         // sizes held in 32 bits (train_size_problem): each refused with its flags and the limit
         {{"--batch", "70000", "--seq", "16"}, {"--batch 70000", "65535"}},
         {{"--batch", "4096", "--seq", "2048"}, {"--batch 4096 x --seq 2048", "8388608", "4194240"}},
@@ -5576,7 +5714,7 @@ HOST_TEST(train_checkpoint_verify_refuses_invalid_contents) {
         {header([](CheckpointHeader* x) { x->precision = 7; }), {"precision 7: must be 8 (PRECISION=FP8) or 16 (PRECISION=BF16)"}},
         {header([](CheckpointHeader* x) { x->precision = 7; x->tp_size = 0; }), {"(precision 7", "; tp_size 0: must be in [1, 1024]"}},
         {header([](CheckpointHeader* x) { x->tp_size = 1u << 31; }), {"tp_size 2147483648", "[1, 1024]"}},
-        {header([](CheckpointHeader* x) { x->n_layers = INT_MAX; }), {"n_layers 2147483647: at most ", "payload"}},
+        {header([](CheckpointHeader* x) { x->n_layers = INT_MAX; }), {"n_layers 2147483647: at most 1024"}},
         {header([](CheckpointHeader* x) { x->n_layers = 0; }), {"n_layers 0", "[1, 2147483647]"}},
         {header([](CheckpointHeader* x) { x->n_layers = -3; }), {"n_layers -3"}},
         {header([](CheckpointHeader* x) { x->max_seq_len = INT_MAX; }), {"max_seq_len 2147483647", "[1, 4096]", "--seq"}},
@@ -5901,7 +6039,7 @@ HOST_TEST(train_resume_refuses_bad_checkpoints) {
 // holds no run. Each refusal leaves the folder byte for byte as it was. --dry-run accepts the good cases without
 // writing anything.
 HOST_TEST(train_out_folder_never_taken_over) {
-    TempDir data, run, other, logged;
+    TempDir data, run, other, logged, finished;
     write_synthetic_corpus(data);
     const std::vector<std::string> run_args = {"--model", "tiny", "--data", data.file("train.bin"), "--val-data",
                                                data.file("val.bin"), "--batch", "4", "--seq", "32", "--steps", "20", "--warmup", "2"};
@@ -5909,6 +6047,8 @@ HOST_TEST(train_out_folder_never_taken_over) {
     CheckpointHeader h = host_checkpoint_header(run_args, 8, &master);
     write_host_checkpoint(run.path, h, master, 2);   // a run stopped at step 8: ckpt-00000008.bin, latest and its log
     write_host_checkpoint(other.path, h, master, 2);
+    CheckpointHeader h20 = host_checkpoint_header(run_args, 20, &master);
+    write_host_checkpoint(finished.path, h20, master, 2);   // a run that reached its --steps 20
     for (const TempDir* d : {&run, &other}) {
         FILE* f = fopen(d->file("log.csv").c_str(), "wb");
         fputs("step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent\n0,,5.5,,,,,,,\n8,5.1,,,,,,,0,\n", f);
@@ -5924,6 +6064,9 @@ HOST_TEST(train_out_folder_never_taken_over) {
          {"--out " + run.path + " holds a run already", "the newest at step 8", "latest", "log.csv up to step 8",
           "--out " + run.path + " --resume " + run.path, "rm -r " + run.path, "another --out"}},
         {"new run, a log only", {"--out", logged.path}, {"--out " + logged.path, "log.csv up to step 3", "no checkpoint", "rm -r"}},
+        {"new run, a finished run's folder", {"--out", finished.path},
+         {"--out " + finished.path + " holds a finished run", "the newest at step 20", "trained to --steps 20",
+          "--steps 40 --warmup 2 --out " + finished.path + " --resume " + finished.path, "rm -r " + finished.path}},
         {"--out is a file", {"--out", a_file}, {"--out " + a_file + " is a file, not a folder"}},
         {"--out under a file", {"--out", a_file + "/run"}, {"--out " + a_file + "/run", a_file + " is a file, not a folder"}},
         {"resume into another run", {"--resume", run.path, "--out", other.path},
@@ -5932,10 +6075,12 @@ HOST_TEST(train_out_folder_never_taken_over) {
     for (const Case& k : refused) {
         std::vector<std::string> args = run_args;
         args.insert(args.end(), k.more.begin(), k.more.end());
-        const auto before_run = folder_snapshot(run.path), before_other = folder_snapshot(other.path), before_logged = folder_snapshot(logged.path);
+        const auto before_run = folder_snapshot(run.path), before_other = folder_snapshot(other.path), before_logged = folder_snapshot(logged.path),
+                   before_finished = folder_snapshot(finished.path);
         expect_train_fp8_refuses(k.what, args, k.pieces, data.file("stderr.txt"));
         expect(folder_snapshot(run.path) == before_run && folder_snapshot(other.path) == before_other &&
-               folder_snapshot(logged.path) == before_logged, "%s: a run folder changed", k.what);
+               folder_snapshot(logged.path) == before_logged && folder_snapshot(finished.path) == before_finished,
+               "%s: a run folder changed", k.what);
     }
     // accepted (checked with --dry-run, which writes nothing): a folder to be made, an empty one, one whose log holds
     // only the step-0 evaluation of a run stopped in its setup, and a resume into its own folder (named or not)
@@ -6056,6 +6201,12 @@ HOST_TEST(train_probe_arguments_and_refusals) {
     expect_train_fp8_refuses("probe of a damaged checkpoint", probe_of(garbage), {"error: probe: ", garbage}, data.file("stderr.txt"));
     expect_train_fp8_refuses("probe of a missing shard", {"probe", "--model", "tiny", "--val-data", data.file("nope.bin")},
                              {"error: probe: --val-data " + data.file("nope.bin")}, data.file("stderr.txt"));
+    // --out naming a file: refused before any GPU work (this machine may have none), the file left as it was
+    expect_train_fp8_refuses("probe --out FILE", {"probe", "--model", "tiny", "--batch", "2", "--seq", "64", "--val-data",
+                                                  data.file("val.bin"), "--out", garbage},
+                             {"error: probe: --out " + garbage + " is a file, not a folder: name a folder for probe.csv"},
+                             data.file("stderr.txt"));
+    expect(read_text(garbage) == "not a checkpoint", "probe --out FILE changed the file");
 }
 
 // log.csv's last column counts the FP8 doctor's warnings of its step.
@@ -6243,6 +6394,23 @@ HOST_TEST(makefile_arch_rule_and_dry_make) {
         else expect(status != 0 && err.find(c.piece) != std::string::npos, "make -n %s should be refused with '%s'", line.c_str(), c.piece.c_str());
         expect(read_text(".build-settings") == stamp_before, "make -n %s rewrote .build-settings ('%s', was '%s')", line.c_str(),
                read_text(".build-settings").c_str(), stamp_before.c_str());
+    }
+}
+
+// make clean needs no toolkit (a machine without nvcc can still clean); every other target still names what is missing.
+HOST_TEST(makefile_clean_without_nvcc) {
+    TempDir scratch;
+    if (access("Makefile", R_OK) != 0) { expect(false, "Makefile not found: run ./test_fp8 in the repository's folder"); return; }
+    for (const char* goal : {"clean", "all"}) {
+        std::string out, err;
+        const int status = run_program("env", {"-u", "MAKEFLAGS", "-u", "MFLAGS", "-u", "MAKELEVEL", "make", "-n",
+                                               "NVCC=no-such-nvcc", goal}, scratch.file("make"), &out, &err);
+        printf("    make -n NVCC=no-such-nvcc %-6s exit %d %s\n", goal, status, err.substr(0, err.find('\n')).c_str());
+        if (strcmp(goal, "clean") == 0)
+            expect(status == 0 && out.find("rm -f") != std::string::npos, "make -n clean without nvcc should run: %s", err.c_str());
+        else
+            expect(status != 0 && err.find("no-such-nvcc not found") != std::string::npos, "make -n all without nvcc should say so: %s",
+                   err.c_str());
     }
 }
 

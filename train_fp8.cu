@@ -126,6 +126,7 @@ struct TrainOptions {
     std::string probe_ckpt;                  // a checkpoint file or run folder; empty: the weights of --init and --seed
     bool help = false;                       // --help: training's flags, or the usage of prepare, export or probe
     bool dry_run = false;                    // --dry-run: every check before the GPU work, then exit
+    std::vector<std::string> warnings;       // what parse_args accepted but the user should hear (main prints them)
     std::vector<std::string> command;        // the command line's words, for the line that says how to resume
 };
 
@@ -344,6 +345,8 @@ inline std::string parse_flag_value(const TrainFlag& f, const char* text) {
 //   shard offsets under --tp N       (N-1) x max(dim, ffn) in int (model_shard_map)
 //   micro-batches per step           an int: --total-batch / (B*T) <= 2^31 - 1
 // (--seq, --steps and each model width are ints by their flags' ranges.)
+// The parameter count is capped too (its table is small once model_config_problem has capped the layers):
+constexpr double MAX_PARAMS = 1e12;   // 4 TB of FP32 master weights alone
 constexpr long MAX_GRID_YZ = 65535;
 constexpr long MAX_CAST_TRANSPOSE_ROWS = MAX_GRID_YZ * CT_TILE;
 inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& c) {
@@ -366,6 +369,10 @@ inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& 
     if ((long)(std::max(1, o.tp) - 1) * std::max(c.dim, c.ffn_dim) > INT_MAX)
         return strprintf("--tp %d with --dim %d and --ffn %d: the shard offsets ((N-1) x max(dim, ffn) = %ld) exceed %d",
                          o.tp, c.dim, c.ffn_dim, (long)(o.tp - 1) * std::max(c.dim, c.ffn_dim), INT_MAX);
+    const double params = (double)model_num_params(c);
+    if (params > MAX_PARAMS)
+        return strprintf("--dim %d --layers %d --ffn %d: %.3g parameters, at most %.0e (4 TB of FP32 master weights alone)", c.dim,
+                         c.n_layers, c.ffn_dim, params, MAX_PARAMS);
     return "";
 }
 
@@ -503,7 +510,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (o->total_batch == 0) o->total_batch = bt;
     if (o->total_batch % bt != 0)
         return strprintf("--total-batch %ld: must be a multiple of B*T = %d*%d = %ld", o->total_batch, o->batch, o->seq, bt);
-    if (o->warmup > o->steps) return strprintf("--warmup %d: exceeds --steps %d", o->warmup, o->steps);
+    auto was_given = [&](const char* name) { return std::find(given.begin(), given.end(), name) != given.end(); };
+    if (o->warmup > o->steps)
+        return strprintf("--warmup %d%s: exceeds --steps %d; give --warmup N with N at most %d", o->warmup,
+                         was_given("--warmup") ? "" : " (the default)", o->steps, o->steps);
     if (o->stop_after > o->steps) return strprintf("--stop-after %d: exceeds --steps %d", o->stop_after, o->steps);
     if (o->profile > o->steps) return strprintf("--profile %d: exceeds --steps %d (the step to profile must be run)", o->profile, o->steps);
     if (o->stop_after > 0 && o->profile > o->stop_after)
@@ -524,6 +534,9 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (o->tp > 1 && o->update_clip)
         return strprintf("--update-clip with --tp %d: update clipping divides by each tensor's update RMS, which a rank "
                          "sees only for its shard; drop one of the two", o->tp);
+    if (o->out.empty() && o->resume.empty() && !o->probe && (was_given("--checkpoint-every") || was_given("--keep-checkpoints")))
+        o->warnings.push_back(strprintf("%s without --out: this run saves no checkpoint and no log (add --out DIR)",
+                                        was_given("--checkpoint-every") ? "--checkpoint-every" : "--keep-checkpoints"));
     if (o->out.empty()) {   // the resumed run's folder (that of a checkpoint file given by name)
         struct stat st;
         bool is_file = stat(o->resume.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -1666,6 +1679,20 @@ inline void tp_groups_destroy(std::vector<TpGroup>* groups) {
     groups->clear();
 }
 
+// The FP8 linears' options of a run whose first step is `first_step` (a resume's is after 1).
+inline Fp8Options fp8_options_from_options(const TrainOptions& o, int first_step) {
+    Fp8Options fp8;
+    fp8.recipe.history_len = o.amax_history;
+    fp8.recipe.interval = o.quant_interval;
+    fp8.all_layers = o.fp8_all_layers;
+    fp8.attention = o.fp8_attention;
+    fp8.fast_accum = o.fp8_fast_accum == 1;
+    fp8.tp_amax_sync = o.tp_amax_sync;
+    fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
+    fp8.smooth_quant = o.smooth_quant;
+    return fp8;
+}
+
 inline AdamWConfig adamw_config_from_options(const TrainOptions& o) {
     AdamWConfig a;
     a.weight_decay = o.weight_decay;
@@ -1885,12 +1912,17 @@ inline std::string shell_quote(const std::string& word) {
 
 // The command that continues this run from its folder --out: this command line with --resume OUT (in place of the
 // value of its --resume, else added), so that every flag stays the one the checkpoint was written with.
-inline std::string train_resume_command(const TrainOptions& o) {
+// steps > 0: with --steps steps instead (a finished run trained further).
+inline std::string train_resume_command(const TrainOptions& o, long steps = 0) {
     std::vector<std::string> words = o.command;
-    bool replaced = false;
-    for (size_t i = 1; i + 1 < words.size(); i++)
-        if (words[i] == "--resume") { words[i + 1] = o.out; replaced = true; }
-    if (!replaced) words.insert(words.end(), {"--resume", o.out});
+    auto set = [&](const char* flag, const std::string& value) {
+        bool replaced = false;
+        for (size_t i = 1; i + 1 < words.size(); i++)
+            if (words[i] == flag) { words[i + 1] = value; replaced = true; }
+        if (!replaced) words.insert(words.end(), {flag, value});
+    };
+    set("--resume", o.out);
+    if (steps > 0) set("--steps", std::to_string(steps));
     std::string line;
     for (const std::string& w : words) line += (line.empty() ? "" : " ") + shell_quote(w);
     return line;
@@ -1940,12 +1972,12 @@ inline RunFolderContents run_folder_contents(const std::string& dir) {
 // possible there, and writable. A new run must not take over a folder that holds a run (checkpoints, `latest`, logs):
 // it would write over them. A resumed run (checkpoint file resume_path) writes into the folder it resumes from, or
 // into a folder that holds no run.
-inline std::string train_out_problem(const TrainOptions& o, const std::string& resume_path) {
-    if (o.out.empty()) return "";
-    const char* out = o.out.c_str();
+// "" if --out DIR is a folder this process can write into, or one it can make; else why not. `what`: what goes there.
+inline std::string out_folder_problem(const std::string& dir, const char* what) {
+    const char* out = dir.c_str();
     struct stat st;
     if (stat(out, &st) != 0) {   // to be made: the nearest folder above that exists must be a writable folder
-        std::string above = path_folder(o.out);
+        std::string above = path_folder(dir);
         while (stat(above.c_str(), &st) != 0) {
             if (above == "." || above == "/") return strprintf("--out %s: cannot be made: %s", out, strerror(errno));
             above = path_folder(above);
@@ -1956,9 +1988,18 @@ inline std::string train_out_problem(const TrainOptions& o, const std::string& r
             return strprintf("--out %s: cannot be made in %s: %s; name another --out", out, above.c_str(), strerror(errno));
         return "";
     }
-    if (!S_ISDIR(st.st_mode))
-        return strprintf("--out %s is a file, not a folder: name a folder for the run's log.csv and checkpoints", out);
+    if (!S_ISDIR(st.st_mode)) return strprintf("--out %s is a file, not a folder: name a folder for %s", out, what);
     if (access(out, W_OK | X_OK) != 0) return strprintf("--out %s: cannot write into it: %s; name another --out", out, strerror(errno));
+    return "";
+}
+
+inline std::string train_out_problem(const TrainOptions& o, const std::string& resume_path) {
+    if (o.out.empty()) return "";
+    const char* out = o.out.c_str();
+    std::string problem = out_folder_problem(o.out, "the run's log.csv and checkpoints");
+    if (!problem.empty()) return problem;
+    struct stat st;
+    if (stat(out, &st) != 0) return "";   // to be made
     const RunFolderContents held = run_folder_contents(o.out);
     if (held.empty()) return "";
     if (o.resume.empty()) {
@@ -1967,6 +2008,11 @@ inline std::string train_out_problem(const TrainOptions& o, const std::string& r
         if (held.checkpoint_steps.empty())
             return strprintf("--out %s holds a run already (%s, no checkpoint): a new run would write over it. %s", out,
                              held.describe().c_str(), start_over.c_str());
+        const long newest = held.checkpoint_steps.back();
+        if (newest >= o.steps)
+            return strprintf("--out %s holds a finished run (%s): it trained to --steps %d. To train it further, resume it with "
+                             "more steps (the LR schedule then spans them), e.g.:\n  %s\n%s", out, held.describe().c_str(), o.steps,
+                             train_resume_command(o, 2 * newest).c_str(), start_over.c_str());
         return strprintf("--out %s holds a run already (%s): a new run would write over it. To continue it from its newest "
                          "checkpoint (with the flags it was started with):\n  %s\n%s", out, held.describe().c_str(),
                          train_resume_command(o).c_str(), start_over.c_str());
@@ -2086,15 +2132,7 @@ inline void train_create_ranks(TrainRun* run) {
            B, T, accum, o.total_batch, o.steps, o.warmup, o.lr, o.lr * o.final_lr_frac);
     if (o.tp == 0) printf("tensor parallel: off (--tp 0): one GPU, no NCCL\n");
     else printf("%s", model_tp_layout(config, P).c_str());
-    Fp8Options fp8;
-    fp8.recipe.history_len = o.amax_history;
-    fp8.recipe.interval = o.quant_interval;
-    fp8.all_layers = o.fp8_all_layers;
-    fp8.attention = o.fp8_attention;
-    fp8.fast_accum = o.fp8_fast_accum == 1;
-    fp8.tp_amax_sync = o.tp_amax_sync;
-    fp8.recipe.warmup = run->first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
-    fp8.smooth_quant = o.smooth_quant;
+    const Fp8Options fp8 = fp8_options_from_options(o, run->first_step);
     if (o.smooth_quant > 0.0f && !o.resume.empty())
         printf("warning: --smooth-quant's per-channel s are not in checkpoints: they start again at 1 for the first resumed "
                "step (then from its amaxes), so the resumed run differs from an uninterrupted one\n");
@@ -2687,6 +2725,7 @@ inline ProbeResult probe_main(const TrainOptions& o) {
         err = strprintf("--seq %d is longer than the model's max_seq_len %d: lower --seq", o.seq, c.max_seq_len);
     if (err.empty() && ((long)o.batch * o.seq) % 16 != 0)
         err = strprintf("--batch %d x --seq %d must be a multiple of 16 (the GEMM rule): change --batch or --seq", o.batch, o.seq);
+    if (err.empty() && !o.out.empty()) err = out_folder_problem(o.out, "probe.csv");
     if (!err.empty()) fail("probe: %s", err.c_str());
     if (!o.out.empty()) make_dirs(o.out);
     if (o.probe_ckpt.empty()) weights = model_init_weights(c, (uint64_t)o.seed, (InitKind)init_kind_from_name(o.init), o.init_std);
@@ -2742,6 +2781,7 @@ int main(int argc, char** argv) {
         print_help(argv[0], o);
         return 0;
     }
+    for (const std::string& w : o.warnings) fprintf(stderr, "warning: %s\n", w.c_str());
     if (o.prepare) {
         err = prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str(), o.force);
         if (!err.empty()) fail("%s", err.c_str());
