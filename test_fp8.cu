@@ -6176,21 +6176,24 @@ HOST_TEST(train_stop_signal_and_resume_command) {
     }
 }
 
-// study.sh's refusals (run from the repository, as the README tests are): an unknown option named as such with the
-// list of options; a flag of --extra that the binary refuses (checked by train_fp8 --dry-run on every configuration's
-// command line), in a copy of study.sh beside a small corpus, where the same command without the bad flag passes.
+// scripts/study.sh's refusals (run from the repository, as the README tests are): an unknown option named as such with
+// the list of options; a flag of --extra that the binary refuses (checked by train_fp8 --dry-run on every configuration's
+// command line), in a copy (LAB/scripts/study.sh) beside a small corpus (LAB/data), where the same command without the
+// bad flag passes.
 HOST_TEST(study_sh_refuses_unknown_options_and_bad_flags) {
     TempDir lab, data_dir;
-    const std::string study = read_text("study.sh");
-    expect(!study.empty(), "study.sh not found: run ./test_fp8 in the repository's folder");
+    const std::string study = read_text("scripts/study.sh");
+    expect(!study.empty(), "scripts/study.sh not found: run ./test_fp8 in the repository's folder");
     if (study.empty()) return;
     std::string err;
-    int status = run_program("bash", {"study.sh", "--bogus"}, lab.file("bogus"), nullptr, &err);
+    int status = run_program("bash", {"scripts/study.sh", "--bogus"}, lab.file("bogus"), nullptr, &err);
     printf("    --bogus: exit %d: %s", status, err.c_str());
     expect(status != 0 && err.find("unknown option --bogus") != std::string::npos && err.find("--seeds") != std::string::npos &&
            err.find("needs a value") == std::string::npos, "--bogus should be refused as an unknown option, listing the options");
-    // the copy: study.sh and data/kjv_{train,val}.bin of the synthetic text (one batch of 32 x 512 tokens each, and more)
-    const std::string copy = lab.file("study.sh"), data = lab.path + "/data";
+    // the copy: scripts/study.sh and data/kjv_{train,val}.bin of the synthetic text (one batch of 32 x 512 tokens each,
+    // and more)
+    const std::string scripts = lab.path + "/scripts", copy = scripts + "/study.sh", data = lab.path + "/data";
+    expect(mkdir(scripts.c_str(), 0755) == 0, "cannot make %s", scripts.c_str());
     FILE* f = fopen(copy.c_str(), "wb");
     expect(f && fwrite(study.data(), 1, study.size(), f) == study.size(), "cannot write %s", copy.c_str());
     if (f) fclose(f);
@@ -6210,7 +6213,8 @@ HOST_TEST(study_sh_refuses_unknown_options_and_bad_flags) {
     status = run_program("bash", args, data_dir.file("bad"), nullptr, &err);
     printf("    --dry-run %s --extra \"--lr abc\": exit %d: %s", own_build[1].c_str(), status, err.c_str());
     expect(status != 0 && err.find("--lr abc: not a number") != std::string::npos, "--extra \"--lr abc\" should be refused naming it");
-    for (const char* name : {"study.sh", "data/kjv_train.bin", "data/kjv_val.bin"}) remove(lab.file(name).c_str());
+    for (const char* name : {"scripts/study.sh", "data/kjv_train.bin", "data/kjv_val.bin"}) remove(lab.file(name).c_str());
+    rmdir(scripts.c_str());
     rmdir(data.c_str());
 }
 

@@ -242,7 +242,7 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
                "  one batch (the first of --val-data) through the model in BF16; each linear's X, W and dY from that pass through\n"
                "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax) and its BF16 GEMMs: the SQNR of FP8\n"
                "  against BF16 in dB for Y, dX and dW of every linear of every layer (a table; DIR/probe.csv with --out DIR,\n"
-               "  drawn by plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
+               "  drawn by scripts/plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
                "  CKPT: a checkpoint file or a run's folder (its newest); none: the weights of --init and --seed\n", argv0);
         print_flags({"--val-data", "--batch", "--seq", "--fp8-all-layers"});
         printf("  %-22s write the table to DIR/probe.csv (replacing one there)\n", "--out DIR");
@@ -1738,7 +1738,7 @@ inline void on_ranks(std::vector<TrainRank>& ranks, const std::function<void(Tra
 }
 
 // The FP8 doctor (--fp8-stats K): every K-th step, each FP8 tensor's health (llama2.cuh, model_fp8_stats_read)
-// goes to OUT/fp8_stats.csv (plot_fp8_stats.py draws it) and a summary line, and a tensor whose saturated or
+// goes to OUT/fp8_stats.csv (scripts/plot_fp8_stats.py draws it) and a summary line, and a tensor whose saturated or
 // flushed fraction stays above its threshold for --fp8-warn-after such steps in a row gets one warning line,
 // counted in log.csv: one per tensor and kind until the fraction comes back below (the streaks start over at a resume).
 inline std::string fp8_tensor_name(const Fp8TensorStats& t) {
@@ -2666,7 +2666,7 @@ inline ProbeResult probe_main(const TrainOptions& o) {
                                  g == 0 ? row.y_db : g == 1 ? row.dx_db : row.dw_db);
         const std::string path = o.out + "/probe.csv";
         write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, csv.data(), csv.size(), tmp); });
-        printf("wrote %s (python3 plot_fp8_stats.py probe %s draws it)\n", path.c_str(), path.c_str());
+        printf("wrote %s (python3 scripts/plot_fp8_stats.py probe %s draws it)\n", path.c_str(), path.c_str());
     }
     return r;
 }
