@@ -10,10 +10,10 @@
 #   make data               prepare the default corpus (King James Bible, bytes) under data/
 #   make train              build, prepare data, train the default preset into out/default (refused if it holds a run
 #                           already: the message gives the command that continues it)
-#   make study              the recipe lab: seeds x configurations of both builds on one GPU (study.sh, README "Recipe lab";
+#   make study              the recipe lab: seeds x configurations of both builds on one GPU (scripts/study.sh, README "Recipe lab";
 #                           STUDY_FLAGS="--preset 1b": BF16 against FP8 at 1.1B's shape, time to quality)
-#   make soak               kill-and-resume soak: a run killed (SIGKILL) and resumed 5 times ends as an uninterrupted one (soak.sh)
-#   make mutants            mutation testing: each bug of mutants.txt built and tested in scratch-mutants/ (mutate.sh --help)
+#   make soak               kill-and-resume soak: a run killed (SIGKILL) and resumed 5 times ends as an uninterrupted one (scripts/soak.sh)
+#   make mutants            mutation testing: each bug of mutants.txt built and tested in scratch-mutants/ (scripts/mutate.sh --help)
 #   make clean
 PRECISION ?= FP8
 GPU_ARCH  ?= sm_90a
@@ -69,7 +69,7 @@ NVCCFLAGS += -DATTENTION_HOPPER
 endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h
+HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h checkpoint.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings, and is rewritten (by its
 # recipe, so that make -n only shows it) when they differ.
 STAMP := .build-settings
@@ -88,17 +88,17 @@ train_fp8: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(LDFLAGS)
 
-# The BF16 build as a second binary beside train_fp8 (whatever PRECISION is), for study.sh to run both builds at once.
+# The BF16 build as a second binary beside train_fp8 (whatever PRECISION is), for scripts/study.sh to run both builds at once.
 train_fp8_bf16: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(subst -DPRECISION_$(PRECISION),-DPRECISION_BF16,$(NVCCFLAGS)) -o $@ $< $(LDFLAGS)
 
-# (the tests run ./train_fp8 too: a resume refused by the program itself); study.sh's table maker on fixed logs and
-# plot_fp8_stats.py on synthetic CSVs first (host only; it reports SKIP without numpy and matplotlib)
+# (the tests run ./train_fp8 too: a resume refused by the program itself); scripts/study.sh's table maker on fixed logs and
+# scripts/plot_fp8_stats.py on synthetic CSVs first (host only; it reports SKIP without numpy and matplotlib)
 test: test_fp8 train_fp8
 	python3 scripts/results.py test
 	python3 scripts/results.py check README.md
-	./study.sh test
-	python3 plot_fp8_stats.py test
+	scripts/study.sh test
+	python3 scripts/plot_fp8_stats.py test
 	./test_fp8
 
 # compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned
@@ -117,7 +117,7 @@ sanitize: test_fp8 train_fp8
 	$(SANITIZER) --tool racecheck --error-exitcode 1 ./test_fp8 $(RACECHECK_TESTS)
 
 data: train_fp8
-	./data.sh
+	scripts/data.sh
 
 # The default run: the default preset on the King James Bible (TRAIN_FLAGS adds or overrides flags). Into a folder that
 # holds a run already, train_fp8 refuses to start and prints the command that resumes it (make train
@@ -134,25 +134,25 @@ RESULTS_FLAGS ?=
 results:
 	scripts/results.sh $(RESULTS_FLAGS)
 
-# The recipe lab (study.sh --help; STUDY_FLAGS adds flags, e.g. STUDY_FLAGS="--seeds 5 --only bf16,fp8"; BF16 against
+# The recipe lab (scripts/study.sh --help; STUDY_FLAGS adds flags, e.g. STUDY_FLAGS="--seeds 5 --only bf16,fp8"; BF16 against
 # FP8 at 1.1B's shape, one run at a time, for the time to quality: STUDY_FLAGS="--preset 1b").
 # make -j2 study builds the two binaries side by side.
 STUDY_FLAGS ?=
 study: train_fp8 train_fp8_bf16 data
-	./study.sh $(STUDY_FLAGS)
+	scripts/study.sh $(STUDY_FLAGS)
 
-# The kill-and-resume soak (soak.sh --help): the default preset straight through, and again killed with SIGKILL at 5
+# The kill-and-resume soak (scripts/soak.sh --help): the default preset straight through, and again killed with SIGKILL at 5
 # seeded moments (mid-step, mid-checkpoint) and resumed each time; the final checkpoints must be byte-identical and the
 # logs equal but for their timing columns. Needs a GPU. SOAK_FLAGS adds flags (e.g. --seed 2 --kills 8).
 SOAK_FLAGS ?=
 soak: train_fp8 data
-	./soak.sh $(SOAK_FLAGS)
+	scripts/soak.sh $(SOAK_FLAGS)
 
 # Mutation testing: the tests must catch every mutant of mutants.txt, in each build it names (MUTATE_FLAGS adds
 # options, e.g. MUTATE_FLAGS="--host-only" on a machine without a GPU, or "--jobs 8 --parallel 4" on a GPU machine).
 MUTATE_FLAGS ?=
 mutants:
-	./mutate.sh $(MUTATE_FLAGS)
+	scripts/mutate.sh $(MUTATE_FLAGS)
 
 .PHONY: all test sanitize bench results data train study soak mutants clean
 clean:

@@ -21,9 +21,10 @@
 //  10. the FP8 linear layer   fp8_kernels.cuh 5, llama2.cuh 4-5: the FP8 linear against the host, fused casts, the FP8
 //                             model, SmoothQuant
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
-//  12. the command line and checkpoints   train_fp8.cu 1-3: flags, the header, checkpoint files, CSV logs
-//  13. export                 train_fp8.cu 4: HF safetensors and llama2.c files read back and run in float64
-//  14. whole training runs    train_fp8.cu 5-6: resume, CUDA graphs, the profile, the tiny model against float64,
+//  12. the command line and checkpoints   train_fp8.cu 1, checkpoint.h 1-2: flags, the header, checkpoint files,
+//                                          CSV logs
+//  13. export                 checkpoint.h 3: HF safetensors and llama2.c files read back and run in float64
+//  14. whole training runs    train_fp8.cu 2-3: resume, CUDA graphs, the profile, the tiny model against float64,
 //                             non-finite steps, a failed checkpoint write, evaluation and sampling
 //  15. tensor parallelism     llama2.cuh 7, train_fp8.cu's groups and ranks: shards, TP 1 through NCCL, 2 and 4 ranks
 //  16. benchmarks             ./test_fp8 --bench: tables of ratios measured in one run
@@ -4264,7 +4265,7 @@ GPU_TEST(sqnr_on_device_matches_host) {
 
 // Tests of the whole model's FP8 layers: only the FP8 build has them (the BF16 build's model has no FP8 linear to test).
 #if defined(PRECISION_FP8)
-// The precision probe (train_fp8.cu section 7) against the host: the operands each linear got in the BF16 pass
+// The precision probe (train_fp8.cu section 4) against the host: the operands each linear got in the BF16 pass
 // (captured here through Model::linear_probe from a model of their own), quantized by the host codec with the
 // host scale rule, multiplied in float64 and rounded as the GPU's outputs are (Y and dX to BF16, dW in FP32), and
 // each FP8 result's SQNR against the BF16 one. Every linear of both layers, in order. The probe's FP8 loss runs the
@@ -4940,8 +4941,9 @@ HOST_TEST(dataloader_rejects_bad_input) {
 }
 
 // ==============================================================================================
-// 12. The command line and checkpoints (train_fp8.cu sections 1-3): parse_args and its refusals, --help, the
-// checkpoint header and files, the CSV logs; and the small synthetic byte corpus of the whole runs (section 14).
+// 12. The command line and checkpoints (train_fp8.cu section 1, checkpoint.h sections 1-2): parse_args and its
+// refusals, --help, the checkpoint header and files, the CSV logs; and the small synthetic byte corpus of the whole
+// runs (section 14).
 
 // parse_args on a list of arguments (the program name is added).
 static std::string parse_list(const std::vector<std::string>& args, TrainOptions* o) {
@@ -6327,21 +6329,24 @@ HOST_TEST(train_stop_signal_and_resume_command) {
     }
 }
 
-// study.sh's refusals (run from the repository, as the README tests are): an unknown option named as such with the
-// list of options; a flag of --extra that the binary refuses (checked by train_fp8 --dry-run on every configuration's
-// command line), in a copy of study.sh beside a small corpus, where the same command without the bad flag passes.
+// scripts/study.sh's refusals (run from the repository, as the README tests are): an unknown option named as such with
+// the list of options; a flag of --extra that the binary refuses (checked by train_fp8 --dry-run on every configuration's
+// command line), in a copy (LAB/scripts/study.sh) beside a small corpus (LAB/data), where the same command without the
+// bad flag passes.
 HOST_TEST(study_sh_refuses_unknown_options_and_bad_flags) {
     TempDir lab, data_dir;
-    const std::string study = read_text("study.sh");
-    expect(!study.empty(), "study.sh not found: run ./test_fp8 in the repository's folder");
+    const std::string study = read_text("scripts/study.sh");
+    expect(!study.empty(), "scripts/study.sh not found: run ./test_fp8 in the repository's folder");
     if (study.empty()) return;
     std::string err;
-    int status = run_program("bash", {"study.sh", "--bogus"}, lab.file("bogus"), nullptr, &err);
+    int status = run_program("bash", {"scripts/study.sh", "--bogus"}, lab.file("bogus"), nullptr, &err);
     printf("    --bogus: exit %d: %s", status, err.c_str());
     expect(status != 0 && err.find("unknown option --bogus") != std::string::npos && err.find("--seeds") != std::string::npos &&
            err.find("needs a value") == std::string::npos, "--bogus should be refused as an unknown option, listing the options");
-    // the copy: study.sh and data/kjv_{train,val}.bin of the synthetic text (one batch of 32 x 512 tokens each, and more)
-    const std::string copy = lab.file("study.sh"), data = lab.path + "/data";
+    // the copy: scripts/study.sh and data/kjv_{train,val}.bin of the synthetic text (one batch of 32 x 512 tokens each,
+    // and more)
+    const std::string scripts = lab.path + "/scripts", copy = scripts + "/study.sh", data = lab.path + "/data";
+    expect(mkdir(scripts.c_str(), 0755) == 0, "cannot make %s", scripts.c_str());
     FILE* f = fopen(copy.c_str(), "wb");
     expect(f && fwrite(study.data(), 1, study.size(), f) == study.size(), "cannot write %s", copy.c_str());
     if (f) fclose(f);
@@ -6361,7 +6366,8 @@ HOST_TEST(study_sh_refuses_unknown_options_and_bad_flags) {
     status = run_program("bash", args, data_dir.file("bad"), nullptr, &err);
     printf("    --dry-run %s --extra \"--lr abc\": exit %d: %s", own_build[1].c_str(), status, err.c_str());
     expect(status != 0 && err.find("--lr abc: not a number") != std::string::npos, "--extra \"--lr abc\" should be refused naming it");
-    for (const char* name : {"study.sh", "data/kjv_train.bin", "data/kjv_val.bin"}) remove(lab.file(name).c_str());
+    for (const char* name : {"scripts/study.sh", "data/kjv_train.bin", "data/kjv_val.bin"}) remove(lab.file(name).c_str());
+    rmdir(scripts.c_str());
     rmdir(data.c_str());
 }
 
@@ -6504,7 +6510,7 @@ static std::vector<std::string> log_rows_without_timing(const std::string& path)
 }
 
 // ==============================================================================================
-// 13. Export (train_fp8.cu section 4): the files read back by readers written here from the formats' specifications
+// 13. Export (checkpoint.h section 3): the files read back by readers written here from the formats' specifications
 // (safetensors, transformers' config.json, llama2.c's run.c), and the model in them run through the float64
 // reference: transformers' rotate_half RoPE on the HF tensors must give the logits of our convention on the
 // checkpoint's weights, to float64 round-off (the export permutes rows and copies values; BF16 rounds each weight
@@ -7168,10 +7174,10 @@ GPU_TEST(export_matches_program_logits) {
 }
 
 // ==============================================================================================
-// 14. Whole training runs on the GPU (train_fp8.cu section 6), on the synthetic byte corpus of section 12: resume
+// 14. Whole training runs on the GPU (train_fp8.cu section 3), on the synthetic byte corpus of section 12: resume
 // equals an uninterrupted run bit for bit; the tiny model follows the float64 reference; non-finite steps are skipped
 // and --max-bad-steps of them stop the run; a failed checkpoint write keeps the last one. Then evaluation and sampling
-// (section 5) against the model's own losses and logits.
+// (train_fp8.cu section 2) against the model's own losses and logits.
 
 // 6 steps straight, against a run that stops after step 5 (--stop-after 5, the same schedule) with checkpoints at
 // steps 3 and 5, resumed from its step-3 file for steps 4 to 6, as if it had crashed after step 5 before saving: the

@@ -4,9 +4,9 @@
 #   data/kjv_train.bin  its first 90% as a token shard (dataloader.h describes the format)
 #   data/kjv_val.bin    its last 10%
 # Needs the `bible` command (Debian/Ubuntu package bible-kjv; installed here when running as root) and
-# ./train_fp8 (make). Run from anywhere: it works in the folder it lives in. `make data` runs it.
+# ./train_fp8 (make). Run from anywhere: it works in the repository's folder. `make data` runs it.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."   # the repository
 
 if [[ -f data/kjv_train.bin && -f data/kjv_val.bin ]]; then
     echo "data: data/kjv_train.bin and data/kjv_val.bin already exist (delete them to prepare them again)"

@@ -3,13 +3,13 @@
 # FP8 recipe, its variants and each published ablation as one flag - on one GPU, then prints the table per
 # configuration (mean +- std over seeds, against the BF16 build with the difference's standard error): the final and
 # best validation loss, tokens/s, and the training time at which the validation loss first reaches the BF16 build's
-# loss at 60% of its run (time to quality); and draws the curves (plot_loss.py).
+# loss at 60% of its run (time to quality); and draws the curves (scripts/plot_loss.py).
 #
-#   ./study.sh [flags]       run the study (make study builds both binaries and the data first, then runs this)
-#   ./study.sh --preset 1b   BF16 against FP8 at 1.1B's shape, one run at a time: time to quality
-#   ./study.sh table DIR     the table of a study folder (printed at the end of a study too)
-#   ./study.sh test          the table maker on fixed log.csv files (make test runs it; no GPU)
-#   ./study.sh --help        the flags
+#   scripts/study.sh [flags]       run the study (make study builds both binaries and the data first, then runs this)
+#   scripts/study.sh --preset 1b   BF16 against FP8 at 1.1B's shape, one run at a time: time to quality
+#   scripts/study.sh table DIR     the table of a study folder (printed at the end of a study too)
+#   scripts/study.sh test          the table maker on fixed log.csv files (make test runs it; no GPU)
+#   scripts/study.sh --help        the flags
 #
 # Two binaries: ./train_fp8 (the FP8 build, `make`) and ./train_fp8_bf16 (`make train_fp8_bf16`: the same source
 # compiled with PRECISION=BF16 into another file, so that neither build overwrites the other and both can run at once).
@@ -38,7 +38,7 @@
 # evaluation is left out of the measured time, but not out of the GPU's. About 7 minutes on one H100 (404 s: bf16 runs
 # ~75 s, fp8 ~59 s); --only bf16, then --only fp8 --skip-done into the same --dir, splits it into two invocations.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."   # the repository
 
 TRAIN_DATA=data/kjv_train.bin
 VAL_DATA=data/kjv_val.bin
@@ -46,9 +46,9 @@ DEADLINE_GRACE=60   # --deadline: runs still going this many seconds after it ar
 
 usage() {
     cat <<EOF
-usage: ./study.sh [flags]          run the study (binaries from make train_fp8 train_fp8_bf16, data from make data)
-       ./study.sh table DIR        the table of study folder DIR
-       ./study.sh test             test the table maker on fixed log.csv files (host only)
+usage: scripts/study.sh [flags]          run the study (binaries from make train_fp8 train_fp8_bf16, data from make data)
+       scripts/study.sh table DIR        the table of study folder DIR
+       scripts/study.sh test             test the table maker on fixed log.csv files (host only)
 flags (default in brackets; [X | Y]: X for --preset default, Y for --preset 1b):
   --preset NAME        default: 19 configurations of a 27M model, 8 runs at a time; 1b: bf16 and fp8 at 1.1B's shape,
                        one run at a time, for their time to quality [default]
@@ -203,7 +203,7 @@ Targets (the FP8 recipe's claims):
 - FP8 recipe (fp8) reaches the target (bf16's loss at 60% of its run) sooner in training time: 26% (0.74x), 2 of 3 fp8 runs reached it (every run, sooner: NO)
 EOF
 )
-    actual=$(python3 plot_loss.py table "$s")
+    actual=$(python3 scripts/plot_loss.py table "$s")
     if [[ $actual != "$expected" ]]; then
         echo "study table test FAILED: the table differs from the one computed by hand (< expected, > printed):"
         diff <(echo "$expected") <(echo "$actual") || true
@@ -222,7 +222,7 @@ EOF
     expected="- FP8 recipe (fp8) vs BF16 build (bf16), final val loss: -0.46% ± 0.78% (t -0.59), within 0.5%: yes, |t| < 2 (no difference found): yes
 - FP8 first moment (fp8) vs --m-dtype fp32 (m-fp32), final val loss: -2.07% ± 0.38% (t -5.49), within 0.5%: NO
 - FP8 recipe (fp8) reaches the target (bf16's loss at 60% of its run) sooner in training time: 19% (0.81x), 2 of 2 fp8 runs reached it (every run, sooner: yes)"
-    actual=$(python3 plot_loss.py table "$s" | grep '^- FP8')
+    actual=$(python3 scripts/plot_loss.py table "$s" | grep '^- FP8')
     [[ $actual == "$expected" ]] || { echo "study table test FAILED: targets"; diff <(echo "$expected") <(echo "$actual") || true; exit 1; }
     checks=$((checks + 1))
     # a log.csv without the row of step 30: its run counts for the losses, not for the time (fp8's time is seed 1's
@@ -232,13 +232,13 @@ EOF
     expected="GPU sharing: every counted run had the GPU to itself (one run at a time).
 - fp8 seed 2: log.csv's training rows are not steps 1 to 100 once each (no row for step 30): the training time needs every step's ms ($s/fp8/seed-2)
 - FP8 recipe (fp8) reaches the target (bf16's loss at 60% of its run) sooner in training time: 8% (0.92x), 1 of 1 fp8 runs reached it (every run, sooner: yes)"
-    actual=$(python3 plot_loss.py table "$s" | grep -e '^- fp8 seed' -e '^GPU sharing' -e 'sooner in training time')
+    actual=$(python3 scripts/plot_loss.py table "$s" | grep -e '^- fp8 seed' -e '^GPU sharing' -e 'sooner in training time')
     [[ $actual == "$expected" ]] || { echo "study table test FAILED: a run without a training time"; diff <(echo "$expected") <(echo "$actual") || true; exit 1; }
     checks=$((checks + 1))
     # malformed input: refused, naming the file
     local out
     expect_refusal() {   # WHAT EXPECTED_TEXT: the table of $s must fail with a message holding EXPECTED_TEXT
-        if out=$(python3 plot_loss.py table "$s" 2>&1); then
+        if out=$(python3 scripts/plot_loss.py table "$s" 2>&1); then
             echo "study table test FAILED: $1 was accepted"; exit 1
         fi
         [[ $out == *"$2"* ]] || { echo "study table test FAILED: $1: the message '$out' does not hold '$2'"; exit 1; }
@@ -263,13 +263,13 @@ EOF
 }
 
 if [[ ${1:-} == test ]]; then
-    [[ $# -eq 1 ]] || fail "usage: ./study.sh test"
+    [[ $# -eq 1 ]] || fail "usage: scripts/study.sh test"
     run_test
     exit 0
 fi
 if [[ ${1:-} == table ]]; then
-    [[ $# -eq 2 ]] || fail "usage: ./study.sh table DIR"
-    exec python3 plot_loss.py table "$2"
+    [[ $# -eq 2 ]] || fail "usage: scripts/study.sh table DIR"
+    exec python3 scripts/plot_loss.py table "$2"
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,8 +288,8 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DRY_RUN=1; shift; continue ;;
         --list) LIST=1; shift; continue ;;
         --preset|--seeds|--parallel|--steps|--deadline|--only|--skip|--add|--extra|--dir|--fp8-bin|--bf16-bin)
-            [[ $# -ge 2 ]] || fail "$flag needs a value (./study.sh --help)" ;;
-        *) fail "unknown option $flag; the options are: ${OPTIONS% } (./study.sh --help says what each does)" ;;
+            [[ $# -ge 2 ]] || fail "$flag needs a value (scripts/study.sh --help)" ;;
+        *) fail "unknown option $flag; the options are: ${OPTIONS% } (scripts/study.sh --help says what each does)" ;;
     esac
     value=$2
     case $flag in
@@ -352,7 +352,7 @@ if [[ $LIST == 1 ]]; then
     exit 0
 fi
 for name in "${ONLY[@]+"${ONLY[@]}"}" "${SKIP[@]+"${SKIP[@]}"}"; do
-    [[ -n ${CONFIG_BUILD[$name]+x} ]] || fail "no configuration named '$name' in --preset $PRESET (./study.sh --preset $PRESET --list shows them)"
+    [[ -n ${CONFIG_BUILD[$name]+x} ]] || fail "no configuration named '$name' in --preset $PRESET (scripts/study.sh --preset $PRESET --list shows them)"
 done
 NAMES=()
 for name in "${ALL_NAMES[@]}"; do
@@ -566,7 +566,7 @@ done
 echo "study: $DONE runs finished in $(elapsed) s, ${#FAILED[@]} failed, ${#NOT_STARTED[@]} not started"
 for f in "${FAILED[@]+"${FAILED[@]}"}"; do echo "  FAILED $f"; done
 for f in "${NOT_STARTED[@]+"${NOT_STARTED[@]}"}"; do echo "  NOT STARTED $f (deadline)"; done
-if python3 plot_loss.py table "$DIR" > "$DIR/table.md.tmp"; then
+if python3 scripts/plot_loss.py table "$DIR" > "$DIR/table.md.tmp"; then
     mv "$DIR/table.md.tmp" "$DIR/table.md"
     echo
     cat "$DIR/table.md"
@@ -576,5 +576,5 @@ else
     echo "error: the table of $DIR could not be made (above)"
     FAILED+=("the table")
 fi
-python3 plot_loss.py "$DIR/loss_bands.png" "$DIR" || echo "no picture (above); the table does not need one"
+python3 scripts/plot_loss.py "$DIR/loss_bands.png" "$DIR" || echo "no picture (above); the table does not need one"
 [[ ${#FAILED[@]} -eq 0 && ${#NOT_STARTED[@]} -eq 0 ]]

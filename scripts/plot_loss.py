@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Loss curves of train_fp8 runs, and the recipe lab's table and curves (study.sh).
 
-    python3 plot_loss.py OUT.png LABEL=DIR/log.csv [LABEL=DIR/log.csv ...]   curves of single runs
-    python3 plot_loss.py OUT.png STUDY_DIR     a study's configurations: mean validation loss over seeds with a
-                                               +-1 std band, and each configuration's final validation loss
-    python3 plot_loss.py table STUDY_DIR       a study's table (markdown): mean +- std of the final and the best
-                                               validation loss per configuration, against the BF16 build (the
-                                               difference with its standard error, Welch); tokens/s, and the
-                                               training time at which each reaches the BF16 build's validation
-                                               loss at 60% of its run
+    python3 scripts/plot_loss.py OUT.png LABEL=DIR/log.csv [LABEL=DIR/log.csv ...]   curves of single runs
+    python3 scripts/plot_loss.py OUT.png STUDY_DIR     a study's configurations: mean validation loss over seeds with a
+                                                       +-1 std band, and each configuration's final validation loss
+    python3 scripts/plot_loss.py table STUDY_DIR       a study's table (markdown): mean +- std of the final and the best
+                                                       validation loss per configuration, against the BF16 build (the
+                                                       difference with its standard error, Welch); tokens/s, and the
+                                                       training time at which each reaches the BF16 build's
+                                                       validation loss at 60% of its run
 
 Each log.csv is the one train_fp8 writes (columns step, loss, val_loss, ...). A study folder is what study.sh
 writes: configs.tsv (NAME, BUILD, FLAGS a line), setup.txt (the flags of every run), and NAME/seed-S/ holding
@@ -154,7 +154,7 @@ def read_study(study_dir):
     """The configurations of a study folder in the order of its configs.tsv, each with its runs (seed order)."""
     manifest = os.path.join(study_dir, "configs.tsv")
     if not os.path.exists(manifest):
-        fail(f"{manifest} is missing: {study_dir} is not a study folder (study.sh writes one; see ./study.sh --help)")
+        fail(f"{manifest} is missing: {study_dir} is not a study folder (study.sh writes one; see scripts/study.sh --help)")
     configs = []
     with open(manifest) as f:
         for number, line in enumerate(f, 1):
@@ -407,7 +407,7 @@ def import_pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("error: plot_loss.py needs matplotlib for pictures (pip install matplotlib); "
-                 "the table (plot_loss.py table DIR) does not")
+                 "the table (scripts/plot_loss.py table DIR) does not")
     return plt
 
 
@@ -438,7 +438,7 @@ def plot_study(out, study_dir):
     and a band of +-0.5% around it (the recipe's target)."""
     configs = [c for c in read_study(study_dir) if c.ok]
     if not configs:
-        fail(f"{study_dir}: no run counts (see: python3 plot_loss.py table {study_dir})")
+        fail(f"{study_dir}: no run counts (see: python3 scripts/plot_loss.py table {study_dir})")
     plt = import_pyplot()
     colors = plt.get_cmap("tab20").colors
     fig, (ax_curve, ax_final) = plt.subplots(1, 2, figsize=(15, 0.35 * len(configs) + 4.5))

@@ -4,7 +4,7 @@ copies rebuilt once per optimizer step) on top, the backward (dY in E5M2, the dX
 per-tensor Fp8Meta record that the casts write and cuBLASLt reads. Boxes are coloured by the format of the tensor
 (BF16 / FP32, E4M3, E5M2); white boxes are kernels or cuBLASLt calls, named as in the code.
 
-    python3 plot_fp8_linear.py [OUT.png]      (default fp8_linear.png; needs matplotlib)
+    python3 scripts/plot_fp8_linear.py [OUT.png]      (default docs/fp8_linear.png; needs matplotlib)
 """
 import sys
 
@@ -156,9 +156,9 @@ def fp8_meta(ax):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "fp8_linear.png"
+    out = sys.argv[1] if len(sys.argv) > 1 else "docs/fp8_linear.png"
     if len(sys.argv) > 2 or not out.endswith(".png"):
-        sys.exit(f"error: usage: python3 plot_fp8_linear.py [OUT.png] (got {' '.join(sys.argv[1:])})")
+        sys.exit(f"error: usage: python3 scripts/plot_fp8_linear.py [OUT.png] (got {' '.join(sys.argv[1:])})")
     fig = plt.figure(figsize=(16, 10), dpi=100)
     ax = fig.add_axes([0, 0, 1, 1])
     ax.set_xlim(0, 160)

@@ -6,15 +6,15 @@
 # random delay). A resumed run equals an uninterrupted one bit for bit on the same GPU model, so the two runs
 # must end with the same final checkpoint, byte for byte, and the same log.csv once its timing columns are
 # dropped. Prints PASS or FAIL, with what differed; exits 0 on PASS.
-#   ./soak.sh [--steps N] [--kills K] [--seed S] [--out DIR] [--bin PROGRAM] [-- TRAIN_FLAGS...]
+#   scripts/soak.sh [--steps N] [--kills K] [--seed S] [--out DIR] [--bin PROGRAM] [-- TRAIN_FLAGS...]
 #       defaults: 120 steps, 5 kills, seed 1, OUT out/soak-DATE-TIME, PROGRAM ./train_fp8; the runs are the default
 #       preset on data/kjv_*.bin (make data) with --checkpoint-every 10 --eval-every 40 --sample-every 0, and
 #       TRAIN_FLAGS after those. On PASS the checkpoint files are removed (the logs stay); on FAIL everything stays.
-#   ./soak.sh test   the soak's own parts on a stand-in trainer (a bash script, no GPU): an honest one must
+#   scripts/soak.sh test   the soak's own parts on a stand-in trainer (a bash script, no GPU): an honest one must
 #       PASS, one that loses a step on resume must FAIL.
 # make soak runs it (SOAK_FLAGS adds flags).
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."   # the repository
 
 TIMING_COLUMNS="ms tokens_per_s tflops mfu_percent"   # log.csv's columns that depend on the clock
 CHECKPOINT_EVERY=10
@@ -166,7 +166,7 @@ soak() {
     return 1
 }
 
-# ---- ./soak.sh test: a stand-in for train_fp8, in bash. It takes --out DIR or --resume DIR, --steps and
+# ---- scripts/soak.sh test: a stand-in for train_fp8, in bash. It takes --out DIR or --resume DIR, --steps and
 # --checkpoint-every (other flags ignored); its state is one number that every step changes; it writes log.csv
 # (train_fp8's columns, the timing ones random) and checkpoints the way train_fp8 does (a .tmp written slowly, then
 # renamed; then `latest`; the newest two kept). SOAK_TEST_BUG=1 makes a resume lose one step.
@@ -257,7 +257,7 @@ while (($#)); do
         --out) out=${2:?--out needs a folder}; shift 2 ;;
         --bin) bin=${2:?--bin needs a program}; shift 2 ;;
         --) shift; break ;;
-        -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,/^set -euo/p' scripts/soak.sh | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done

@@ -5,7 +5,7 @@
 # mutant applied there, test_fp8 and train_fp8 built, and the tests run; the mutant is caught when a test fails
 # (or the run crashes or hangs). A mutant the tests let through shows a hole in them.
 #
-#   ./mutate.sh [options]            (make mutants MUTATE_FLAGS="...")
+#   scripts/mutate.sh [options]            (make mutants MUTATE_FLAGS="...")
 #     --only ID,...      only these mutants (--list shows the ids)
 #     --build B          fp8, bf16 or both (default): the builds to test, of those each mutant names
 #     --needs N          host or gpu: only the mutants marked so (default: all)
@@ -23,7 +23,7 @@
 #     --mutants FILE     another list (default: mutants.txt)
 #     --check            check that every mutant applies (its original text occurs exactly once), build nothing
 #     --help
-#   GPU_ARCH, NVCC and the other Makefile variables pass through the environment (GPU_ARCH=sm_89 ./mutate.sh).
+#   GPU_ARCH, NVCC and the other Makefile variables pass through the environment (GPU_ARCH=sm_89 scripts/mutate.sh).
 #
 # A run: the tests named by the mutant's "expect" first (./test_fp8 --fail-fast NAME...), which makes a caught
 # mutant cost seconds; if they pass, the whole suite (--fail-fast). The table gives, for each mutant and build,
@@ -44,18 +44,18 @@
 #     what: RMSNorm's backward without the term of d(rstd)/dx
 #     - const float rs = cur.r, coef = rs * rs * rs * dot / D;
 #     + const float rs = cur.r, coef = 0.0f;
-# The "- " text must occur exactly once in the file (take more of the line if it does not); ./mutate.sh --check
-# says so, then ./mutate.sh --only ID shows that it is caught. The builds treat warnings as errors, so a change
+# The "- " text must occur exactly once in the file (take more of the line if it does not); scripts/mutate.sh --check
+# says so, then scripts/mutate.sh --only ID shows that it is caught. The builds treat warnings as errors, so a change
 # that leaves a variable unused does not compile: change the line that computes it instead (as above, coef = 0
 # rather than dropping "- coef * xk"). A source change that touches a mutant's line makes it stale: --check (run by
 # .ci/run) refuses it, and the mutant is rewritten against the new code.
 set -uo pipefail
 shopt -u patsub_replacement 2>/dev/null || true   # '&' in a replacement stays '&'
 
-ROOT=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)   # the repository
 LIST="$ROOT/mutants.txt"
 SCRATCH="$ROOT/scratch-mutants"
-SOURCES=" common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h train_fp8.cu "
+SOURCES=" common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h checkpoint.h train_fp8.cu "
 
 die() { echo "mutate.sh: $*" >&2; exit 2; }
 
@@ -63,7 +63,7 @@ ONLY="" BUILDS="both" NEEDS="" JOBS="" PARALLEL=4 HOST_ONLY=0 ALL_FAILURES=0 COM
 while [ $# -gt 0 ]; do
     case "$1" in
         --mutants) [ $# -ge 2 ] || die "--mutants needs a file"; LIST=$(realpath "$2"); shift ;;
-        --only) [ $# -ge 2 ] || die "--only needs a list of ids (./mutate.sh --list)"; ONLY=$2; shift ;;
+        --only) [ $# -ge 2 ] || die "--only needs a list of ids (scripts/mutate.sh --list)"; ONLY=$2; shift ;;
         --build) [ $# -ge 2 ] || die "--build needs fp8, bf16 or both"; BUILDS=$2; shift ;;
         --needs) [ $# -ge 2 ] || die "--needs needs host or gpu"; NEEDS=$2; shift ;;
         --jobs|-j) [ $# -ge 2 ] || die "--jobs needs a number"; JOBS=$2; shift ;;
@@ -77,7 +77,7 @@ while [ $# -gt 0 ]; do
         --list) MODE=list ;;
         --check) MODE=check ;;
         --help|-h) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        *) die "unknown option '$1' (./mutate.sh --help)" ;;
+        *) die "unknown option '$1' (scripts/mutate.sh --help)" ;;
     esac
     shift
 done
@@ -95,7 +95,7 @@ problems=()
 n=-1 open=0 lineno=0 orig_set=0 repl_set=0
 # Checks the block just read (mutant n).
 finish_block() {
-    local where="$LIST:${M_LINE[$n]} (${M_ID[$n]:-no id})" f content rest k
+    local where="$LIST:${M_LINE[$n]} (${M_ID[$n]:-no id})" f count k
     [[ "${M_ID[$n]}" =~ ^[A-Za-z0-9_]+$ ]] || problems+=("$where: id must be letters, digits and _")
     case "${M_BUILD[$n]}" in fp8|bf16|both) ;; *) problems+=("$where: build must be fp8, bf16 or both, not '${M_BUILD[$n]}'") ;; esac
     case "${M_NEEDS[$n]}" in host|gpu) ;; *) problems+=("$where: needs must be host or gpu, not '${M_NEEDS[$n]}'") ;; esac
@@ -107,11 +107,11 @@ finish_block() {
     if [[ "$SOURCES" != *" $f "* ]] || [ ! -f "$ROOT/$f" ]; then
         problems+=("$where: file '$f' is not one of the sources:$SOURCES")
     elif [ -n "${M_ORIG[$n]}" ]; then
-        IFS= read -r -d '' content < "$ROOT/$f"
-        rest=${content#*"${M_ORIG[$n]}"}
-        if [ "${#rest}" = "${#content}" ]; then
+        # grep counts the occurrences (bash's own pattern match over a 500 KB file takes seconds a mutant)
+        count=$(grep -oF -e "${M_ORIG[$n]}" "$ROOT/$f" | wc -l)
+        if [ "$count" = 0 ]; then
             problems+=("$where: its original text is not in $f (stale: the code changed; rewrite the mutant against it)")
-        elif [[ "$rest" == *"${M_ORIG[$n]}"* ]]; then
+        elif [ "$count" -gt 1 ]; then
             problems+=("$where: its original text occurs more than once in $f (ambiguous: take more of the line)")
         fi
     fi
@@ -168,7 +168,7 @@ if [ -n "$ONLY" ]; then
     for w in "${wanted[@]}"; do
         found=0
         for ((i = 0; i < COUNT; i++)); do [ "${M_ID[$i]}" = "$w" ] && { SEL+=("$i"); found=1; }; done
-        [ "$found" = 1 ] || die "--only: no mutant '$w' in $LIST (./mutate.sh --list)"
+        [ "$found" = 1 ] || die "--only: no mutant '$w' in $LIST (scripts/mutate.sh --list)"
     done
 else
     for ((i = 0; i < COUNT; i++)); do SEL+=("$i"); done
@@ -189,13 +189,13 @@ if [ "$BASELINE" = 1 ]; then
 fi
 [ ${#RUNS[@]} -gt 0 ] || die "no mutant of the selection applies to --build $BUILDS${NEEDS:+ with --needs $NEEDS}"
 # The files a scratch tree gets: those git tracks or would track (their working-tree contents), or without git every file at
-# the top of the tree but the build outputs.
+# the top of the tree but the build outputs, and the scripts (the tests run some).
 tree_files() {
     if git -C "$ROOT" rev-parse --is-inside-work-tree > /dev/null 2>&1; then
         (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do [ -f "$f" ] && printf '%s\0' "$f"; done)
     else
         (cd "$ROOT" && find . -maxdepth 1 -type f ! -name test_fp8 ! -name train_fp8 ! -name train_fp8_bf16 \
-                                              ! -name .build-settings -printf '%P\0')
+                                              ! -name .build-settings -printf '%P\0' && find scripts -type f -print0)
     fi
 }
 

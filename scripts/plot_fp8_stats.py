@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """The FP8 state of a train_fp8 run, and the precision probe's SQNR, as pictures.
 
-    ./plot_fp8_stats.py DIR [-o OUT.png] [--tensor "LAYER LINEAR TENSOR"]
+    scripts/plot_fp8_stats.py DIR [-o OUT.png] [--tensor "LAYER LINEAR TENSOR"]
         DIR/fp8_stats.csv (./train_fp8 --fp8-stats K --out DIR) -> DIR/fp8_stats.png. For each of a layer's 12 FP8
         tensors (X, W, dY of wqkv, wo, w_gate_up, w_down) a heatmap layer x step of the scale's exponent, of the
         fraction of values saturated and of the fraction flushed to zero; below, one tensor's amax over the steps
         against the largest value its scale represents (the format's max / scale): the headroom. That tensor is
         --tensor (e.g. "5 w_down dY"), by default the one with the highest mean saturated fraction, or the last FP8
         layer's w_down dY if nothing saturated.
-    ./plot_fp8_stats.py probe FILE.csv [-o OUT.png]
+    scripts/plot_fp8_stats.py probe FILE.csv [-o OUT.png]
         the precision probe's CSV (layer, linear, gemm, sqnr_db) -> FILE.png (default): the SQNR in dB of each FP8
         GEMM (Y forward, dX and dW backward) against BF16, a heatmap layer x (linear, GEMM); prints the 5 worst.
-    ./plot_fp8_stats.py test       checks of this script on synthetic files (host only; make test runs it)
+    scripts/plot_fp8_stats.py test       checks of this script on synthetic files (host only; make test runs it)
 
 A layer without rows is one train_fp8 keeps in BF16 (drawn grey): without rows for layer 0 the first and last layers
 are BF16 (train_fp8's default), so the model has one layer more than the highest in the file; with them, every layer
@@ -420,7 +420,7 @@ def main(argv):
     if argv == ["test"]:
         return run_test()
     probe = argv[:1] == ["probe"]
-    parser = argparse.ArgumentParser(prog="plot_fp8_stats.py" + " probe" * probe, description=__doc__,
+    parser = argparse.ArgumentParser(prog="scripts/plot_fp8_stats.py" + " probe" * probe, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", metavar="FILE.csv" if probe else "DIR", help="the probe's CSV" if probe else
                         "a run folder holding fp8_stats.csv")
