@@ -45,8 +45,9 @@
 //   192  f32  --qkv-clip C (0 = off)                 196  i32  --qk-norm (0/1)
 //   200  i32  --amax-warmup N                        204  i32  --wd-constant-lr (0/1)
 //   208  f32  --smooth-quant ALPHA (0 = off)         212  i32  --fp8-attention (0/1)
-//   (files from before these six flags hold zeros in 192..215: all off)
-//   216..247  zero
+//   216  i32  --update-clip (0/1)                    220  i32  --adam-atan2 (0/1)
+//   (files from before these eight flags hold zeros in 192..223: all off)
+//   224..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -71,9 +72,10 @@
 // 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
 // build precision, model config (--qk-norm and --qkv-clip included), B, T, total batch, seed, the FP8 recipe
-// (--amax-warmup and --smooth-quant included), fast accumulation, amax sync and --wd-constant-lr; --init only
-// shaped the weights of step 0, which the checkpoint holds; --steps, --lr and the schedule may change (the schedule is a function of the step), though changing them
-// breaks the equality with an uninterrupted run.
+// (--amax-warmup and --smooth-quant included), fast accumulation, amax sync, the update rule (--update-clip,
+// --adam-atan2) and --wd-constant-lr; --init only shaped the weights of step 0, which the checkpoint holds; --steps,
+// --lr, the schedule, --weight-decay and --grad-clip are hyperparameters that may change (the schedule is a function
+// of the step), though changing them breaks the equality with an uninterrupted run.
 constexpr uint32_t CKPT_MAGIC = 0x38504654;   // "TFP8" as little-endian bytes
 constexpr uint32_t CKPT_VERSION = 2;
 constexpr uint32_t BUILD_PRECISION = BUILD_FP8 ? 8 : 16;
@@ -100,7 +102,8 @@ struct CheckpointHeader {
     int32_t qk_norm, amax_warmup, wd_constant_lr;
     float smooth_quant;
     int32_t fp8_attention;
-    uint8_t reserved[32];
+    int32_t update_clip, adam_atan2;
+    uint8_t reserved[24];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -114,7 +117,8 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, payload_xxh64) == 184 && offsetof(CheckpointHeader, qkv_clip) == 192 &&
               offsetof(CheckpointHeader, qk_norm) == 196 && offsetof(CheckpointHeader, amax_warmup) == 200 &&
               offsetof(CheckpointHeader, wd_constant_lr) == 204 && offsetof(CheckpointHeader, smooth_quant) == 208 &&
-              offsetof(CheckpointHeader, fp8_attention) == 212 && offsetof(CheckpointHeader, reserved) == 216 &&
+              offsetof(CheckpointHeader, fp8_attention) == 212 && offsetof(CheckpointHeader, update_clip) == 216 &&
+              offsetof(CheckpointHeader, adam_atan2) == 220 && offsetof(CheckpointHeader, reserved) == 224 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -225,6 +229,8 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.wd_constant_lr = o.wd_constant_lr ? 1 : 0;
     h.smooth_quant = o.smooth_quant;
     h.fp8_attention = o.fp8_attention ? 1 : 0;
+    h.update_clip = o.update_clip ? 1 : 0;
+    h.adam_atan2 = o.adam_atan2 ? 1 : 0;
     return h;
 }
 
@@ -257,6 +263,8 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"FP8 amax MAX over the TP group (--tp-amax-sync)", got.tp_amax_sync, want.tp_amax_sync},
         {"FP8 amax warm-up steps (--amax-warmup)", got.amax_warmup, want.amax_warmup},
         {"weight decay at the peak LR (--wd-constant-lr)", got.wd_constant_lr, want.wd_constant_lr},
+        {"update clipping (--update-clip)", got.update_clip, want.update_clip},
+        {"the Adam-atan2 update (--adam-atan2)", got.adam_atan2, want.adam_atan2},
         {"Fp8Meta size in bytes", got.fp8_meta_bytes, want.fp8_meta_bytes},
         {"number of FP8 scale records", (long long)got.fp8_meta_count, (long long)want.fp8_meta_count},
     };

@@ -5039,6 +5039,15 @@ HOST_TEST(recipe_defaults_are_the_readmes_numbers) {
            o.fp8_warn_saturated, o.fp8_warn_flushed, o.fp8_warn_after);
 }
 
+// The FLOP convention of every throughput figure, as a literal for the 1b preset at T 2048 (1,100,048,384 parameters,
+// 65,536,000 of them the embedding): 6 x 1,034,512,384 + 6 x 22 x 2048 x 2048 (causal attention) = 6,760,722,432.
+HOST_TEST(model_flops_count_causal_attention) {
+    const ModelConfig c = model_config_preset("1b", 32000);
+    expect(model_num_params(c) == 1100048384u, "1b parameters %zu, want 1100048384", model_num_params(c));
+    expect(model_flops_per_token(c, 2048) == 6760722432.0, "1b FLOPs a token at T 2048: %.0f, want 6760722432",
+           model_flops_per_token(c, 2048));
+}
+
 // Each flag sets its own field of the run's configuration and only it: the flag's value, parsed, against the defaults,
 // field by field of AdamWConfig, Fp8Options and ModelConfig (a flag wired to another's field, or to two, fails).
 static std::vector<std::string> config_fields_changed(const TrainOptions& o) {
@@ -5278,7 +5287,16 @@ HOST_TEST(train_checkpoint_header) {
     expect(err.empty(), "own header refused: %s", err.c_str());
     expect(want.num_params == model_num_params(c) && want.precision == BUILD_PRECISION && want.fp8_meta_bytes == sizeof(Fp8Meta) &&
            want.fp8_meta_count == (BUILD_PRECISION == 8 ? 2 * 12u : 0u) && want.version == CKPT_VERSION &&
-           want.fp8_fast_accum == o.fp8_fast_accum && want.tp_amax_sync == 0, "header fields");
+           want.fp8_fast_accum == o.fp8_fast_accum && want.tp_amax_sync == 0 && want.update_clip == 0 && want.adam_atan2 == 0,
+           "header fields");
+    TrainOptions update_rule;   // the update rule's flags reach the header, each its own field
+    expect(parse_list({"--model", "tiny", "--batch", "4", "--seq", "32", "--update-clip"}, &update_rule).empty(), "--update-clip");
+    CheckpointHeader u = checkpoint_header_for(c, update_rule);
+    expect(u.update_clip == 1 && u.adam_atan2 == 0, "--update-clip: header update_clip %d, adam_atan2 %d", u.update_clip, u.adam_atan2);
+    update_rule = TrainOptions();
+    expect(parse_list({"--model", "tiny", "--batch", "4", "--seq", "32", "--adam-atan2"}, &update_rule).empty(), "--adam-atan2");
+    u = checkpoint_header_for(c, update_rule);
+    expect(u.update_clip == 0 && u.adam_atan2 == 1, "--adam-atan2: header update_clip %d, adam_atan2 %d", u.update_clip, u.adam_atan2);
 
     // each mismatch with the run refused, the reason naming it (the format's own checks: train_checkpoint_verify_*)
     struct Case { const char* what; std::function<void(CheckpointHeader*)> poke; std::vector<std::string> pieces; };
@@ -5304,6 +5322,17 @@ HOST_TEST(train_checkpoint_header) {
         {"wd at peak", [](CheckpointHeader* x) { x->wd_constant_lr = 1; }, {"--wd-constant-lr", "= 1"}},
         {"smooth-quant", [](CheckpointHeader* x) { x->smooth_quant = 0.5f; }, {"--smooth-quant", "0.5"}},
         {"Fp8Meta", [](CheckpointHeader* x) { x->fp8_meta_bytes = 20; }, {"Fp8Meta", "20"}},
+        {"heads", [](CheckpointHeader* x) { x->n_heads = 4; }, {"--heads", "= 4"}},
+        {"head dim", [](CheckpointHeader* x) { x->head_dim = 32; }, {"head_dim", "= 32"}},
+        {"ffn", [](CheckpointHeader* x) { x->ffn_dim = 1024; }, {"--ffn", "= 1024"}},
+        {"max seq", [](CheckpointHeader* x) { x->max_seq_len = 64; }, {"max_seq_len", "= 64"}},
+        {"seq", [](CheckpointHeader* x) { x->seq = 64; }, {"--seq", "= 64"}},
+        {"parameters", [](CheckpointHeader* x) { x->num_params += 16; }, {"number of parameters"}},
+        {"quant interval", [](CheckpointHeader* x) { x->quant_interval = 4; }, {"--quant-interval", "= 4"}},
+        {"FP8 records", [](CheckpointHeader* x) { x->fp8_meta_count += 12; }, {"number of FP8 scale records"}},
+        {"norm eps", [](CheckpointHeader* x) { x->norm_eps = 1e-6f; }, {"norm_eps"}},
+        {"update clip", [](CheckpointHeader* x) { x->update_clip = 1; }, {"--update-clip", "= 1"}},
+        {"adam-atan2", [](CheckpointHeader* x) { x->adam_atan2 = 1; }, {"--adam-atan2", "= 1"}},
     };
     for (const Case& k : cases) {
         CheckpointHeader bad = want;
