@@ -104,7 +104,21 @@ def env_caption(env):
             f"{env.get('torchao', '?')}; commit {env.get('commit', '?')}, {env.get('date', '?')}")
 
 
-def step_section(runs, skipped):
+def torch_reasons(raw):
+    """{prefix: why} for PyTorch modes that printed a failure or a skip instead of a result line."""
+    why = {}
+    for name in sorted(os.listdir(raw)):
+        if re.fullmatch(r"torch-\d+\.log", name):
+            for line in read(os.path.join(raw, name)).splitlines():
+                m = re.match(r"(compile|float8-\w+): (failed.*|skipped.*)", line)
+                if m:
+                    why.setdefault("torch-" + m.group(1), m.group(2)[:160])
+                elif line.startswith("bench_torch.py ended with status"):
+                    why.setdefault("torch-round", line)
+    return why
+
+
+def step_section(runs, skipped, reasons):
     lines = ["## 1.1B step", ""]
     if "step" in skipped:
         return lines + [f"Not measured: {skipped['step']}", ""]
@@ -120,7 +134,8 @@ def step_section(runs, skipped):
             r = ratio(runs, prefix, "step-bf16") if prefix != "step-bf16" else None
             rows.append([label] + run_cells(runs[prefix]) + [r or "-"])
         else:
-            rows.append([label, "0", "not run", "-", "-", "-", "-"])
+            why = reasons.get(prefix) or (reasons.get("torch-round") if prefix.startswith("torch") else None)
+            rows.append([label, "0", f"not run{': ' + why if why else ''}", "-", "-", "-", "-"])
     lines.append(table(["run", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "vs ours BF16"], rows))
     lines.append("")
     for other in ("torch-compile", "torch-float8-tensorwise", "torch-float8-rowwise"):
@@ -257,7 +272,7 @@ def make(raw, out):
              f"runs interleaved with the others'.", ""]
     if "torch-missing" in " ".join(os.listdir(raw)):
         lines += [read(os.path.join(raw, "torch-missing.log")).strip(), ""]
-    lines += step_section(runs, skipped) + profile_section(raw, runs) + pair_section(runs, skipped, shapes)
+    lines += step_section(runs, skipped, torch_reasons(raw)) + profile_section(raw, runs) + pair_section(runs, skipped, shapes)
     lines += attention_section(raw) + kernels_section(raw)
     with open(out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
@@ -318,7 +333,8 @@ def self_test():
                 open(os.path.join(raw, f"{prefix}-{r}.log"), "w").write(text)
             open(os.path.join(raw, f"torch-{r}.log"), "w").write(
                 "result | mode compile | B 8 T 2048 layers 22 | ms/step mean 200.00 median 200.00 min 199.00 max 201.00 | "
-                "tokens/s 81920 | model TFLOP/s 500.0 | peak allocated 40.0 GiB | GPU memory 45.0 GiB\n")
+                "tokens/s 81920 | model TFLOP/s 500.0 | peak allocated 40.0 GiB | GPU memory 45.0 GiB\n"
+                "float8-rowwise: failed at B 8, T 2048: OutOfMemoryError: CUDA out of memory\n")
         open(os.path.join(raw, "skipped-7b.log"), "w").write("skipped: 10 s of the --budget left")
         out = os.path.join(tmp, "Test-GPU.md")
         make(raw, out)
@@ -329,6 +345,8 @@ def self_test():
                "the baseline row, without a ratio to itself")
         expect("ours FP8 / PyTorch, torch.compile BF16: **1.98x (1.96x-2.00x)**" in md, "the ratio to torch.compile")
         expect("| ours, FP8 in every layer (--fp8-all-layers) | 0 | not run |" in md, "a row without runs says so")
+        expect("| PyTorch + torchao float8, rowwise | 0 | not run: failed at B 8, T 2048: OutOfMemoryError: CUDA out of memory |"
+               in md, "a PyTorch mode that failed says why")
         expect("| forward GEMMs (decoder linears) | 50.0 | 62.5 | -12.5 |" in md, "the profile's phase row and difference")
         expect("not run: skipped: 10 s of the --budget left" in md, "a skipped section says why")
         expect("commit abc1234" in md, "the caption names the commit")

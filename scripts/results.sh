@@ -119,8 +119,10 @@ if section step $((REPS * 150)); then
         ours step-fp8-all-layers "$r" train_fp8 --model 1b --batch 8 --seq 2048 --fp8-all-layers
         ours step-bf16 "$r" train_fp8_bf16 --model 1b --batch 8 --seq 2048 "${P[@]}"
         if ((TORCH_OK)); then
-            python3 scripts/bench_torch.py --modes compile,float8-tensorwise,float8-rowwise --batch 8 --seq 2048 \
-                > "$RAW/torch-$r.log" 2>&1
+            # at most 240 s a round (the first compiles; later ones find inductor's cache), and never past the budget
+            cap=$(($(time_left) - 30)); ((cap > 240)) && cap=240
+            timeout "$cap" python3 scripts/bench_torch.py --modes compile,float8-tensorwise,float8-rowwise --batch 8 --seq 2048 \
+                > "$RAW/torch-$r.log" 2>&1 || echo "bench_torch.py ended with status $? (124: its $cap s ran out)" >> "$RAW/torch-$r.log"
             grep -h '^result\|skipped\|failed' "$RAW/torch-$r.log" | sed 's/^/  torch: /'
         fi
     done
