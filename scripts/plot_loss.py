@@ -295,6 +295,10 @@ def print_table(study_dir):
     by_name = {c.name: c for c in configs}
     baseline = by_name.get(BASELINE)
     target, target_step = set_times(configs, baseline)
+    machine_path = os.path.join(study_dir, "machine.txt")   # study.sh: GPU and driver; commit; date
+    if os.path.exists(machine_path):
+        with open(machine_path) as f:
+            print(f"Measured on {f.read().strip()}.\n")
     setup_path = os.path.join(study_dir, "setup.txt")
     if os.path.exists(setup_path):
         with open(setup_path) as f:
