@@ -111,7 +111,7 @@ python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null || {
          "pip install --no-deps torchao-*.whl)" | tee "$RAW/torch-missing.log"
 }
 
-if section step $((REPS * 150)); then
+if section step $((REPS * 110)); then
     for r in $(seq "$REPS"); do
         P=(); [[ $r == 1 ]] && P=(--profile 5)
         ours step-fp8 "$r" train_fp8 --model 1b --batch 8 --seq 2048 "${P[@]}"
