@@ -5194,7 +5194,7 @@ HOST_TEST(train_parse_rejects_bad_values) {
         {{"--quant-interval", "0"}, {"--quant-interval", "0"}},
         {{"--keep-checkpoints", "-1"}, {"--keep-checkpoints", "-1"}},
         // a mistyped size, refused before the parameter table is built (it would allocate per layer)
-        {{"--layers", "100000000"}, {"--layers 100000000", "n_layers 100000000: at most 1024"}},
+        {{"--layers", "1025"}, {"--layers 1025", "n_layers 1025: at most 1024"}},   // (uncapped, 1e8 would fill the host's memory)
         {{"--model", "tiny", "--dim", "524288", "--heads", "4096", "--kv-heads", "4096"}, {"--dim 524288", "parameters, at most 1e+12"}},
         {{"--model", "tiny", "--dim", "65536", "--heads", "512", "--kv-heads", "512", "--ffn", "262144", "--layers", "1024"},
          {"--dim 65536 --layers 1024 --ffn 262144", "parameters, at most 1e+12"}},
