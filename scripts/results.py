@@ -34,7 +34,7 @@ SUMMARY = re.compile(r"^summary \| .*ms/step mean ([\d.]+) median ([\d.]+) min (
 TORCH = re.compile(r"^result \| mode (\S+) \| .*ms/step mean ([\d.]+) median ([\d.]+) min ([\d.]+) max ([\d.]+) \| "
                    r"tokens/s (\d+) \| model TFLOP/s ([\d.]+) \| peak allocated \S+ GiB \| GPU memory ([\d.]+) GiB", re.M)
 PROFILE_LINE = re.compile(r"^  (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)%(?:\s+(\d+))?$")
-OURS_ATTN = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \| (hopper|mma\.sync)\s*\|\s+([\d.]+)\s+([\d.]+) \|"
+OURS_ATTN = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \| (hopper|mma\.sync)(?: \(wgmma\))?\s*\|\s+([\d.]+)\s+([\d.]+) \|"
                        r"\s+([\d.]+)\s+([\d.]+) \|", re.M)
 SDPA = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(cudnn|flash|efficient)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+"
                   r"([\d.]+)\s+([\d.]+)", re.M)
@@ -336,6 +336,11 @@ def self_test():
                 "tokens/s 81920 | model TFLOP/s 500.0 | peak allocated 40.0 GiB | GPU memory 45.0 GiB\n"
                 "float8-rowwise: failed at B 8, T 2048: OutOfMemoryError: CUDA out of memory\n")
         open(os.path.join(raw, "skipped-7b.log"), "w").write("skipped: 10 s of the --budget left")
+        open(os.path.join(raw, "bench-attention.log"), "w").write(
+            "1b          8  2048  32   4  64 | mma.sync       |    0.699    196.5 |    2.483    138.4 |    25%    18%\n"
+            "1b          8  2048  32   4  64 | hopper (wgmma) |    0.320    429.6 |    1.064    322.9 |    54%    41%\n")
+        open(os.path.join(raw, "sdpa.log"), "w").write(
+            "1b           8  2048  32   4   64  cudnn     native      0.341       403.1     1.131       303.8\n")
         out = os.path.join(tmp, "Test-GPU.md")
         make(raw, out)
         md = read(out)
@@ -350,6 +355,8 @@ def self_test():
         expect("| forward GEMMs (decoder linears) | 50.0 | 62.5 | -12.5 |" in md, "the profile's phase row and difference")
         expect("not run: skipped: 10 s of the --budget left" in md, "a skipped section says why")
         expect("commit abc1234" in md, "the caption names the commit")
+        expect("| 1b | 429.6 / 322.9 | 196.5 / 138.4 | 403.1 / 303.8 | - | 1.07x / 1.06x | 2.19x / 2.33x |" in md,
+               "the attention row: both kernel paths, cuDNN, no FlashAttention line, the ratios")
         # the README check: figures present pass, a figure missing fails, a missing file fails
         os.mkdir(os.path.join(tmp, "results"))
         os.rename(out, os.path.join(tmp, "results", "Test-GPU.md"))

@@ -27,7 +27,7 @@ a row's figure is the median over the rounds, with their min-max.
   --budget S       seconds for the whole run (540): a section that would start later is skipped, said so
   --out DIR        where the two files go (results)
 Where PyTorch or torchao is missing the PyTorch rows are skipped with a line saying how to get it; the rest
-runs. The commit comes from git, or from RESULTS_COMMIT where the tree is a copy without .git.
+runs. The commit comes from RESULTS_COMMIT where set (a copy of the tree), else from git.
 EOF
 }
 
@@ -67,11 +67,13 @@ section() {
 
 # ---- the software and the commit
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-if git rev-parse --git-dir > /dev/null 2>&1; then
+if [[ -n ${RESULTS_COMMIT:-} ]]; then   # a copy of the tree whose .git, if any, is not the commit's
+    COMMIT=$RESULTS_COMMIT
+elif git rev-parse --git-dir > /dev/null 2>&1; then
     COMMIT=$(git rev-parse --short HEAD)
     [[ -z $(git status --porcelain --untracked-files=no) ]] || COMMIT="$COMMIT with uncommitted changes"
 else
-    COMMIT=${RESULTS_COMMIT:-unknown (no .git and no RESULTS_COMMIT)}
+    COMMIT="unknown (no .git and no RESULTS_COMMIT)"
 fi
 make -j"$(nproc)" train_fp8 test_fp8 train_fp8_bf16 > "$RAW/build.log" 2>&1 ||
     { tail -20 "$RAW/build.log"; echo "results.sh: the build failed (above)" >&2; exit 1; }

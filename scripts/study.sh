@@ -465,10 +465,10 @@ fi
 # the study folder's description, written durably (temporary name, then rename)
 mkdir -p "$DIR"
 echo "$SETUP" > "$DIR/setup.txt.tmp" && mv "$DIR/setup.txt.tmp" "$DIR/setup.txt"
-# where and from what the runs came, for the table's caption (RESULTS_COMMIT names the commit of a copy without .git)
+# where and from what the runs came, for the table's caption (RESULTS_COMMIT, where set, names the commit of a copied tree)
 {
     echo "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 | sed 's/, /, driver /')"
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo "${RESULTS_COMMIT:-unknown}")"
+    echo "commit ${RESULTS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
     date -u +%Y-%m-%d
 } | paste -sd ';' | sed 's/;/; /g' > "$DIR/machine.txt"
 {
