@@ -284,12 +284,15 @@ CITE = re.compile(r"\((?:[^()]*?)(results/[\w.-]+\.md)")
 
 
 def check(readme):
-    """Every figure of a README paragraph that cites results/NAME.md appears in that file; returns the problems."""
+    """Every figure of a README paragraph that cites results/NAME.md appears in that file, and the headline's results
+    paragraph (it starts with **Results**) cites one; returns the problems and the number of figures checked."""
     text = read(readme)
     base = os.path.dirname(os.path.abspath(readme))
     problems, checked = [], 0
     for para in re.split(r"\n\s*\n", text):
         cited = re.findall(r"results/[\w.-]+\.md", para)
+        if para.startswith("**Results**") and not cited:
+            problems.append(f"{readme}: the headline's results paragraph cites no results/NAME.md file")
         if not cited:
             continue
         sources = []
@@ -368,6 +371,9 @@ def self_test():
         open(readme, "w").write("FP8 1.24x our BF16 ([Test GPU](results/Test-GPU.md)), 162.2k.\n")
         problems, n = check(readme)
         expect(len(problems) == 1 and "1.24x" in problems[0], f"a figure not in the file fails: {problems}")
+        open(readme, "w").write("**Results**: FP8 1.23x our BF16.\n")
+        problems, n = check(readme)
+        expect(len(problems) == 1 and "cites no results" in problems[0], f"a headline without its source fails: {problems}")
         open(readme, "w").write("FP8 1.23x (results/Other.md).\n")
         problems, n = check(readme)
         expect(len(problems) == 1 and "does not exist" in problems[0], f"a cited file that is missing fails: {problems}")
