@@ -288,9 +288,12 @@ def check(readme):
     paragraph (it starts with **Results**) cites one; returns the problems and the number of figures checked."""
     text = read(readme)
     base = os.path.dirname(os.path.abspath(readme))
-    problems, checked = [], 0
+    problems, checked, previous = [], 0, []
     for para in re.split(r"\n\s*\n", text):
         cited = re.findall(r"results/[\w.-]+\.md", para)
+        if para.startswith("|") and not cited:   # a table answers to the file its caption, just above, cites
+            cited = previous
+        previous = cited
         if para.startswith("**Results**") and not cited:
             problems.append(f"{readme}: the headline's results paragraph cites no results/NAME.md file")
         if not cited:
@@ -368,6 +371,9 @@ def self_test():
                                 "Unrelated 9.99x.\n")
         problems, n = check(readme)
         expect(not problems and n == 4, f"figures in the file pass ({n} checked, {problems})")
+        open(readme, "w").write("The table (results/Test-GPU.md):\n\n| run | x |\n| --- | --- |\n| fp8 | 1.23x |\n| bf16 | 7.77x |\n")
+        problems, n = check(readme)
+        expect(len(problems) == 1 and "7.77x" in problems[0] and n == 2, f"a table answers to its caption's file: {problems}")
         open(readme, "w").write("FP8 1.24x our BF16 ([Test GPU](results/Test-GPU.md)), 162.2k.\n")
         problems, n = check(readme)
         expect(len(problems) == 1 and "1.24x" in problems[0], f"a figure not in the file fails: {problems}")
