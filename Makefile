@@ -92,13 +92,15 @@ test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 train_fp8_bf16: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(subst -DPRECISION_$(PRECISION),-DPRECISION_BF16,$(NVCCFLAGS)) -o $@ $< $(LDFLAGS)
 
-# (the tests run ./train_fp8 too: a resume refused by the program itself); scripts/study.sh's table maker on fixed logs and
-# scripts/plot_fp8_stats.py on synthetic CSVs first (host only; it reports SKIP without numpy and matplotlib)
+# (the tests run ./train_fp8 too: a resume refused by the program itself); scripts/study.sh's table maker on fixed logs,
+# scripts/plot_fp8_stats.py on synthetic CSVs and scripts/tokenizer.py on small texts first (host only; they report SKIP
+# without numpy and matplotlib, or sentencepiece)
 test: test_fp8 train_fp8
 	python3 scripts/results.py test
 	python3 scripts/results.py check README.md
 	scripts/study.sh test
 	python3 scripts/plot_fp8_stats.py test
+	python3 scripts/tokenizer.py test
 	./test_fp8
 
 # compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned
