@@ -69,7 +69,7 @@ NVCCFLAGS += -DATTENTION_HOPPER
 endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h checkpoint.h
+HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h tokenizer.h checkpoint.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings, and is rewritten (by its
 # recipe, so that make -n only shows it) when they differ.
 STAMP := .build-settings

@@ -22,7 +22,7 @@
 //                             model, SmoothQuant
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1, checkpoint.h 1-2: flags, the header, checkpoint files,
-//                                          CSV logs
+//                                          CSV logs; the tokenizer (tokenizer.h, scripts/tokenizer.py)
 //  13. export                 checkpoint.h 3: HF safetensors and llama2.c files read back and run in float64
 //  14. whole training runs    train_fp8.cu 2-3: resume, CUDA graphs, the profile, the tiny model against float64,
 //                             non-finite steps, a failed checkpoint write, evaluation and sampling
@@ -6285,8 +6285,10 @@ HOST_TEST(train_output_a_person_can_follow) {
     struct Help { std::vector<std::string> args; std::vector<std::string> pieces; };
     const Help helps[] = {
         {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32", "[--force]", "  --force "}},
-        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX [--force]", "_train.bin", "  --force "}},
-        {{"--help"}, {"usage: ", "--dry-run", "SIGINT", "prepare TEXT OUT_PREFIX [--force]", "[--dtype bf16|fp32] [--force]"}},
+        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]", "_train.bin",
+                                 "  --force ", "  --vocab N ", "  --tokenizer FILE.model ", "scripts/requirements.txt"}},
+        {{"--help"}, {"usage: ", "--dry-run", "SIGINT", "prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]",
+                      "[--dtype bf16|fp32] [--force]"}},
     };
     for (const Help& h : helps) {
         std::string out, err;
@@ -6537,6 +6539,218 @@ static std::vector<std::string> log_rows_without_timing(const std::string& path)
     }
     return out;
 }
+
+// ---- the tokenizer (tokenizer.h) and prepare --vocab. Most tests read a
+// SentencePiece model written here by hand (protobuf's wire format), so they need no Python; the comparisons with
+// sentencepiece itself skip, saying so, where Python lacks it (make test installs nothing; CI installs it).
+
+static std::string proto_varint_bytes(uint64_t v) {
+    std::string s;
+    for (; v >= 0x80; v >>= 7) s += (char)(0x80 | (v & 0x7F));
+    return s + (char)v;
+}
+static std::string proto_bytes_field(int number, const std::string& bytes) {
+    return proto_varint_bytes((uint64_t)number << 3 | 2) + proto_varint_bytes(bytes.size()) + bytes;
+}
+static std::string proto_int_field(int number, int64_t v) { return proto_varint_bytes((uint64_t)number << 3) + proto_varint_bytes((uint64_t)v); }
+static std::string proto_float_field(int number, float v) {
+    return proto_varint_bytes((uint64_t)number << 3 | 5) + std::string((const char*)&v, 4);
+}
+struct TestPiece { std::string piece; float score; int type; };
+// A BPE model with byte fallback, normalized as LLaMA's: `pieces`, then the TrainerSpec's and NormalizerSpec's fields
+// (trainer: model type 2, byte fallback; normalizer: identity, dummy prefix, no whitespace removal) plus `trainer_extra`.
+static std::string test_tokenizer_model(const std::vector<TestPiece>& pieces, const std::string& trainer_extra = "",
+                                        const std::string& normalizer = proto_bytes_field(1, "identity") + proto_int_field(3, 1) +
+                                                                        proto_int_field(4, 0) + proto_int_field(5, 1)) {
+    std::string m;
+    for (const TestPiece& p : pieces)
+        m += proto_bytes_field(1, proto_bytes_field(1, p.piece) + proto_float_field(2, p.score) + proto_int_field(3, p.type));
+    return m + proto_bytes_field(2, proto_int_field(3, 2) + proto_int_field(35, 1) + trainer_extra) + proto_bytes_field(3, normalizer);
+}
+// The hand-made tokenizer's pieces: <unk> <s> </s>, the 256 bytes (ids 3-258), then characters and merges whose scores
+// make each rule of BPE show: "ab" (-1) before "bc" (-2), then "abc"; "aa" twice in a row, the leftmost first; the unused
+// "cd" merges and is split again unless "cde" follows; the user-defined "xy" is one symbol from the start, never merged
+// ("ax", the highest score, would otherwise take its "x").
+static std::vector<TestPiece> test_tokenizer_pieces() {
+    std::vector<TestPiece> p = {{"<unk>", 0, PIECE_UNKNOWN}, {"<s>", 0, PIECE_CONTROL}, {"</s>", 0, PIECE_CONTROL}};
+    for (int b = 0; b < 256; b++) p.push_back({strprintf("<0x%02X>", b), 0, PIECE_BYTE});
+    for (const char* c : {"\xe2\x96\x81", "a", "b", "c", "d", "e", "x", "y"}) p.push_back({c, -20, PIECE_NORMAL});
+    const TestPiece merges[] = {{"ab", -1, PIECE_NORMAL}, {"bc", -2, PIECE_NORMAL}, {"abc", -1.5f, PIECE_NORMAL},
+                                {"\xe2\x96\x81" "a", -3, PIECE_NORMAL}, {"aa", -4, PIECE_NORMAL}, {"cd", -5, PIECE_UNUSED},
+                                {"cde", -0.5f, PIECE_NORMAL}, {"ax", 0.5f, PIECE_NORMAL}, {"xy", 0, PIECE_USER_DEFINED}};
+    p.insert(p.end(), std::begin(merges), std::end(merges));
+    return p;
+}
+static void write_text_or_die(const std::string& path, const std::string& text) {
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f || fwrite(text.data(), 1, text.size(), f) != text.size()) fail("cannot write %s", path.c_str());
+    fclose(f);
+}
+static Tokenizer load_test_tokenizer(const std::string& path) {
+    Tokenizer t;
+    const std::string err = tokenizer_load(&t, path);
+    expect(err.empty(), "%s", err.c_str());
+    return t;
+}
+
+// The hand-made model encoded and decoded as sentencepiece does it (each expectation worked out from the rules of
+// tokenizer.h's comments), and each kind of bad model file refused naming the file and the fault.
+HOST_TEST(tokenizer_bpe_rules_by_hand) {
+    TempDir dir;
+    const std::vector<TestPiece> pieces = test_tokenizer_pieces();
+    write_text_or_die(dir.file("t.model"), test_tokenizer_model(pieces));
+    const Tokenizer t = load_test_tokenizer(dir.file("t.model"));
+    auto id = [&](const std::string& p) { for (size_t i = 0; i < pieces.size(); i++) if (pieces[i].piece == p) return (int)i; return -1; };
+    const std::string S = "\xe2\x96\x81";
+    struct Case { std::string text; std::vector<std::string> want; };
+    const Case cases[] = {
+        {"abcd", {S, "abc", "d"}},               // ab (-1) first, then abc (-1.5); bc (-2) never
+        {"baaa", {S, "b", "aa", "a"}},            // two aa pairs of equal score: the leftmost
+        {"cd", {S, "c", "d"}},                    // the unused cd split back
+        {"cde", {S, "cde"}},                      // cd, then cde
+        {"axy", {S + "a", "xy"}},                 // xy whole, so no ax; then ▁a
+        {"ab cd", {S, "ab", S, "c", "d"}},        // a space is a ▁ of its own here; cd split back
+        {" a", {S, S + "a"}},                     // the dummy prefix, then the text's own space
+        {"\xc3\xa9", {S, "<0xC3>", "<0xA9>"}},    // é is no piece: its UTF-8 bytes
+        {"a\xff", {S + "a", "<0xEF>", "<0xBF>", "<0xBD>"}},   // an invalid byte is read as U+FFFD
+        {"", {}},
+    };
+    for (const Case& c : cases) {
+        std::vector<int> want;
+        for (const std::string& p : c.want) want.push_back(p[0] == '<' && p.size() == 6 ? 3 + (int)strtol(p.c_str() + 3, nullptr, 16) : id(p));
+        const std::vector<int> got = tokenizer_encode(t, c.text);
+        std::string shown;
+        for (int i : got) shown += (shown.empty() ? "" : " ") + t.pieces[i];
+        printf("    encode %-10s -> %s\n", ("\"" + c.text + "\"").c_str(), shown.c_str());
+        expect(got == want, "encode \"%s\": got %s", c.text.c_str(), shown.c_str());
+    }
+    // decode: the dummy prefix's space dropped only at the start; bytes as UTF-8, each invalid one U+FFFD; <unk> and ids
+    // past the pieces (a padded vocabulary) as the unknown surface; <s> invisible
+    struct Dec { std::vector<int> ids; std::string want; };
+    const Dec decs[] = {
+        {{1, id(S), id("ab"), id(S), id("c"), id("d")}, "ab cd"},
+        {{id(S), id(S + "a")}, " a"},
+        {{3 + 0x0A, id(S + "a")}, "\n a"},
+        {{3 + 0xC3, 3 + 0xA9, id("a")}, "\xc3\xa9" "a"},
+        {{3 + 0xE2, 3 + 0x82, id("a")}, "\xef\xbf\xbd\xef\xbf\xbd" "a"},
+        {{0, 2, 5000, -1}, " \xe2\x81\x87  \xe2\x81\x87  \xe2\x81\x87 "},
+    };
+    for (const Dec& d : decs) {
+        const std::string got = tokenizer_decode(t, d.ids);
+        expect(got == d.want, "decode: got \"%s\", want \"%s\"", got.c_str(), d.want.c_str());
+    }
+    for (const std::string s : {"abcd baaa cde  axy", " leading and trailing ", "tab\tnewline\n\xc3\xa9 \xf0\x9f\x99\x82 \xe6\x97\xa5"})
+        expect(tokenizer_decode(t, tokenizer_encode(t, s)) == s, "round trip of \"%s\": \"%s\"", s.c_str(),
+               tokenizer_decode(t, tokenizer_encode(t, s)).c_str());
+    // the bad files
+    std::vector<TestPiece> no_byte = pieces, twice = pieces, empty = pieces;
+    no_byte.erase(no_byte.begin() + 3 + 0x41);
+    twice.push_back({"ab", -9, PIECE_NORMAL});
+    empty[270].piece = "";
+    const std::string good = test_tokenizer_model(pieces);
+    struct Bad { const char* what; std::string bytes; std::vector<std::string> pieces; };
+    const Bad bad[] = {
+        {"truncated", good.substr(0, good.size() - 7), {"not a SentencePiece model", "malformed"}},
+        {"no pieces", proto_bytes_field(2, proto_int_field(3, 2)), {"holds no pieces"}},
+        {"unigram", test_tokenizer_model(pieces, proto_int_field(3, 1)), {"unigram", "--vocab N"}},
+        {"NFKC", test_tokenizer_model(pieces, "", proto_bytes_field(1, "nmt_nfkc") + proto_bytes_field(2, "map")),
+         {"normalizes", "nmt_nfkc", "character map", "extra spaces removed"}},
+        {"a byte missing", test_tokenizer_model(no_byte), {"byte 0x41"}},
+        {"a piece twice", test_tokenizer_model(twice), {"'ab' is there twice"}},
+        {"an empty piece", test_tokenizer_model(empty), {"piece 270 is empty"}},
+        {"no unknown", test_tokenizer_model(pieces, proto_int_field(40, 5)), {"unknown piece (id 5)"}},
+    };
+    for (const Bad& b : bad) {
+        write_text_or_die(dir.file("bad.model"), b.bytes);
+        Tokenizer u;
+        const std::string err = tokenizer_load(&u, dir.file("bad.model"));
+        printf("    %-14s -> %s\n", b.what, err.c_str());
+        std::vector<std::string> want = b.pieces;
+        want.push_back(dir.file("bad.model"));
+        const std::string missing = error_pieces_missing(err, want);
+        expect(!err.empty() && missing.empty(), "%s: the refusal lacks %s", b.what, missing.c_str());
+    }
+    Tokenizer u;
+    const std::string err = tokenizer_load(&u, dir.file("none.model"));
+    expect(err.find("cannot read tokenizer") != std::string::npos && err.find("none.model") != std::string::npos, "a missing file: %s", err.c_str());
+}
+
+// True if python3 imports every module of `modules`; else false and the test skips, saying what to install.
+static bool python_has(const std::vector<std::string>& modules, const std::string& scratch, const char* install) {
+    std::string code;
+    for (const std::string& m : modules) code += "import " + m + "\n";
+    if (run_program("python3", {"-c", code}, scratch, nullptr, nullptr) == 0) return true;
+    skip_test(strprintf("python3 lacks %s: %s", modules.back().c_str(), install));
+    return false;
+}
+// The ids of `text` by sentencepiece (scripts/tokenizer.py encode).
+static std::vector<int> sentencepiece_encode(const std::string& model, const std::string& text, const TempDir& scratch) {
+    write_text_or_die(scratch.file("text.txt"), text);
+    std::string out;
+    run_program("python3", {"scripts/tokenizer.py", "encode", model, scratch.file("text.txt")}, scratch.file("encode"), &out, nullptr);
+    std::vector<int> ids;
+    for (const char* p = out.c_str(); *p;) {
+        char* end;
+        const long v = strtol(p, &end, 10);
+        if (end == p) break;
+        ids.push_back((int)v);
+        p = end;
+    }
+    return ids;
+}
+
+// prepare --vocab N (python3 scripts/tokenizer.py, by way of ./train_fp8 prepare) on a text with characters the tokenizer
+// never sees in training: the shards' header names N and the loader takes it; the shards decode back to the text exactly;
+// and this file's encoding and decoding match sentencepiece's own on samples of the text, unseen characters and random ids.
+HOST_TEST(tokenizer_matches_sentencepiece) {
+    TempDir dir;
+    if (!python_has({"sentencepiece"}, dir.file("py"), "pip install -r scripts/requirements.txt")) return;
+    std::string text = synthetic_text(40000, TEST_SEED) + "Ge1:1 12345 \xc3\xa9t\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac, tabs\tand  spaces\n";
+    write_text_or_die(dir.file("t.txt"), text);
+    std::string out, err;
+    int status = run_program(train_fp8_binary(), {"prepare", dir.file("t.txt"), dir.file("t"), "--vocab", "400"}, dir.file("prep"), &out, &err);
+    printf("%s", out.c_str());
+    expect(status == 0 && out.find("vocab 400") != std::string::npos, "prepare --vocab 400: exit %d: %s", status, err.c_str());
+    if (status != 0) return;
+    int32_t h_train[SHARD_HEADER_INTS], h_val[SHARD_HEADER_INTS];
+    std::vector<uint16_t> train = read_shard_tokens(dir.file("t_train.bin"), h_train), val = read_shard_tokens(dir.file("t_val.bin"), h_val);
+    expect(h_train[3] == 400 && h_val[3] == 400, "the shards' headers name vocabulary %d and %d, want 400", h_train[3], h_val[3]);
+    DataLoader dl;
+    err = dataloader_open(&dl, dir.file("t_train.bin").c_str(), 2, 16, 0, 1, 0, false, 0);
+    expect(err.empty() && dl.vocab_size == 400 && dl.vocab_source == "from the shard header", "the loader's vocabulary: %d (%s) %s",
+           dl.vocab_size, dl.vocab_source.c_str(), err.c_str());
+    dataloader_free(&dl);
+    const Tokenizer t = load_test_tokenizer(dir.file("t.model"));
+    std::vector<int> ids(train.begin(), train.end());
+    ids.insert(ids.end(), val.begin(), val.end());
+    expect(ids.size() > 1 && ids[0] == t.bos_id && tokenizer_decode(t, ids) == text, "the shards do not decode to the text (%zu tokens)", ids.size());
+    const std::vector<std::string> samples = {"In the beginning", text.substr(1000, 3000), " a leading space", "two  spaces\tand a tab\n",
+                                              "unseen: \xc3\xa9\xc3\xa0 \xe2\x98\x83 \xf0\x9f\x99\x82 \xc2\xbd", "1:17 and 2024", ""};
+    int matched = 0;
+    for (const std::string& s : samples) {
+        const std::vector<int> want = sentencepiece_encode(dir.file("t.model"), s, dir), got = tokenizer_encode(t, s);
+        matched += got == want;
+        expect(got == want, "encode \"%.40s\": %zu ids here, %zu by sentencepiece", s.c_str(), got.size(), want.size());
+    }
+    printf("    encode: %d of %zu samples as sentencepiece's\n", matched, samples.size());
+    uint64_t rng = TEST_SEED;
+    matched = 0;
+    for (int k = 0; k < 6; k++) {   // random ids, and runs of byte pieces (invalid UTF-8 among them)
+        std::vector<int> r;
+        for (int i = 0; i < 40; i++) r.push_back(k % 2 ? 3 + (int)random_below(&rng, 256) : (int)random_below(&rng, 400));
+        if (k == 4) r.insert(r.begin(), t.bos_id);
+        std::string line;
+        for (int i : r) line += std::to_string(i) + " ";
+        write_text_or_die(dir.file("ids.txt"), line);
+        const int s = run_program("sh", {"-c", "python3 scripts/tokenizer.py decode " + dir.file("t.model") + " < " + dir.file("ids.txt")},
+                                  dir.file("decode"), &out, nullptr);
+        matched += s == 0 && tokenizer_decode(t, r) == out;
+        expect(s == 0 && tokenizer_decode(t, r) == out, "decode of random ids %d: \"%s\" here, \"%s\" by sentencepiece", k,
+               tokenizer_decode(t, r).c_str(), out.c_str());
+    }
+    printf("    decode: %d of 6 random id lists as sentencepiece's\n", matched);
+}
+
 
 // ==============================================================================================
 // 13. Export (checkpoint.h section 3): the files read back by readers written here from the formats' specifications
@@ -7053,8 +7267,20 @@ HOST_TEST(export_refuses_output_paths) {
     expect(err.empty() && o.prepare && o.force && o.prepare_prefix == "data/a", "prepare --force: '%s'", err.c_str());
     err = parse_list({"prepare", "a.txt", "data/a"}, &o);
     expect(err.empty() && o.prepare && !o.force, "prepare without --force: '%s'", err.c_str());
-    err = parse_list({"prepare", "a.txt", "data/a", "--batch"}, &o);
-    expect(err.find("usage: prepare TEXT OUT_PREFIX [--force]") != std::string::npos, "prepare with another flag: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--batch", "2"}, &o);
+    expect(err.find("prepare takes only --vocab, --tokenizer and --force, not --batch") != std::string::npos, "prepare with another flag: '%s'",
+           err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--vocab", "4096", "--force"}, &o);
+    expect(err.empty() && o.prepare && o.vocab == 4096 && o.force && o.tokenizer.empty(), "prepare --vocab 4096 --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--tokenizer", "llama.model"}, &o);
+    expect(err.empty() && o.vocab == BYTE_VOCAB && o.tokenizer == "llama.model", "prepare --tokenizer: '%s'", err.c_str());
+    for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
+             {"prepare", "a.txt", "data/a", "--vocab", "4096", "--tokenizer", "llama.model"}, {"prepare", "a.txt", "data/a", "--dry-run"},
+             {"prepare", "a.txt", "--vocab", "4096"}, {"--vocab", "4096"}, {"prepare", "a.txt", "data/a", "--vocab", "100"}}) {
+        err = parse_list(bad, &o);
+        printf("    %-50s -> %s\n", (bad[0] + " " + bad[1] + " ... " + bad.back()).c_str(), err.c_str());
+        expect(!err.empty(), "should be refused: %s ... %s", bad[0].c_str(), bad.back().c_str());
+    }
     err = parse_list({"--force"}, &o);
     expect(err.find("--force is an option of export and prepare") != std::string::npos, "--force in training: '%s'", err.c_str());
 }

@@ -1,6 +1,8 @@
 // train_fp8.cu: the training program. LLaMA-2 pretraining on one GPU or tensor-parallel over the GPUs of one
 // machine (--tp N: one host thread per GPU, NCCL), FP8 or BF16 by build.
-//   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%)
+//   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%); with
+//                                            --vocab N or --tokenizer FILE.model, tokens of a SentencePiece tokenizer
+//                                            (scripts/tokenizer.py)
 //   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults;
 //                                            --dry-run makes every check that needs no GPU, and stops there)
 //   ./train_fp8 export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]   the model for transformers / llama2.c
@@ -23,6 +25,7 @@
 #include "llama2.cuh"
 #include "adamw_fp8.cuh"
 #include "dataloader.h"
+#include "tokenizer.h"
 #include <chrono>
 #include <numeric>
 #include <functional>
@@ -113,6 +116,8 @@ struct TrainOptions {
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
+    int vocab = BYTE_VOCAB;                  // prepare: 256 = bytes; else train a SentencePiece tokenizer of this size
+    std::string tokenizer;                   // prepare: FILE.model, a SentencePiece tokenizer to encode TEXT with
     // export subcommand (checkpoint.h, section 3)
     bool do_export = false;
     std::string export_ckpt, export_dir;
@@ -197,6 +202,8 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
         flag_switch("--force", "export and prepare only: write into an OUT_DIR that holds files, or over existing OUT_PREFIX shards", &o->force),
+        flag_string("--tokenizer", "FILE.model", "prepare only: encode TEXT with this SentencePiece BPE tokenizer instead of training one", &o->tokenizer),
+        flag_int("--vocab", "N", "prepare only: train a SentencePiece BPE tokenizer of N pieces on TEXT, as LLaMA-2's (scripts/tokenizer.py; 256: bytes, no tokenizer)", &o->vocab, BYTE_VOCAB, 65536),
         flag_float("--smooth-quant", "ALPHA", "SmoothQuant for the FP8 linears: X/s and W*s per input channel, s = amax(X)^ALPHA / amax(W)^(1-ALPHA) (X's of the last step) rounded to a power of two, new with the weights every step (0 = off; FP8 build)", &o->smooth_quant, 0, 1),
         flag_float("--qkv-clip", "C", "clamp the QKV projection's output to [-C, C] before RoPE; no gradient where clamped (0 = off)", &o->qkv_clip, 0, 1e30),
         flag_switch("--qk-norm", "RMSNorm with a learned weight on each head of Q and of K before RoPE (one [head_dim] weight for Q and one for K per layer; not with --tp > 1, not exportable)", &o->qk_norm),
@@ -231,10 +238,13 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
                 if (strcmp(f.name, name) == 0) printf("  %-22s %s\n", usage(f).c_str(), f.help);
     };
     if (o.prepare) {
-        printf("usage: %s prepare TEXT OUT_PREFIX [--force]\n"
-               "  any file TEXT as bytes (vocab 256): the first 90%% to OUT_PREFIX_train.bin, the last 10%% to OUT_PREFIX_val.bin\n"
-               "  (token shards for --data and --val-data)\n", argv0);
-        print_flags({"--force"});
+        printf("usage: %s prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]\n"
+               "  TEXT as tokens: the first 90%% to OUT_PREFIX_train.bin, the last 10%% to OUT_PREFIX_val.bin (token shards for\n"
+               "  --data and --val-data, their headers naming the vocabulary). By default any file as bytes (vocab 256); with\n"
+               "  --vocab N or --tokenizer, UTF-8 text as <s> and the tokens of a SentencePiece BPE tokenizer, which goes to\n"
+               "  OUT_PREFIX.model (training finds it there): python3 scripts/tokenizer.py does this (pip install -r\n"
+               "  scripts/requirements.txt)\n", argv0);
+        print_flags({"--vocab", "--tokenizer", "--force"});
         return;
     }
     if (o.probe) {
@@ -257,8 +267,9 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
         return;
     }
     printf("usage: %s [flags]                   train (defaults: the King James Bible, bytes, preset %s)\n", argv0, defaults.model.c_str());
-    printf("       %s prepare TEXT OUT_PREFIX [--force]\n"
-           "                                        write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (bytes, last 10%% val)\n", argv0);
+    printf("       %s prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]\n"
+           "                                        write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (last 10%% val): bytes, or\n"
+           "                                        the tokens of a SentencePiece tokenizer (OUT_PREFIX.model)\n", argv0);
     printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force]\n"
            "                                        the model of checkpoint CKPT (a file, or a run's folder: its newest)\n"
            "                                        for transformers (hf) or llama2.c's run (llama2c), into OUT_DIR\n", argv0);
@@ -375,7 +386,7 @@ inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& 
 }
 
 // Fills *o from argv; returns "" or the reason for rejecting the command line (naming the flag and value).
-//   prepare TEXT OUT_PREFIX [--force]                        two words, then only --force
+//   prepare TEXT OUT_PREFIX [--vocab N] [--tokenizer F] [--force]   two words, then only those three flags
 //   export CKPT OUT_DIR [--format F] [--dtype T] [--force]   two words, then only those three flags
 //   [flags]                                                  training: every flag but --format, --dtype and --force
 // --help (or -h) anywhere asks for the usage: of prepare or export after their names, else of training.
@@ -402,18 +413,18 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     o->command.assign(argv, argv + argc);
     auto is_help = [](const char* a) { return strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0; };
     const bool help = std::any_of(argv + 1, argv + argc, is_help);
+    int first = 1;
     if (argc >= 2 && strcmp(argv[1], "prepare") == 0) {
         o->prepare = true;
         o->help = help;
         if (help) return "";
-        const bool force = argc == 5 && strcmp(argv[4], "--force") == 0;
-        if (argc != 4 && !force) return "usage: prepare TEXT OUT_PREFIX [--force] (two arguments; prepare --help says more)";
+        if (argc < 4 || argv[2][0] == '-' || argv[3][0] == '-')
+            return "usage: prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force] (a text file and the shards' "
+                   "path without its ending; prepare --help says more)";
         o->prepare_text = argv[2];
         o->prepare_prefix = argv[3];
-        o->force = force;
-        return "";
+        first = 4;
     }
-    int first = 1;
     if (argc >= 2 && strcmp(argv[1], "export") == 0) {
         o->do_export = true;
         o->help = help;
@@ -434,7 +445,7 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     std::vector<TrainFlag> flags = train_flags(o);
     std::vector<std::string> given;
     for (int i = first; i < argc; i++) {
-        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export && !o->probe) { o->dry_run = true; continue; }
+        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export && !o->probe && !o->prepare) { o->dry_run = true; continue; }
         const TrainFlag* f = nullptr;
         for (const TrainFlag& g : flags) if (strcmp(argv[i], g.name) == 0) f = &g;
         if (!f) return strprintf("unknown argument %s (see --help)", argv[i]);
@@ -445,6 +456,15 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         if (!err.empty()) return err;
     }
     auto is_export_flag = [](const std::string& name) { return name == "--format" || name == "--dtype" || name == "--force"; };
+    if (o->prepare) {
+        for (const std::string& name : given)
+            if (name != "--vocab" && name != "--tokenizer" && name != "--force")
+                return strprintf("prepare takes only --vocab, --tokenizer and --force, not %s (prepare --help says more)", name.c_str());
+        if (o->vocab != BYTE_VOCAB && !o->tokenizer.empty())
+            return strprintf("prepare --vocab %d --tokenizer %s: --vocab trains a new tokenizer, --tokenizer uses one: give one "
+                             "of the two", o->vocab, o->tokenizer.c_str());
+        return "";
+    }
     if (o->do_export) {
         for (const std::string& name : given)
             if (!is_export_flag(name)) return strprintf("export takes only --format, --dtype and --force, not %s", name.c_str());
@@ -466,6 +486,11 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         if (name == "--force")
             return "--force is an option of export and prepare (./train_fp8 export CKPT OUT_DIR --force, ./train_fp8 prepare "
                    "TEXT OUT_PREFIX --force), not of training";
+        if (name == "--vocab")
+            return "--vocab is an option of prepare (./train_fp8 prepare TEXT OUT_PREFIX --vocab N); training takes the vocabulary "
+                   "from the data";
+        if (name == "--tokenizer")
+            return "--tokenizer is an option of prepare (./train_fp8 prepare TEXT OUT_PREFIX --tokenizer FILE.model)";
         if (is_export_flag(name))
             return strprintf("%s is an option of export (./train_fp8 export CKPT OUT_DIR %s ...), not of training",
                              name.c_str(), name.c_str());
@@ -1764,6 +1789,29 @@ inline ProbeResult probe_main(const TrainOptions& o) {
 // ----------------------------------------------------------------------------------------------
 // 5. main
 
+// prepare --vocab N (N > 256) or --tokenizer FILE.model: python3 runs scripts/tokenizer.py, found beside this program, in
+// this process's place (its messages and exit status are prepare's), so that the sentencepiece library stays out of the
+// trainer. Returns only if it cannot be started: the reason and the fix.
+inline std::string prepare_with_tokenizer(const TrainOptions& o) {
+    char exe[4096];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    const std::string script = (n > 0 ? path_folder(std::string(exe, (size_t)n)) : std::string(".")) + "/scripts/tokenizer.py";
+    if (access(script.c_str(), R_OK) != 0)
+        return strprintf("prepare --vocab/--tokenizer runs %s, which is missing (%s): run the train_fp8 built in the "
+                         "repository, beside its scripts/", script.c_str(), strerror(errno));
+    std::vector<std::string> words = {"python3", script, o.prepare_text, o.prepare_prefix};
+    if (o.tokenizer.empty()) words.insert(words.end(), {"--vocab", std::to_string(o.vocab)});
+    else words.insert(words.end(), {"--tokenizer", o.tokenizer});
+    if (o.force) words.push_back("--force");
+    std::vector<char*> argv;
+    for (std::string& w : words) argv.push_back(&w[0]);
+    argv.push_back(nullptr);
+    fflush(stdout);
+    execvp(argv[0], argv.data());
+    return strprintf("cannot run python3 (%s): prepare --vocab/--tokenizer trains and applies the tokenizer with Python's "
+                     "sentencepiece: install Python 3, then pip install -r scripts/requirements.txt", strerror(errno));
+}
+
 #ifndef TESTING
 int main(int argc, char** argv) {
     setvbuf(stdout, nullptr, _IOLBF, 0);   // each line as it comes, into a pipe too (| tee), in order with stderr's
@@ -1779,7 +1827,8 @@ int main(int argc, char** argv) {
     }
     for (const std::string& w : o.warnings) fprintf(stderr, "warning: %s\n", w.c_str());
     if (o.prepare) {
-        err = prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str(), o.force);
+        const bool bytes = o.vocab == BYTE_VOCAB && o.tokenizer.empty();
+        err = bytes ? prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str(), o.force) : prepare_with_tokenizer(o);
         if (!err.empty()) fail("%s", err.c_str());
         return 0;
     }
