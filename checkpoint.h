@@ -385,6 +385,8 @@ inline std::string checkpoint_header_problem(const CheckpointHeader& h) {
 constexpr size_t CKPT_IO_CHUNK = 16u << 20;
 
 inline std::string checkpoint_file_name(long step) { return strprintf("ckpt-%08ld.bin", step); }
+// The copy of the data's tokenizer that a run keeps in its folder DIR (none for bytes), for a resume and export.
+inline std::string run_tokenizer_path(const std::string& dir) { return dir + "/tokenizer.model"; }
 // The step of a checkpoint file's name ("ckpt-<digits>.bin"), or false.
 inline bool checkpoint_file_step(const std::string& name, long* step) {
     if (name.size() < 10 || name.size() > 24 || name.compare(0, 5, "ckpt-") != 0 || name.compare(name.size() - 4, 4, ".bin") != 0)
@@ -440,6 +442,9 @@ inline void write_file_durably(const std::string& path, const std::function<void
     if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
     durable_write_in_progress().clear();
     fsync_folder(path_folder(path));
+}
+inline void write_text_durably(const std::string& path, const std::string& text) {
+    write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, text.data(), text.size(), tmp); });
 }
 
 // XXH64 of the next `bytes` bytes of f; false if the file ends first.

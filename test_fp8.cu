@@ -22,7 +22,8 @@
 //                             model, SmoothQuant
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1, checkpoint.h 1-2: flags, the header, checkpoint files,
-//                                          CSV logs; the tokenizer (tokenizer.h, scripts/tokenizer.py)
+//                                          CSV logs; the tokenizer (tokenizer.h, scripts/tokenizer.py) and where
+//                                          training finds it
 //  13. export                 checkpoint.h 3: HF safetensors and llama2.c files read back and run in float64
 //  14. whole training runs    train_fp8.cu 2-3: resume, CUDA graphs, the profile, the tiny model against float64,
 //                             non-finite steps, a failed checkpoint write, evaluation and sampling
@@ -5375,9 +5376,9 @@ HOST_TEST(train_gpu_peak_table) {
 }
 
 HOST_TEST(train_tokens_to_text) {
-    std::string s = tokens_to_text({'I', 'n', ' ', 'a', '\n', 7, 200}, BYTE_VOCAB);
+    std::string s = tokens_to_text({'I', 'n', ' ', 'a', '\n', 7, 200}, BYTE_VOCAB, nullptr);
     expect(s == "In a\n\\x07\\xc8", "bytes to text: '%s'", s.c_str());
-    s = tokens_to_text({5, 31999}, 32000);
+    s = tokens_to_text({5, 31999}, 32000, nullptr);
     expect(s == "5 31999 ", "token ids: '%s'", s.c_str());
 }
 
@@ -6540,7 +6541,7 @@ static std::vector<std::string> log_rows_without_timing(const std::string& path)
     return out;
 }
 
-// ---- the tokenizer (tokenizer.h) and prepare --vocab. Most tests read a
+// ---- the tokenizer (tokenizer.h), prepare --vocab, and where training finds the tokenizer. Most tests read a
 // SentencePiece model written here by hand (protobuf's wire format), so they need no Python; the comparisons with
 // sentencepiece itself skip, saying so, where Python lacks it (make test installs nothing; CI installs it).
 
@@ -6751,6 +6752,91 @@ HOST_TEST(tokenizer_matches_sentencepiece) {
     printf("    decode: %d of 6 random id lists as sentencepiece's\n", matched);
 }
 
+
+// The hand-made tokenizer's shards in `dir`: NAME_train.bin and NAME_val.bin, <s> and the tokens of the synthetic text
+// (50000 and 10000 bytes), their headers naming `hint`; the model as NAME.model unless model_name says otherwise ("": none).
+static Tokenizer write_tokenized_corpus(const TempDir& dir, const std::string& name, int hint, const std::string& model_name) {
+    const std::string model = dir.file("hand.model");
+    write_text_or_die(model, test_tokenizer_model(test_tokenizer_pieces()));
+    const Tokenizer t = load_test_tokenizer(model);
+    const std::string text = synthetic_text(60000, TEST_SEED);
+    std::vector<uint16_t> train = {(uint16_t)t.bos_id}, val;
+    for (int id : tokenizer_encode(t, text.substr(0, 50000))) train.push_back((uint16_t)id);
+    for (int id : tokenizer_encode(t, text.substr(50000))) val.push_back((uint16_t)id);
+    write_shard_or_die(dir.file((name + "_train.bin").c_str()), train, hint);
+    write_shard_or_die(dir.file((name + "_val.bin").c_str()), val, hint);
+    if (model_name.empty()) remove(model.c_str());
+    else if (model_name != "hand.model") rename(model.c_str(), dir.file(model_name.c_str()).c_str());
+    return t;
+}
+
+// Where training finds the tokenizer and what it checks, all before any GPU work: PREFIX.model beside PREFIX_train.bin,
+// the prompt then <s> and the tokenizer's ids of --prompt; shards without a vocabulary in their header take the
+// tokenizer's (tokenizer.model in their folder); the run's copy written once. Refused, naming the files: a --tokenizer of
+// another vocabulary, a --prompt with no tokenizer for data that is not bytes, a --tokenizer other than the resumed run's.
+HOST_TEST(train_finds_the_tokenizer) {
+    TempDir data, bare, plain, run, resumed;
+    const Tokenizer t = write_tokenized_corpus(data, "tk", 276, "tk.model");
+    const std::vector<std::string> flags = {"--model", "tiny", "--batch", "4", "--seq", "32"};
+    auto args = [&](const TempDir& d, const std::string& name, std::vector<std::string> more) {
+        std::vector<std::string> a = flags;
+        a.insert(a.end(), {"--data", d.file((name + "_train.bin").c_str()), "--val-data", d.file((name + "_val.bin").c_str())});
+        a.insert(a.end(), more.begin(), more.end());
+        return a;
+    };
+    TrainOptions o;
+    std::string err = parse_list(args(data, "tk", {"--prompt", "abcd"}), &o);
+    expect(err.empty(), "%s", err.c_str());
+    TrainRun r;
+    train_check_inputs(&r, o);
+    const std::vector<int> want_prompt = {t.bos_id, (int)t.mergeable.at("\xe2\x96\x81"), (int)t.mergeable.at("abc"), (int)t.mergeable.at("d")};
+    expect(r.tokenizer.path == data.file("tk.model") && r.V == 276 && r.prompt == want_prompt,
+           "beside the shards: tokenizer '%s', vocab %d, a prompt of %zu ids (want <s> ▁ abc d)", r.tokenizer.path.c_str(), r.V, r.prompt.size());
+    // bits per byte: the evaluated targets, the validation tokens 1 .. E B T in order, stand for the bytes they decode to
+    // (one more where the first starts with the "▁" that decoding drops)
+    int32_t header[SHARD_HEADER_INTS];
+    const std::vector<uint16_t> val = read_shard_tokens(data.file("tk_val.bin"), header);
+    const size_t n = (size_t)r.eval_batches * 4 * 32;
+    const double decoded = n < val.size() ? (double)tokenizer_decode(t, std::vector<int>(val.begin() + 1, val.begin() + 1 + n)).size() : 0;
+    printf("    %d batches evaluated: %.4f bytes a token; %zu targets decode to %.0f bytes\n", r.eval_batches, r.val_bytes_per_token, n, decoded);
+    expect(decoded > 0 && fabs(r.val_bytes_per_token * (double)n - decoded) <= 1.0, "bytes a token %.6f x %zu, want %.0f", r.val_bytes_per_token,
+           n, decoded);
+    train_keep_tokenizer(r, run.path);
+    struct stat first, second;
+    stat(run_tokenizer_path(run.path).c_str(), &first);
+    train_keep_tokenizer(r, run.path);
+    stat(run_tokenizer_path(run.path).c_str(), &second);
+    const std::vector<char> copy = read_whole_file(run_tokenizer_path(run.path));
+    expect(std::string(copy.begin(), copy.end()) == t.file && first.st_mtim.tv_nsec == second.st_mtim.tv_nsec &&
+           first.st_mtim.tv_sec == second.st_mtim.tv_sec, "the run's copy: written once, the same bytes");
+    dataloader_free(&r.train_data);
+    dataloader_free(&r.val_data);
+    // no header hint: the vocabulary of tokenizer.model in the shards' folder
+    write_tokenized_corpus(bare, "x", 0, "tokenizer.model");
+    err = parse_list(args(bare, "x", {}), &o);
+    TrainRun h;
+    train_check_inputs(&h, o);
+    expect(err.empty() && h.V == 276 && h.train_data.vocab_source.find("of the tokenizer") != std::string::npos && h.prompt.size() > 1,
+           "no hint: vocab %d (%s), want 276 of the tokenizer", h.V, h.train_data.vocab_source.c_str());
+    dataloader_free(&h.train_data);
+    dataloader_free(&h.val_data);
+    // the refusals
+    write_tokenized_corpus(plain, "p", 276, "");
+    std::vector<TestPiece> more = test_tokenizer_pieces();
+    more.push_back({"zz", -30, PIECE_NORMAL});
+    write_text_or_die(bare.file("other.model"), test_tokenizer_model(more));
+    write_text_or_die(run_tokenizer_path(resumed.path), test_tokenizer_model(more));   // a run folder with another tokenizer
+    expect_train_fp8_refuses("another vocabulary", args(data, "tk", {"--tokenizer", bare.file("other.model"), "--dry-run"}),
+                             {bare.file("other.model"), "277 pieces", "vocabulary 276", "--tokenizer FILE.model"}, data.file("err"));
+    expect_train_fp8_refuses("--prompt, no tokenizer", args(plain, "p", {"--prompt", "abc", "--dry-run"}),
+                             {"--prompt needs the tokenizer", plain.file("p.model"), "--tokenizer FILE.model"}, data.file("err"));
+    expect_train_fp8_refuses("not the run's", args(data, "tk", {"--tokenizer", data.file("tk.model"), "--resume", resumed.path, "--dry-run"}),
+                             {data.file("tk.model"), run_tokenizer_path(resumed.path), "drop --tokenizer"}, data.file("err"));
+    std::string out;
+    const int status = run_program(train_fp8_binary(), args(plain, "p", {"--dry-run"}), data.file("dry"), &out, nullptr);
+    expect(status == 0 && out.find("tokenizer: none found") != std::string::npos && out.find("print token ids") != std::string::npos,
+           "no tokenizer: samples of ids, said at the start (exit %d): %s", status, out.c_str());
+}
 
 // ==============================================================================================
 // 13. Export (checkpoint.h section 3): the files read back by readers written here from the formats' specifications

@@ -7,6 +7,7 @@
 //   std::string tokenizer_load(Tokenizer* t, const std::string& path);
 //   std::string tokenizer_decode(const Tokenizer& t, const std::vector<int>& ids);   the text, as sentencepiece's decode
 //   std::vector<int> tokenizer_encode(const Tokenizer& t, const std::string& text);  the ids (no <s>), as its encode
+//   int tokenizer_piece_bytes(const Tokenizer& t, int id);                          the bytes of text a token stands for
 //
 // The model file (sentencepiece_model.proto): a ModelProto whose field 1 repeats SentencePiece {1 piece, 2 score (float),
 // 3 type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte}, field 2 the TrainerSpec {3 model_type
@@ -260,6 +261,16 @@ inline std::string tokenizer_decode(const Tokenizer& t, const std::vector<int>& 
         text += piece;
     }
     return text + utf8_or_replacement(bytes);
+}
+
+// The bytes of text that token `id` stands for: a byte piece 1, <s> and </s> none, another piece its UTF-8 length with
+// "▁" (3 bytes) the space it decodes to, <unk> (no text of the data: byte fallback spells any) and ids past the pieces none.
+inline int tokenizer_piece_bytes(const Tokenizer& t, int id) {
+    if (id < 0 || id >= (int)t.pieces.size() || t.types[id] == PIECE_CONTROL || t.types[id] == PIECE_UNKNOWN) return 0;
+    if (t.types[id] == PIECE_BYTE) return 1;
+    int n = (int)t.pieces[id].size();
+    for (size_t at = t.pieces[id].find(TOKEN_SPACE); at != std::string::npos; at = t.pieces[id].find(TOKEN_SPACE, at + 3)) n -= 2;
+    return n;
 }
 
 // ---- encoding: sentencepiece's BPE (bpe_model.cc, SampleEncode without dropout; sentencepiece_processor.cc, Encode).

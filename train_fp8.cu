@@ -78,6 +78,8 @@ struct TrainOptions {
     int eval_batches = 20;
     int sample_every = 250;                  // 0 = never
     int sample_tokens = 256;
+    std::string prompt = "In the beginning";   // the samples' first words (with a tokenizer or bytes)
+    std::string tokenizer;                   // FILE.model; empty: beside the data, or the resumed run's copy (train_find_tokenizer)
     float temperature = 0.8f;                // 0 = greedy
     int checkpoint_every = 500;              // 0 = only at the end (checkpoints need --out)
     int keep_checkpoints = 2;                // the newest K checkpoint files stay; 0 = all
@@ -117,7 +119,6 @@ struct TrainOptions {
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
     int vocab = BYTE_VOCAB;                  // prepare: 256 = bytes; else train a SentencePiece tokenizer of this size
-    std::string tokenizer;                   // prepare: FILE.model, a SentencePiece tokenizer to encode TEXT with
     // export subcommand (checkpoint.h, section 3)
     bool do_export = false;
     std::string export_ckpt, export_dir;
@@ -179,6 +180,8 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--sample-every", "N", "print a sample every N steps (0 = never)", &o->sample_every, 0, BIG),
         flag_int("--sample-tokens", "N", "tokens per sample", &o->sample_tokens, 1, BIG),
         flag_float("--temperature", "X", "sampling temperature (0 = greedy)", &o->temperature, 0, 100),
+        flag_string("--prompt", "TEXT", "the samples' first words, encoded by the tokenizer (or as bytes); <s> goes first", &o->prompt),
+        flag_string("--tokenizer", "FILE.model", "the data's SentencePiece tokenizer: decodes the samples, encodes --prompt, copied to DIR/tokenizer.model for resume and export (default: PREFIX.model beside the first --data shard PREFIX_train*.bin, else tokenizer.model there; a resumed run's copy). prepare: encode TEXT with it", &o->tokenizer),
         flag_int("--checkpoint-every", "N", "checkpoint every N steps, and at the end (0 = end only; needs --out)", &o->checkpoint_every, 0, BIG),
         flag_int("--keep-checkpoints", "K", "keep the newest K checkpoints (and DIR/latest naming the newest); 0 = all", &o->keep_checkpoints, 0, BIG),
         flag_string("--resume", "DIR|FILE", "continue from DIR's newest checkpoint (DIR/latest), or from a checkpoint file (--out defaults to its folder)", &o->resume),
@@ -202,7 +205,6 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
         flag_switch("--force", "export and prepare only: write into an OUT_DIR that holds files, or over existing OUT_PREFIX shards", &o->force),
-        flag_string("--tokenizer", "FILE.model", "prepare only: encode TEXT with this SentencePiece BPE tokenizer instead of training one", &o->tokenizer),
         flag_int("--vocab", "N", "prepare only: train a SentencePiece BPE tokenizer of N pieces on TEXT, as LLaMA-2's (scripts/tokenizer.py; 256: bytes, no tokenizer)", &o->vocab, BYTE_VOCAB, 65536),
         flag_float("--smooth-quant", "ALPHA", "SmoothQuant for the FP8 linears: X/s and W*s per input channel, s = amax(X)^ALPHA / amax(W)^(1-ALPHA) (X's of the last step) rounded to a power of two, new with the weights every step (0 = off; FP8 build)", &o->smooth_quant, 0, 1),
         flag_float("--qkv-clip", "C", "clamp the QKV projection's output to [-C, C] before RoPE; no gradient where clamped (0 = off)", &o->qkv_clip, 0, 1e30),
@@ -489,8 +491,6 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         if (name == "--vocab")
             return "--vocab is an option of prepare (./train_fp8 prepare TEXT OUT_PREFIX --vocab N); training takes the vocabulary "
                    "from the data";
-        if (name == "--tokenizer")
-            return "--tokenizer is an option of prepare (./train_fp8 prepare TEXT OUT_PREFIX --tokenizer FILE.model)";
         if (is_export_flag(name))
             return strprintf("%s is an option of export (./train_fp8 export CKPT OUT_DIR %s ...), not of training",
                              name.c_str(), name.c_str());
@@ -626,9 +626,10 @@ inline std::vector<int> sample_text(Model* m, const std::vector<int>& prompt, in
     return std::vector<int>(tokens.begin() + prompt.size(), tokens.end());
 }
 
-// Tokens as text: with the byte vocabulary, printable ASCII and newlines as they are, other bytes as \xNN;
-// other vocabularies (no tokenizer here) as ids.
-inline std::string tokens_to_text(const std::vector<int>& tokens, int vocab_size) {
+// Tokens as text: with a tokenizer, its decoding (tokenizer.h); with the byte vocabulary, printable ASCII and newlines
+// as they are, other bytes as \xNN; other vocabularies (no tokenizer) as ids.
+inline std::string tokens_to_text(const std::vector<int>& tokens, int vocab_size, const Tokenizer* tokenizer) {
+    if (tokenizer) return tokenizer_decode(*tokenizer, tokens);
     std::string s;
     for (int t : tokens) {
         if (vocab_size != BYTE_VOCAB) s += strprintf("%d ", t);
@@ -892,6 +893,8 @@ struct TrainRun {
     std::vector<TpGroup> groups;          // --tp >= 1: one NCCL communicator per rank
     std::vector<TrainRank> ranks;
     GpuPeak peak;                         // of GPU 0, taken for every GPU of the group
+    Tokenizer tokenizer;                  // the data's (train_find_tokenizer); none: path empty
+    double val_bytes_per_token = 0;       // of the evaluated targets (train_val_bytes_per_token); 0: not known
     std::vector<int> prompt;              // the samples' first tokens
     FILE* log = nullptr;                  // OUT/log.csv
     FILE* fp8_csv = nullptr;              // OUT/fp8_stats.csv (FP8 build, --fp8-stats)
@@ -1064,6 +1067,98 @@ inline std::string train_resume_range_problem(const TrainOptions& o, long at) {
     return "";
 }
 
+// The copy of the tokenizer that the resumed run keeps (train_keep_tokenizer), in the checkpoint's folder ("" without
+// --resume).
+inline std::string train_resumed_tokenizer_path(const TrainOptions& o) {
+    if (o.resume.empty()) return "";
+    struct stat st;
+    const bool folder = stat(o.resume.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+    return run_tokenizer_path(folder ? o.resume : path_folder(o.resume));
+}
+
+// The data's tokenizer (a SentencePiece model file): --tokenizer; else the resumed run's copy; else beside the first
+// training shard: PREFIX.model for a shard PREFIX_train*.bin (the names prepare writes), else tokenizer.model in its
+// folder. "" if there is none; *looked: the files looked for.
+inline std::string train_find_tokenizer(const TrainOptions& o, const std::string& first_shard, std::string* looked) {
+    if (!o.tokenizer.empty()) return o.tokenizer;
+    std::vector<std::string> candidates;
+    if (!o.resume.empty()) candidates.push_back(train_resumed_tokenizer_path(o));
+    const size_t slash = first_shard.find_last_of('/'), cut = first_shard.rfind("_train");
+    if (cut != std::string::npos && (slash == std::string::npos || cut > slash)) candidates.push_back(first_shard.substr(0, cut) + ".model");
+    candidates.push_back(path_folder(first_shard) + "/tokenizer.model");
+    *looked = "";
+    for (const std::string& c : candidates) {
+        if (access(c.c_str(), F_OK) == 0) return c;
+        *looked += (looked->empty() ? "" : ", ") + c;
+    }
+    return "";
+}
+
+// The tokenizer of the data into run->tokenizer, checked against the training data (whose loader is open), and the
+// samples' prompt: <s> and the tokenizer's ids of --prompt; without a tokenizer the bytes of --prompt, or, with a
+// vocabulary that is not bytes, the first tokens of the validation data (and an explicit --prompt is refused). A
+// tokenizer of N pieces needs data of vocabulary N: the shards' header hint, or, without one, every token below N (the
+// vocabulary is then N). A resumed run's copy is the tokenizer it was trained with: a --tokenizer must be the same file.
+inline void train_check_tokenizer(TrainRun* run, const TrainOptions& o) {
+    DataLoader& data = run->train_data;
+    std::string looked;
+    const std::string path = train_find_tokenizer(o, data.shards[0].path, &looked);
+    if (!path.empty()) {
+        std::string err = tokenizer_load(&run->tokenizer, path);
+        if (!err.empty()) fail("%s", err.c_str());
+        const int n = (int)run->tokenizer.pieces.size();
+        const bool hinted = data.shards[0].vocab_hint > 0;
+        int largest = -1;
+        for (const DataShard& sh : data.shards) largest = std::max(largest, sh.largest_token);
+        if (hinted ? data.vocab_size != n : largest >= n)
+            fail("tokenizer %s has %d pieces, but --data %s %s: the data was not made with this tokenizer; give the one that "
+                 "made it (--tokenizer FILE.model), or prepare the data again with this one (./train_fp8 prepare TEXT "
+                 "OUT_PREFIX --tokenizer %s)", path.c_str(), n, o.data.c_str(),
+                 hinted ? strprintf("names vocabulary %d in its header", data.vocab_size).c_str()
+                        : strprintf("holds token %d", largest).c_str(), path.c_str());
+        if (!hinted) {
+            data.vocab_size = n;
+            data.vocab_source = strprintf("of the tokenizer %s", path.c_str());
+        }
+        const std::string resumed = train_resumed_tokenizer_path(o);
+        Tokenizer copy;
+        if (!resumed.empty() && path != resumed && access(resumed.c_str(), F_OK) == 0 &&
+            (!tokenizer_load(&copy, resumed).empty() || copy.file != run->tokenizer.file))
+            fail("--tokenizer %s is not %s, the tokenizer the resumed run was trained with: drop --tokenizer", path.c_str(),
+                 resumed.c_str());
+        printf("tokenizer: %s, SentencePiece BPE of %d pieces%s\n", path.c_str(), n,
+               run->tokenizer.byte_fallback ? ", byte fallback" : "");
+        if (run->tokenizer.bos_id >= 0) run->prompt.push_back(run->tokenizer.bos_id);
+        const std::vector<int> ids = tokenizer_encode(run->tokenizer, o.prompt);
+        run->prompt.insert(run->prompt.end(), ids.begin(), ids.end());
+    } else if (data.vocab_size == BYTE_VOCAB) {
+        for (unsigned char ch : o.prompt) run->prompt.push_back(ch);
+    } else {
+        if (o.prompt != TrainOptions().prompt)
+            fail("--prompt needs the tokenizer of the data (vocabulary %d), and none was found (looked for %s): give it with "
+                 "--tokenizer FILE.model", data.vocab_size, looked.c_str());
+        printf("tokenizer: none found (looked for %s): samples print token ids after the first tokens of the validation data; "
+               "give one with --tokenizer FILE.model\n", looked.c_str());
+    }
+}
+
+// The bytes of text a target token of the evaluated validation batches stands for, on average (1 for bytes; with a
+// tokenizer, tokenizer_piece_bytes), so that a validation loss in nats a token L is L / ln 2 / this bits a byte: losses
+// of different tokenizers on the same text compare. 0 without a tokenizer for a vocabulary that is not bytes.
+inline double train_val_bytes_per_token(TrainRun* run) {
+    const bool bytes = run->tokenizer.path.empty();
+    if (bytes && run->val_data.vocab_size != BYTE_VOCAB) return 0;
+    double sum = 0, count = 0;
+    dataloader_reset(&run->val_data);
+    for (int b = 0; b < run->eval_batches; b++) {
+        dataloader_next_batch(&run->val_data);
+        for (int t : run->val_data.targets) sum += bytes ? 1 : tokenizer_piece_bytes(run->tokenizer, t);
+        count += (double)run->val_data.targets.size();
+    }
+    dataloader_reset(&run->val_data);
+    return sum / count;
+}
+
 // Setup, part 1: everything that can be wrong with the data, the checkpoint and the run folder, before any GPU work.
 inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     run->o = &o;
@@ -1074,6 +1169,7 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     const int B = run->B, T = run->T;
     std::string err = dataloader_open(&run->train_data, o.data.c_str(), B, T, 0, 1, 0, true, (uint64_t)o.seed);
     if (!err.empty()) fail("--data %s: %s", o.data.c_str(), err.c_str());
+    train_check_tokenizer(run, o);
     err = dataloader_open(&run->val_data, o.val_data.c_str(), B, T, 0, 1, run->train_data.vocab_size, false, 0);
     if (!err.empty())
         fail("--val-data %s: %s. The loader was given the vocab of the training data --data %s (%d, %s): the validation "
@@ -1088,6 +1184,10 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         run->eval_batches = (int)run->val_data.batches_per_epoch;
         printf("evaluation: --eval-batches %d is more than the validation data holds; using %d\n", o.eval_batches, run->eval_batches);
     }
+    run->val_bytes_per_token = train_val_bytes_per_token(run);
+    if (run->val_bytes_per_token > 0)
+        printf("evaluation: %.4f bytes a token in the %d batches evaluated: bits per byte = val loss / ln 2 / %.4f\n",
+               run->val_bytes_per_token, run->eval_batches, run->val_bytes_per_token);
     run->config = model_config_from_options(o, V);
     model_config_validate(run->config);
     run->adamw_config = adamw_config_from_options(o);
@@ -1114,6 +1214,16 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     }
     err = train_out_problem(o, run->resume_path);
     if (!err.empty()) fail("%s", err.c_str());
+}
+
+// The run's copy of its tokenizer in --out (DIR/tokenizer.model), where a resume and export find it; written unless it is
+// there already.
+inline void train_keep_tokenizer(const TrainRun& run, const std::string& out) {
+    const std::string path = run_tokenizer_path(out);
+    Tokenizer there;
+    if (tokenizer_load(&there, path).empty() && there.file == run.tokenizer.file) return;
+    write_text_durably(path, run.tokenizer.file);
+    printf("tokenizer: copied %s to %s\n", run.tokenizer.path.c_str(), path.c_str());
 }
 
 // Setup, part 2: the ranks. GPU r holds rank r's shard of the model and of the optimizer (--tp 0: GPU 0, no
@@ -1212,9 +1322,7 @@ inline void train_create_ranks(TrainRun* run) {
 // open_run_csv) and the per-step constants.
 inline void train_open_logs(TrainRun* run) {
     const TrainOptions& o = *run->o;
-    if (run->V == BYTE_VOCAB) {
-        for (const char* p = "In the beginning"; *p; p++) run->prompt.push_back((unsigned char)*p);
-    } else {   // no tokenizer here: the first tokens of the validation data
+    if (run->prompt.empty()) {   // no tokenizer (train_check_tokenizer): the first tokens of the validation data
         dataloader_reset(&run->val_data);
         dataloader_next_batch(&run->val_data);
         run->prompt.assign(run->val_data.inputs.begin(), run->val_data.inputs.begin() + std::min(run->T, 16));
@@ -1385,7 +1493,8 @@ inline float train_evaluate(TrainRun* run, int step) {
     on_ranks(run->ranks, [&](TrainRank& r) { r.val_loss = evaluate_val_loss(&r.model, &r.val_data, run->eval_batches, r.d_inputs, r.d_targets); });
     const float val = run->ranks[0].val_loss;
     run->result.val_losses.push_back({step, val});
-    printf("step %5d | val loss %.4f\n", step, val);
+    if (run->val_bytes_per_token > 0) printf("step %5d | val loss %.4f | %.4f bits a byte\n", step, val, val / M_LN2 / run->val_bytes_per_token);
+    else printf("step %5d | val loss %.4f\n", step, val);
     return val;
 }
 
@@ -1405,8 +1514,10 @@ inline void train_sample(TrainRun* run, int step) {
         r.sample = sample_text(&r.model, run->prompt, o.sample_tokens, o.temperature, &r.sample_rng, r.d_inputs, r.d_logits);
     });
     run->sample_rng = run->ranks[0].sample_rng;
-    printf("---- sample at step %d ----\n%s%s\n-------------------------\n", step, tokens_to_text(run->prompt, run->V).c_str(),
-           tokens_to_text(run->ranks[0].sample, run->V).c_str());
+    std::vector<int> tokens = run->prompt;
+    tokens.insert(tokens.end(), run->ranks[0].sample.begin(), run->ranks[0].sample.end());
+    const Tokenizer* tokenizer = run->tokenizer.path.empty() ? nullptr : &run->tokenizer;
+    printf("---- sample at step %d ----\n%s\n-------------------------\n", step, tokens_to_text(tokens, run->V, tokenizer).c_str());
 }
 
 // A checkpoint after `step` in OUT: every rank's shard, the loader's position, the counters and the sampling RNG.
@@ -1562,6 +1673,7 @@ inline TrainResult train(const TrainOptions& o) {
     TrainRun run;
     train_check_inputs(&run, o);   // the flags, the data, the checkpoint and the run folder, before any GPU work
     if (!o.out.empty()) make_dirs(o.out);
+    if (!o.out.empty() && !run.tokenizer.path.empty()) train_keep_tokenizer(run, o.out);
     train_create_ranks(&run);      // the model and optimizer shards, from the init or the checkpoint
     train_open_logs(&run);
     bool stopped = g_stop_signal != 0;   // read once a step: what the checkpoint and the report go by
