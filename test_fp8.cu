@@ -7208,6 +7208,132 @@ HOST_TEST(export_llama2c_round_trip) {
            "a 32-token vocabulary: model.bin and no tokenizer.bin (%s)", err.c_str());
 }
 
+// A run with a tokenizer exports it. llama2.c: tokenizer.bin read back as run.c reads it (every piece with "▁" a space,
+// <s> and </s> as llama2.c writes them, the ids up to the padded vocabulary). transformers: tokenizer.model the same bytes,
+// tokenizer.json's vocabulary, merges (each split of a piece into two pieces, in the order generate_merges gives) and
+// byte fallback, tokenizer_config.json's class and special tokens, and the BOS and EOS ids of generation_config.json and
+// config.json. A tokenizer of another vocabulary is refused. Where python3 has transformers and sentencepiece,
+// AutoTokenizer loads the export of a trained tokenizer and encodes and decodes as this program does (texts that begin
+// with a space aside: transformers' LlamaTokenizer puts no "▁" before one, sentencepiece does).
+HOST_TEST(export_carries_the_tokenizer) {
+    TempDir run, l2c, hf;
+    const std::vector<TestPiece> pieces = test_tokenizer_pieces();
+    write_text_or_die(run_tokenizer_path(run.path), test_tokenizer_model(pieces));
+    const Tokenizer t = load_test_tokenizer(run_tokenizer_path(run.path));
+    const ModelConfig c = export_test_config((int)pieces.size());
+    expect(c.vocab_size == 288, "276 pieces pad to vocabulary %d, want 288", c.vocab_size);
+    write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    std::string err = export_checkpoint(run.path, l2c.path, "llama2c", "fp32", false);
+    expect(err.empty(), "export --format llama2c: %s", err.c_str());
+    const std::vector<char> bin = read_whole_file(l2c.file("tokenizer.bin"));
+    size_t at = 4;
+    int32_t max_len = -1;
+    if (bin.size() >= 4) memcpy(&max_len, bin.data(), 4);
+    std::vector<std::string> tokens;
+    std::vector<float> scores;
+    while (at + 8 <= bin.size()) {   // run.c's read: score, length, bytes
+        float score;
+        int32_t len;
+        memcpy(&score, bin.data() + at, 4);
+        memcpy(&len, bin.data() + at + 4, 4);
+        at += 8;
+        if (len < 1 || at + len > bin.size()) break;
+        tokens.emplace_back(bin.data() + at, (size_t)len);
+        scores.push_back(score);
+        at += len;
+    }
+    bool ok = at == bin.size() && tokens.size() == 288 && max_len == 8;   // "<pad287>"
+    for (size_t i = 0; ok && i < pieces.size(); i++) {
+        std::string want = i == 1 ? "\n<s>\n" : i == 2 ? "\n</s>\n" : pieces[i].piece;
+        if (want.rfind("\xe2\x96\x81", 0) == 0) want = " " + want.substr(3);
+        ok = tokens[i] == want && scores[i] == pieces[i].score;
+    }
+    for (size_t i = pieces.size(); ok && i < tokens.size(); i++) ok = tokens[i] == strprintf("<pad%zu>", i) && scores[i] < -1e8f;
+    printf("    tokenizer.bin: %zu tokens, max length %d: %s\n", tokens.size(), max_len, ok ? "every piece, then the padding" : "WRONG");
+    expect(ok, "tokenizer.bin is not the tokenizer's pieces padded to 288 (read %zu of %zu bytes)", at, bin.size());
+    err = export_checkpoint(run.path, hf.path, "hf", "bf16", false);
+    expect(err.empty(), "export --format hf: %s", err.c_str());
+    const std::vector<char> model = read_whole_file(hf.file("tokenizer.model"));
+    expect(std::string(model.begin(), model.end()) == t.file, "tokenizer.model is not the run's tokenizer");
+    auto json_of = [&](const char* name) {
+        const std::vector<char> bytes = read_whole_file(hf.file(name));
+        bool parsed;
+        Json j = json_parse_all(std::string(bytes.begin(), bytes.end()), &parsed);
+        expect(parsed, "%s is not JSON", name);
+        return j;
+    };
+    auto is_text = [](const Json* j, const char* text) { return j && j->kind == Json::STRING && j->text == text; };
+    auto is_number = [](const Json* j, double v) { return j && j->kind == Json::NUMBER && j->number == v; };
+    const Json config = json_of("tokenizer_config.json"), special = json_of("special_tokens_map.json");
+    const Json gen = json_of("generation_config.json"), model_config = json_of("config.json"), tj = json_of("tokenizer.json");
+    expect(is_text(config.get("tokenizer_class"), "LlamaTokenizer") && is_text(config.get("bos_token"), "<s>") &&
+           is_text(config.get("eos_token"), "</s>") && is_text(config.get("unk_token"), "<unk>") &&
+           is_text(special.get("bos_token"), "<s>") && is_text(special.get("eos_token"), "</s>"),
+           "tokenizer_config.json / special_tokens_map.json: the class or the special tokens are wrong");
+    expect(is_number(gen.get("bos_token_id"), 1) && is_number(gen.get("eos_token_id"), 2) &&
+           is_number(model_config.get("bos_token_id"), 1) && is_number(model_config.get("eos_token_id"), 2),
+           "generation_config.json and config.json: BOS 1 and EOS 2");
+    const Json* m = tj.get("model");
+    const Json* vocab = m ? m->get("vocab") : nullptr;
+    const Json* merges = m ? m->get("merges") : nullptr;
+    std::vector<std::string> merge_list;
+    for (size_t i = 0; merges && i < merges->items.size(); i++)
+        if (merges->items[i].items.size() == 2) merge_list.push_back(merges->items[i].items[0].text + " " + merges->items[i].items[1].text);
+    const std::vector<std::string> want_merges = {"a b", "b c", "a bc", "ab c", "\xe2\x96\x81 a", "a a", "c d", "cd e", "a x", "x y"};
+    bool vocab_ok = vocab && vocab->members.size() == pieces.size();
+    for (size_t i = 0; vocab_ok && i < pieces.size(); i++)
+        vocab_ok = vocab->members[i].first == pieces[i].piece && vocab->members[i].second.number == (double)i;
+    expect(m && is_text(m->get("type"), "BPE") && m->get("byte_fallback") && m->get("byte_fallback")->boolean && vocab_ok,
+           "tokenizer.json: a BPE model with byte fallback over the 276 pieces, in id order");
+    std::string shown;
+    for (const std::string& s : merge_list) shown += "[" + s + "] ";
+    printf("    tokenizer.json merges: %s\n", shown.c_str());
+    expect(merge_list == want_merges, "tokenizer.json's merges: %s", shown.c_str());
+    // a tokenizer of 300 pieces for a model of vocabulary 288: refused
+    std::vector<TestPiece> longer = pieces;
+    for (int i = 0; i < 24; i++) longer.push_back({strprintf("z%d", i), -40.0f - i, PIECE_NORMAL});
+    write_text_or_die(run_tokenizer_path(run.path), test_tokenizer_model(longer));
+    TempDir refused;
+    err = export_checkpoint(run.path, refused.path + "/out", "hf", "bf16", false);
+    printf("    another tokenizer: %s\n", err.c_str());
+    expect(err.find("300 pieces") != std::string::npos && err.find("vocabulary 288") != std::string::npos &&
+           err.find(run_tokenizer_path(run.path)) != std::string::npos, "a tokenizer of another vocabulary should be refused: '%s'", err.c_str());
+    // transformers on the export of a trained tokenizer
+    TempDir trained, out;
+    if (!python_has({"sentencepiece", "transformers"}, trained.file("py"), "pip install transformers")) return;
+    write_text_or_die(trained.file("t.txt"), synthetic_text(40000, TEST_SEED) + "\xc3\xa9t\xc3\xa9 12345\n");
+    std::string text;
+    int status = run_program(train_fp8_binary(), {"prepare", trained.file("t.txt"), trained.file("t"), "--vocab", "400"},
+                             trained.file("prep"), nullptr, &text);
+    expect(status == 0, "prepare --vocab 400: %s", text.c_str());
+    if (status != 0) return;
+    rename(trained.file("t.model").c_str(), run_tokenizer_path(run.path).c_str());
+    const Tokenizer tt = load_test_tokenizer(run_tokenizer_path(run.path));
+    const ModelConfig c400 = export_test_config(400);
+    write_host_checkpoint(run.path, export_test_header(c400, 1), export_test_weights(c400), 2);
+    err = export_checkpoint(run.path, out.path, "hf", "bf16", true);
+    expect(err.empty(), "export of the trained tokenizer: %s", err.c_str());
+    const std::vector<std::string> samples = {"In the beginning", "And the lord said unto him, let there be light.\nAnd",
+                                              "unseen \xc3\xa9\xe2\x98\x83 12345", "two  spaces\tand a tab"};
+    std::string code = "import sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+                       "for s in sys.argv[2:]:\n    ids = tok(s)['input_ids']\n"
+                       "    print(' '.join(map(str, ids)) + '|' + str(tok.decode(ids, skip_special_tokens=True) == s))\n";
+    std::vector<std::string> args = {"-c", code, out.path};
+    args.insert(args.end(), samples.begin(), samples.end());
+    status = run_program("python3", args, trained.file("hf"), &text, &err);
+    std::vector<std::string> lines;
+    for (size_t s = 0, e; (e = text.find('\n', s)) != std::string::npos; s = e + 1) lines.push_back(text.substr(s, e - s));
+    expect(status == 0 && lines.size() == samples.size(), "AutoTokenizer.from_pretrained(%s) failed (exit %d): %s", out.path.c_str(), status,
+           err.c_str());
+    for (size_t i = 0; status == 0 && i < samples.size() && i < lines.size(); i++) {
+        std::string want;
+        for (int id : tokenizer_encode(tt, samples[i])) want += " " + std::to_string(id);
+        want = std::to_string(tt.bos_id) + want + "|True";
+        expect(lines[i] == want, "AutoTokenizer on \"%s\": %s, this program: %s", samples[i].c_str(), lines[i].c_str(), want.c_str());
+    }
+    printf("    AutoTokenizer.from_pretrained: %zu texts encoded as here, with <s>, and decoded back\n", lines.size());
+}
+
 HOST_TEST(export_refuses_bad_input) {
     TempDir run, out;
     const ModelConfig c = export_test_config(32);

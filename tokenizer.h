@@ -8,6 +8,8 @@
 //   std::string tokenizer_decode(const Tokenizer& t, const std::vector<int>& ids);   the text, as sentencepiece's decode
 //   std::vector<int> tokenizer_encode(const Tokenizer& t, const std::string& text);  the ids (no <s>), as its encode
 //   int tokenizer_piece_bytes(const Tokenizer& t, int id);                          the bytes of text a token stands for
+//   std::string tokenizer_llama2c_bin(const Tokenizer& t, int vocab_size);           llama2.c's tokenizer.bin
+//   std::string tokenizer_hf_json(const Tokenizer& t);                               transformers' tokenizer.json
 //
 // The model file (sentencepiece_model.proto): a ModelProto whose field 1 repeats SentencePiece {1 piece, 2 score (float),
 // 3 type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte}, field 2 the TrainerSpec {3 model_type
@@ -355,4 +357,88 @@ inline std::vector<int> tokenizer_encode(const Tokenizer& t, const std::string& 
     };
     for (int i = 0; i >= 0 && !sym.empty(); i = sym[i].next) emit(piece(i));
     return ids;
+}
+
+// ---- exports
+
+// llama2.c's tokenizer.bin (its tokenizer.py export, read by run.c): the longest token's length (int32), then per token
+// its score (float32), its length (int32) and its bytes: the piece with each "▁" a space, <s> and </s> as "\n<s>\n" and
+// "\n</s>\n", byte pieces as their text "<0xNN>" (run.c turns them into the byte). Ids from the tokenizer's last piece
+// up to vocab_size (the model's vocabulary, padded to a multiple of 16) get "<padN>" and a score that no merge beats.
+inline std::string tokenizer_llama2c_bin(const Tokenizer& t, int vocab_size) {
+    std::vector<std::string> tokens;
+    std::vector<float> scores;
+    for (int i = 0; i < std::max(vocab_size, (int)t.pieces.size()); i++) {
+        std::string p = i >= (int)t.pieces.size() ? strprintf("<pad%d>", i) : i == t.bos_id ? "\n<s>\n" : i == t.eos_id ? "\n</s>\n"
+                                                                                                                       : t.pieces[i];
+        for (size_t at; (at = p.find(TOKEN_SPACE)) != std::string::npos;) p.replace(at, 3, " ");
+        tokens.push_back(p);
+        scores.push_back(i < (int)t.pieces.size() ? t.scores[i] : -1e9f);
+    }
+    int32_t max_len = 0;
+    for (const std::string& p : tokens) max_len = std::max(max_len, (int32_t)p.size());
+    std::string out((const char*)&max_len, 4);
+    for (size_t i = 0; i < tokens.size(); i++) {
+        const int32_t len = (int32_t)tokens[i].size();
+        out.append((const char*)&scores[i], 4);
+        out.append((const char*)&len, 4);
+        out += tokens[i];
+    }
+    return out;
+}
+
+// A string as JSON: quoted, with ", \ and the control characters escaped (the rest of UTF-8 as it is).
+inline std::string json_string(const std::string& s) {
+    std::string out = "\"";
+    for (unsigned char ch : s) {
+        if (ch == '"' || ch == '\\') out += std::string("\\") + (char)ch;
+        else if (ch < 0x20) out += strprintf("\\u%04x", ch);
+        else out += (char)ch;
+    }
+    return out + "\"";
+}
+
+// transformers' tokenizer.json for this tokenizer (the tokenizers library's format, as the Llama-2 checkpoints ship it), so
+// that AutoTokenizer loads it without sentencepiece: a BPE model with byte fallback over the same pieces and ids, the
+// text prefixed with "▁" and each space made "▁" (LLaMA's normalization), <s> put in front, and a decoder that undoes it.
+// Its merges (the order in which pairs merge: transformers' generate_merges) are, piece by piece in id order, each
+// split of a piece into two pieces, the shorter left part first; sentencepiece merges by score, which falls with the id.
+inline std::string tokenizer_hf_json(const Tokenizer& t) {
+    const int n = (int)t.pieces.size();
+    std::string added, vocab, merges;
+    for (int i = 0; i < n; i++) {
+        vocab += strprintf("%s\n      %s: %d", i ? "," : "", json_string(t.pieces[i]).c_str(), i);
+        if (t.types[i] == PIECE_UNKNOWN || t.types[i] == PIECE_CONTROL || t.types[i] == PIECE_USER_DEFINED)
+            added += strprintf("%s\n    {\"id\": %d, \"content\": %s, \"single_word\": false, \"lstrip\": false, \"rstrip\": "
+                               "false, \"normalized\": false, \"special\": %s}", added.empty() ? "" : ",", i,
+                               json_string(t.pieces[i]).c_str(), t.types[i] == PIECE_USER_DEFINED ? "false" : "true");
+        const std::string& p = t.pieces[i];
+        for (size_t cut = 1; cut < p.size(); cut++) {
+            if (((unsigned char)p[cut] & 0xC0) == 0x80) continue;   // within a character
+            const std::string l = p.substr(0, cut), r = p.substr(cut);
+            if ((t.mergeable.count(l) || t.reserved.count(l)) && (t.mergeable.count(r) || t.reserved.count(r)))
+                merges += strprintf("%s\n      [%s, %s]", merges.empty() ? "" : ",", json_string(l).c_str(), json_string(r).c_str());
+        }
+    }
+    const std::string bos = t.bos_id >= 0 ? json_string(t.pieces[t.bos_id]) : "";
+    const std::string post = t.bos_id < 0 ? "null" : strprintf(
+        "{\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\": {\"id\": %s, \"type_id\": 0}}, {\"Sequence\": "
+        "{\"id\": \"A\", \"type_id\": 0}}], \"pair\": [{\"SpecialToken\": {\"id\": %s, \"type_id\": 0}}, {\"Sequence\": {\"id\": "
+        "\"A\", \"type_id\": 0}}, {\"SpecialToken\": {\"id\": %s, \"type_id\": 1}}, {\"Sequence\": {\"id\": \"B\", \"type_id\": "
+        "1}}], \"special_tokens\": {%s: {\"id\": %s, \"ids\": [%d], \"tokens\": [%s]}}}", bos.c_str(), bos.c_str(), bos.c_str(),
+        bos.c_str(), bos.c_str(), t.bos_id, bos.c_str());
+    const std::string space = json_string(TOKEN_SPACE);
+    return strprintf(
+        "{\n  \"version\": \"1.0\",\n  \"truncation\": null,\n  \"padding\": null,\n  \"added_tokens\": [%s\n  ],\n"
+        "  \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [%s{\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, "
+        "\"content\": %s}]},\n  \"pre_tokenizer\": null,\n  \"post_processor\": %s,\n"
+        "  \"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Replace\", \"pattern\": {\"String\": %s}, \"content\": "
+        "\" \"}, {\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"}%s]},\n"
+        "  \"model\": {\n    \"type\": \"BPE\",\n    \"dropout\": null,\n    \"unk_token\": %s,\n    \"continuing_subword_prefix\": "
+        "null,\n    \"end_of_word_suffix\": null,\n    \"fuse_unk\": true,\n    \"byte_fallback\": %s,\n    \"ignore_merges\": false,\n"
+        "    \"vocab\": {%s\n    },\n    \"merges\": [%s\n    ]\n  }\n}\n",
+        added.c_str(), t.add_dummy_prefix ? strprintf("{\"type\": \"Prepend\", \"prepend\": %s}, ", space.c_str()).c_str() : "",
+        space.c_str(), post.c_str(), space.c_str(),
+        t.add_dummy_prefix ? ", {\"type\": \"Strip\", \"content\": \" \", \"start\": 1, \"stop\": 0}" : "",
+        json_string(t.pieces[t.unk_id]).c_str(), t.byte_fallback ? "true" : "false", vocab.c_str(), merges.c_str());
 }
