@@ -6678,11 +6678,12 @@ HOST_TEST(tokenizer_bpe_rules_by_hand) {
 
 // True if python3 imports every module of `modules`; else false and the test skips, saying what to install.
 static bool python_has(const std::vector<std::string>& modules, const std::string& scratch, const char* install) {
-    std::string code;
-    for (const std::string& m : modules) code += "import " + m + "\n";
-    if (run_program("python3", {"-c", code}, scratch, nullptr, nullptr) == 0) return true;
-    skip_test(strprintf("python3 lacks %s: %s", modules.back().c_str(), install));
-    return false;
+    for (const std::string& m : modules)
+        if (run_program("python3", {"-c", "import " + m}, scratch, nullptr, nullptr) != 0) {
+            skip_test(strprintf("python3 lacks %s: %s", m.c_str(), install));
+            return false;
+        }
+    return true;
 }
 // The ids of `text` by sentencepiece (scripts/tokenizer.py encode).
 static std::vector<int> sentencepiece_encode(const std::string& model, const std::string& text, const TempDir& scratch) {
@@ -7212,9 +7213,7 @@ HOST_TEST(export_llama2c_round_trip) {
 // <s> and </s> as llama2.c writes them, the ids up to the padded vocabulary). transformers: tokenizer.model the same bytes,
 // tokenizer.json's vocabulary, merges (each split of a piece into two pieces, in the order generate_merges gives) and
 // byte fallback, tokenizer_config.json's class and special tokens, and the BOS and EOS ids of generation_config.json and
-// config.json. A tokenizer of another vocabulary is refused. Where python3 has transformers and sentencepiece,
-// AutoTokenizer loads the export of a trained tokenizer and encodes and decodes as this program does (texts that begin
-// with a space aside: transformers' LlamaTokenizer puts no "▁" before one, sentencepiece does).
+// config.json. A tokenizer of another vocabulary is refused.
 HOST_TEST(export_carries_the_tokenizer) {
     TempDir run, l2c, hf;
     const std::vector<TestPiece> pieces = test_tokenizer_pieces();
@@ -7298,9 +7297,14 @@ HOST_TEST(export_carries_the_tokenizer) {
     printf("    another tokenizer: %s\n", err.c_str());
     expect(err.find("300 pieces") != std::string::npos && err.find("vocabulary 288") != std::string::npos &&
            err.find(run_tokenizer_path(run.path)) != std::string::npos, "a tokenizer of another vocabulary should be refused: '%s'", err.c_str());
-    // transformers on the export of a trained tokenizer
-    TempDir trained, out;
-    if (!python_has({"sentencepiece", "transformers"}, trained.file("py"), "pip install transformers")) return;
+}
+
+// transformers' AutoTokenizer loads the HF export of a run whose tokenizer prepare --vocab trained (which needs
+// sentencepiece; transformers needs neither it nor protobuf for tokenizer.json) and encodes and decodes as this program
+// does. Texts that begin with a space aside: transformers 5's LlamaTokenizer puts no "▁" before one, sentencepiece does.
+HOST_TEST(export_tokenizer_loads_in_transformers) {
+    TempDir run, trained, out;
+    if (!python_has({"sentencepiece", "transformers"}, trained.file("py"), "pip install -r scripts/requirements.txt, pip install transformers")) return;
     write_text_or_die(trained.file("t.txt"), synthetic_text(40000, TEST_SEED) + "\xc3\xa9t\xc3\xa9 12345\n");
     std::string text;
     int status = run_program(train_fp8_binary(), {"prepare", trained.file("t.txt"), trained.file("t"), "--vocab", "400"},
@@ -7311,7 +7315,7 @@ HOST_TEST(export_carries_the_tokenizer) {
     const Tokenizer tt = load_test_tokenizer(run_tokenizer_path(run.path));
     const ModelConfig c400 = export_test_config(400);
     write_host_checkpoint(run.path, export_test_header(c400, 1), export_test_weights(c400), 2);
-    err = export_checkpoint(run.path, out.path, "hf", "bf16", true);
+    std::string err = export_checkpoint(run.path, out.path, "hf", "bf16", false);
     expect(err.empty(), "export of the trained tokenizer: %s", err.c_str());
     const std::vector<std::string> samples = {"In the beginning", "And the lord said unto him, let there be light.\nAnd",
                                               "unseen \xc3\xa9\xe2\x98\x83 12345", "two  spaces\tand a tab"};
