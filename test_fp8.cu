@@ -6785,6 +6785,11 @@ HOST_TEST(train_finds_the_tokenizer) {
         a.insert(a.end(), more.begin(), more.end());
         return a;
     };
+    std::string out;
+    int status = run_program(train_fp8_binary(), args(data, "tk", {"--prompt", "abcd", "--dry-run"}), data.file("found"), &out, nullptr);
+    expect(status == 0 && out.find("tokenizer: " + data.file("tk.model")) != std::string::npos, "the tokenizer beside the shards "
+           "was not found (exit %d): %s", status, out.c_str());
+    if (status != 0) return;   // the checks below would end this process
     TrainOptions o;
     std::string err = parse_list(args(data, "tk", {"--prompt", "abcd"}), &o);
     expect(err.empty(), "%s", err.c_str());
@@ -6833,8 +6838,7 @@ HOST_TEST(train_finds_the_tokenizer) {
                              {"--prompt needs the tokenizer", plain.file("p.model"), "--tokenizer FILE.model"}, data.file("err"));
     expect_train_fp8_refuses("not the run's", args(data, "tk", {"--tokenizer", data.file("tk.model"), "--resume", resumed.path, "--dry-run"}),
                              {data.file("tk.model"), run_tokenizer_path(resumed.path), "drop --tokenizer"}, data.file("err"));
-    std::string out;
-    const int status = run_program(train_fp8_binary(), args(plain, "p", {"--dry-run"}), data.file("dry"), &out, nullptr);
+    status = run_program(train_fp8_binary(), args(plain, "p", {"--dry-run"}), data.file("dry"), &out, nullptr);
     expect(status == 0 && out.find("tokenizer: none found") != std::string::npos && out.find("print token ids") != std::string::npos,
            "no tokenizer: samples of ids, said at the start (exit %d): %s", status, out.c_str());
 }

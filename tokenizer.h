@@ -2,8 +2,7 @@
 // library: the trainer builds and runs without it. A tokenizer is a SentencePiece BPE model file (FILE.model, which
 // scripts/tokenizer.py writes and LLaMA-2 ships as tokenizer.model), read here from its protobuf encoding.
 //
-// API. Functions that return std::string return "" on success, else the whole error message (which file, what was
-// found, what to do).
+// API. tokenizer_load returns "" on success, else the whole error message (which file, what was found, what to do).
 //   std::string tokenizer_load(Tokenizer* t, const std::string& path);
 //   std::string tokenizer_decode(const Tokenizer& t, const std::vector<int>& ids);   the text, as sentencepiece's decode
 //   std::vector<int> tokenizer_encode(const Tokenizer& t, const std::string& text);  the ids (no <s>), as its encode
