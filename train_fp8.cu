@@ -1096,7 +1096,8 @@ inline std::string train_find_tokenizer(const TrainOptions& o, const std::string
 
 // The tokenizer of the data into run->tokenizer, checked against the training data (whose loader is open), and the
 // samples' prompt: <s> and the tokenizer's ids of --prompt; without a tokenizer the bytes of --prompt, or, with a
-// vocabulary that is not bytes, the first tokens of the validation data (and an explicit --prompt is refused). A
+// vocabulary that is not bytes, none (train_open_logs takes the first tokens of the validation data; an explicit
+// --prompt is refused). A
 // tokenizer of N pieces needs data of vocabulary N: the shards' header hint, or, without one, every token below N (the
 // vocabulary is then N). A resumed run's copy is the tokenizer it was trained with: a --tokenizer must be the same file.
 inline void train_check_tokenizer(TrainRun* run, const TrainOptions& o) {
