@@ -69,7 +69,7 @@ NVCCFLAGS += -DATTENTION_HOPPER
 endif
 LDFLAGS := -L$(dir $(CUBLASLT_LIB)) -L$(dir $(NCCL_LIB)) -Xlinker -rpath,$(dir $(NCCL_LIB)) -lcublasLt -lnccl
 
-HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h checkpoint.h
+HEADERS := common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h tokenizer.h checkpoint.h
 # A change of PRECISION or GPU_ARCH must rebuild: the stamp holds the last build's settings, and is rewritten (by its
 # recipe, so that make -n only shows it) when they differ.
 STAMP := .build-settings
@@ -92,13 +92,15 @@ test_fp8: test_fp8.cu train_fp8.cu $(HEADERS) $(STAMP) Makefile
 train_fp8_bf16: train_fp8.cu $(HEADERS) $(STAMP) Makefile
 	$(NVCC) $(subst -DPRECISION_$(PRECISION),-DPRECISION_BF16,$(NVCCFLAGS)) -o $@ $< $(LDFLAGS)
 
-# (the tests run ./train_fp8 too: a resume refused by the program itself); scripts/study.sh's table maker on fixed logs and
-# scripts/plot_fp8_stats.py on synthetic CSVs first (host only; it reports SKIP without numpy and matplotlib)
+# (the tests run ./train_fp8 too: a resume refused by the program itself); scripts/study.sh's table maker on fixed logs,
+# scripts/plot_fp8_stats.py on synthetic CSVs and scripts/tokenizer.py on small texts first (host only; they report SKIP
+# without numpy and matplotlib, or sentencepiece)
 test: test_fp8 train_fp8
 	python3 scripts/results.py test
 	python3 scripts/results.py check README.md
 	scripts/study.sh test
 	python3 scripts/plot_fp8_stats.py test
+	python3 scripts/tokenizer.py test
 	./test_fp8
 
 # compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned

@@ -385,6 +385,8 @@ inline std::string checkpoint_header_problem(const CheckpointHeader& h) {
 constexpr size_t CKPT_IO_CHUNK = 16u << 20;
 
 inline std::string checkpoint_file_name(long step) { return strprintf("ckpt-%08ld.bin", step); }
+// The copy of the data's tokenizer that a run keeps in its folder DIR (none for bytes), for a resume and export.
+inline std::string run_tokenizer_path(const std::string& dir) { return dir + "/tokenizer.model"; }
 // The step of a checkpoint file's name ("ckpt-<digits>.bin"), or false.
 inline bool checkpoint_file_step(const std::string& name, long* step) {
     if (name.size() < 10 || name.size() > 24 || name.compare(0, 5, "ckpt-") != 0 || name.compare(name.size() - 4, 4, ".bin") != 0)
@@ -440,6 +442,9 @@ inline void write_file_durably(const std::string& path, const std::function<void
     if (rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename %s to %s: %s", tmp.c_str(), path.c_str(), strerror(errno));
     durable_write_in_progress().clear();
     fsync_folder(path_folder(path));
+}
+inline void write_text_durably(const std::string& path, const std::string& text) {
+    write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, text.data(), text.size(), tmp); });
 }
 
 // XXH64 of the next `bytes` bytes of f; false if the file ends first.
@@ -754,9 +759,12 @@ inline FILE* open_run_csv(const std::string& dir, const char* name, const char* 
 
 // ----------------------------------------------------------------------------------------------
 // 3. Export: a checkpoint's FP32 master weights, read on the host (no GPU needed), as
-//   --format hf       OUT_DIR/config.json and OUT_DIR/model.safetensors (BF16 or FP32): transformers' LlamaForCausalLM
+//   --format hf       OUT_DIR/config.json and OUT_DIR/model.safetensors (BF16 or FP32): transformers' LlamaForCausalLM;
+//                     with the run's tokenizer (RUN/tokenizer.model beside the checkpoint) also its files for AutoTokenizer:
+//                     tokenizer.model, tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json
 //   --format llama2c  OUT_DIR/model.bin, llama2.c's run.c format (7 x int32 config, then FP32 weights in its order),
-//                     and for a byte-level model OUT_DIR/tokenizer.bin: its 256 tokens, token i the byte i
+//                     and OUT_DIR/tokenizer.bin: the run's tokenizer's pieces (tokenizer_llama2c_bin), or for a
+//                     byte-level model its 256 tokens, token i the byte i
 // RoPE. Ours (Meta's LLaMA code, llama2.c) rotates each adjacent pair (2i, 2i+1) of a head by pos * theta^(-2i/HD);
 // transformers' rotate_half rotates (i, i + HD/2) by the same angle. Putting row 2i of each head of wq and wk at row
 // i and row 2i+1 at HD/2 + i turns one into the other: q and k come out in the new order, each rotated pair where
@@ -912,9 +920,14 @@ inline std::string safetensors_header(const std::vector<ExportTensor>& tensors, 
     return json;
 }
 
-// transformers' config.json of LlamaForCausalLM: untied embeddings, no biases, SiLU, the model's eps and theta.
-// There is no BOS or EOS token (the data has none).
-inline std::string hf_config_json(const ModelConfig& c, bool as_bf16) {
+// A special token's id in JSON, or null: none, or no tokenizer.
+inline std::string hf_token_id(const Tokenizer* tok, int id) { return tok && id >= 0 ? std::to_string(id) : "null"; }
+// A special token's piece as a JSON string, or null.
+inline std::string hf_token_piece(const Tokenizer& tok, int id) { return id >= 0 ? json_string(tok.pieces[id]) : "null"; }
+
+// transformers' config.json of LlamaForCausalLM: untied embeddings, no biases, SiLU, the model's eps and theta; the BOS and
+// EOS ids of the tokenizer `tok`, or none (bytes: the data has none).
+inline std::string hf_config_json(const ModelConfig& c, bool as_bf16, const Tokenizer* tok) {
     return strprintf(
         "{\n"
         "  \"architectures\": [\"LlamaForCausalLM\"],\n"
@@ -933,12 +946,34 @@ inline std::string hf_config_json(const ModelConfig& c, bool as_bf16) {
         "  \"attention_bias\": false,\n"
         "  \"mlp_bias\": false,\n"
         "  \"tie_word_embeddings\": false,\n"
-        "  \"bos_token_id\": null,\n"
-        "  \"eos_token_id\": null,\n"
+        "  \"bos_token_id\": %s,\n"
+        "  \"eos_token_id\": %s,\n"
         "  \"torch_dtype\": \"%s\"\n"
         "}\n",
         c.vocab_size, c.dim, c.ffn_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.max_seq_len,
-        json_float(c.norm_eps).c_str(), json_float(c.rope_theta).c_str(), as_bf16 ? "bfloat16" : "float32");
+        json_float(c.norm_eps).c_str(), json_float(c.rope_theta).c_str(), hf_token_id(tok, tok ? tok->bos_id : -1).c_str(),
+        hf_token_id(tok, tok ? tok->eos_id : -1).c_str(), as_bf16 ? "bfloat16" : "float32");
+}
+
+// The tokenizer's files for transformers, beside the model (AutoTokenizer.from_pretrained(OUT_DIR)): the model file as it
+// is (tokenizer.model: LlamaTokenizer with sentencepiece), tokenizer.json (the tokenizers library, no sentencepiece
+// needed: tokenizer_hf_json), the class and special tokens (tokenizer_config.json, special_tokens_map.json: <s> in
+// front of a text, as the data has it; legacy: sentencepiece's own handling of text after a special token), and
+// generation_config.json with the BOS and EOS ids (generate() stops at EOS).
+inline void export_hf_tokenizer(const Tokenizer& tok, const ModelConfig& c, const std::string& out_dir) {
+    const std::string bos = hf_token_piece(tok, tok.bos_id), eos = hf_token_piece(tok, tok.eos_id), unk = hf_token_piece(tok, tok.unk_id);
+    write_text_durably(out_dir + "/tokenizer.model", tok.file);
+    write_text_durably(out_dir + "/tokenizer.json", tokenizer_hf_json(tok));
+    write_text_durably(out_dir + "/tokenizer_config.json", strprintf(
+        "{\n  \"tokenizer_class\": \"LlamaTokenizer\",\n  \"bos_token\": %s,\n  \"eos_token\": %s,\n  \"unk_token\": %s,\n"
+        "  \"pad_token\": null,\n  \"add_bos_token\": %s,\n  \"add_eos_token\": false,\n  \"legacy\": true,\n"
+        "  \"clean_up_tokenization_spaces\": false,\n  \"model_max_length\": %d,\n  \"sp_model_kwargs\": {}\n}\n",
+        bos.c_str(), eos.c_str(), unk.c_str(), tok.bos_id >= 0 ? "true" : "false", c.max_seq_len));
+    write_text_durably(out_dir + "/special_tokens_map.json", strprintf(
+        "{\n  \"bos_token\": %s,\n  \"eos_token\": %s,\n  \"unk_token\": %s\n}\n", bos.c_str(), eos.c_str(), unk.c_str()));
+    write_text_durably(out_dir + "/generation_config.json", strprintf(
+        "{\n  \"bos_token_id\": %s,\n  \"eos_token_id\": %s\n}\n", hf_token_id(&tok, tok.bos_id).c_str(),
+        hf_token_id(&tok, tok.eos_id).c_str()));
 }
 
 // "" if the export may write into folder `dir`: a new folder, an empty one, or with --force (`force`) one that holds
@@ -981,6 +1016,17 @@ inline std::string export_checkpoint(const std::string& ckpt, const std::string&
     if (llama2c && (c.rope_theta != 10000.0f || c.norm_eps != 1e-5f))
         return strprintf("%s: the model has rope_theta %g and norm_eps %g; llama2.c's run.c has 10000 and 1e-5 built in: "
                          "export it with --format hf", path.c_str(), c.rope_theta, c.norm_eps);
+    Tokenizer tok;   // the run's (section 2), if it has one
+    const std::string tok_path = run_tokenizer_path(path_folder(path));
+    const bool has_tok = access(tok_path.c_str(), F_OK) == 0;
+    if (has_tok) {
+        err = tokenizer_load(&tok, tok_path);
+        if (!err.empty()) return err;
+        if (16 * ceil_div((long)tok.pieces.size(), 16) != c.vocab_size)
+            return strprintf("%s has %zu pieces, but the model of %s has vocabulary %d (the data's, padded to a multiple of 16): "
+                             "it is not the tokenizer the model was trained with; put that one there (tokenizer.model)",
+                             tok_path.c_str(), tok.pieces.size(), path.c_str(), c.vocab_size);
+    }
     const uint64_t master = checkpoint_master_offset(h);
     const int fd = open(path.c_str(), O_RDONLY);
     if (fd < 0) return strprintf("cannot open checkpoint %s: %s", path.c_str(), strerror(errno));
@@ -996,11 +1042,17 @@ inline std::string export_checkpoint(const std::string& ckpt, const std::string&
             for (const ExportTensor& t : tensors) export_write_tensor(f, tmp, fd, path, t, as_bf16);
         });
         close(fd);
-        const std::string config = hf_config_json(c, as_bf16);
-        write_file_durably(out_dir + "/config.json", [&](FILE* f, const std::string& tmp) { write_bytes(f, config.data(), config.size(), tmp); });
+        write_text_durably(out_dir + "/config.json", hf_config_json(c, as_bf16, has_tok ? &tok : nullptr));
         printf("wrote %s (%zu tensors, %s) and %s/config.json: LlamaForCausalLM.from_pretrained(\"%s\")%s\n", st.c_str(),
                tensors.size(), dtype.c_str(), out_dir.c_str(), out_dir.c_str(),
                bytes ? "; the model reads bytes: token id = byte value (README.md, Export)" : "");
+        if (has_tok) {
+            export_hf_tokenizer(tok, c, out_dir);
+            printf("wrote the tokenizer of %s: tokenizer.model, tokenizer.json, tokenizer_config.json, special_tokens_map.json, "
+                   "generation_config.json: AutoTokenizer.from_pretrained(\"%s\")\n", tok_path.c_str(), out_dir.c_str());
+        } else if (!bytes) {
+            printf("no tokenizer files: %s holds no tokenizer.model (a run keeps the one of its data there)\n", path_folder(path).c_str());
+        }
         return "";
     }
     std::vector<float> rope_cos, rope_sin;
@@ -1015,7 +1067,18 @@ inline std::string export_checkpoint(const std::string& ckpt, const std::string&
     });
     close(fd);
     printf("wrote %s (FP32)\n", bin.c_str());
-    if (bytes) {   // run.c's tokenizer.bin: max token length, then per token a score, a length and the bytes
+    if (has_tok) {
+        const std::string tok_bin = out_dir + "/tokenizer.bin";
+        write_text_durably(tok_bin, tokenizer_llama2c_bin(tok, c.vocab_size));
+        printf("wrote %s (the %zu pieces of %s): ./run %s -z %s -i \"In the beginning\"\n", tok_bin.c_str(), tok.pieces.size(),
+               tok_path.c_str(), bin.c_str(), tok_bin.c_str());
+        for (int b = 0; b < 256; b++)
+            if (tok.byte_ids[b] != b + 3) {   // run.c spells a character outside the vocabulary as the ids byte + 3
+                printf("note: %s does not hold the 256 byte pieces at ids 3-258, where run.c looks for them: a character that "
+                       "is no piece encodes wrongly in run.c's prompts\n", tok_path.c_str());
+                break;
+            }
+    } else if (bytes) {   // run.c's tokenizer.bin: max token length, then per token a score, a length and the bytes
         const std::string tok = out_dir + "/tokenizer.bin";
         write_file_durably(tok, [&](FILE* f, const std::string& tmp) {
             const int32_t max_len = 1, len = 1;

@@ -2,7 +2,8 @@
 //
 // Shard format (llm.c's): a header of 256 int32, then uint16 tokens.
 //   header[0] = 20240520 (magic)   header[1] = 1 (version)   header[2] = number of tokens
-//   header[3] = vocab hint: 256 in our byte shards, 0 (no hint) in llm.c's; the rest of the header is 0.
+//   header[3] = vocab hint: 256 in our byte shards, the tokenizer's size in prepare --vocab's (scripts/tokenizer.py),
+//                0 (no hint) in llm.c's; the rest of the header is 0.
 //
 // API. Functions that return std::string return "" on success, else the whole error message (which file,
 // what was expected, what was found, and what to do), so that tests can check each kind of failure.
@@ -182,7 +183,7 @@ inline bool read_exact(int fd, void* buf, size_t n, uint64_t offset) {
 // Open one shard and check its header and size, then read all its tokens for the largest one.
 // On success the shard stays open (sh->fd); on error it is closed.
 inline std::string shard_open(DataShard* sh, const char* path) {
-    const char* fix = "re-create it (./train_fp8 prepare TEXT PREFIX for bytes, or llm.c's dev/data scripts)";
+    const char* fix = "re-create it (./train_fp8 prepare TEXT PREFIX: bytes, or with --vocab N a tokenizer's tokens; or llm.c's dev/data scripts)";
     sh->path = path;
     sh->fd = open(path, O_RDONLY);
     if (sh->fd < 0) return strprintf("cannot open '%s': %s", path, strerror(errno));

@@ -22,7 +22,8 @@
 //                             model, SmoothQuant
 //  11. the data loader        dataloader.h: shards, shuffling, ranks, resume, text preparation, bad input
 //  12. the command line and checkpoints   train_fp8.cu 1, checkpoint.h 1-2: flags, the header, checkpoint files,
-//                                          CSV logs
+//                                          CSV logs; the tokenizer (tokenizer.h, scripts/tokenizer.py) and where
+//                                          training finds it
 //  13. export                 checkpoint.h 3: HF safetensors and llama2.c files read back and run in float64
 //  14. whole training runs    train_fp8.cu 2-3: resume, CUDA graphs, the profile, the tiny model against float64,
 //                             non-finite steps, a failed checkpoint write, evaluation and sampling
@@ -5375,9 +5376,9 @@ HOST_TEST(train_gpu_peak_table) {
 }
 
 HOST_TEST(train_tokens_to_text) {
-    std::string s = tokens_to_text({'I', 'n', ' ', 'a', '\n', 7, 200}, BYTE_VOCAB);
+    std::string s = tokens_to_text({'I', 'n', ' ', 'a', '\n', 7, 200}, BYTE_VOCAB, nullptr);
     expect(s == "In a\n\\x07\\xc8", "bytes to text: '%s'", s.c_str());
-    s = tokens_to_text({5, 31999}, 32000);
+    s = tokens_to_text({5, 31999}, 32000, nullptr);
     expect(s == "5 31999 ", "token ids: '%s'", s.c_str());
 }
 
@@ -6285,8 +6286,10 @@ HOST_TEST(train_output_a_person_can_follow) {
     struct Help { std::vector<std::string> args; std::vector<std::string> pieces; };
     const Help helps[] = {
         {{"export", "--help"}, {"usage: ", "export CKPT OUT_DIR", "--format hf|llama2c", "--dtype bf16|fp32", "[--force]", "  --force "}},
-        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX [--force]", "_train.bin", "  --force "}},
-        {{"--help"}, {"usage: ", "--dry-run", "SIGINT", "prepare TEXT OUT_PREFIX [--force]", "[--dtype bf16|fp32] [--force]"}},
+        {{"prepare", "--help"}, {"usage: ", "prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]", "_train.bin",
+                                 "  --force ", "  --vocab N ", "  --tokenizer FILE.model ", "scripts/requirements.txt"}},
+        {{"--help"}, {"usage: ", "--dry-run", "SIGINT", "prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]",
+                      "[--dtype bf16|fp32] [--force]"}},
     };
     for (const Help& h : helps) {
         std::string out, err;
@@ -6536,6 +6539,308 @@ static std::vector<std::string> log_rows_without_timing(const std::string& path)
         out.push_back(joined);
     }
     return out;
+}
+
+// ---- the tokenizer (tokenizer.h), prepare --vocab, and where training finds the tokenizer. Most tests read a
+// SentencePiece model written here by hand (protobuf's wire format), so they need no Python; the comparisons with
+// sentencepiece itself skip, saying so, where Python lacks it (make test installs nothing; CI installs it).
+
+static std::string proto_varint_bytes(uint64_t v) {
+    std::string s;
+    for (; v >= 0x80; v >>= 7) s += (char)(0x80 | (v & 0x7F));
+    return s + (char)v;
+}
+static std::string proto_bytes_field(int number, const std::string& bytes) {
+    return proto_varint_bytes((uint64_t)number << 3 | 2) + proto_varint_bytes(bytes.size()) + bytes;
+}
+static std::string proto_int_field(int number, int64_t v) { return proto_varint_bytes((uint64_t)number << 3) + proto_varint_bytes((uint64_t)v); }
+static std::string proto_float_field(int number, float v) {
+    return proto_varint_bytes((uint64_t)number << 3 | 5) + std::string((const char*)&v, 4);
+}
+struct TestPiece { std::string piece; float score; int type; };
+// A BPE model with byte fallback, normalized as LLaMA's: `pieces`, then the TrainerSpec's and NormalizerSpec's fields
+// (trainer: model type 2, byte fallback; normalizer: identity, dummy prefix, no whitespace removal) plus `trainer_extra`.
+static std::string test_tokenizer_model(const std::vector<TestPiece>& pieces, const std::string& trainer_extra = "",
+                                        const std::string& normalizer = proto_bytes_field(1, "identity") + proto_int_field(3, 1) +
+                                                                        proto_int_field(4, 0) + proto_int_field(5, 1)) {
+    std::string m;
+    for (const TestPiece& p : pieces)
+        m += proto_bytes_field(1, proto_bytes_field(1, p.piece) + proto_float_field(2, p.score) + proto_int_field(3, p.type));
+    return m + proto_bytes_field(2, proto_int_field(3, 2) + proto_int_field(35, 1) + trainer_extra) + proto_bytes_field(3, normalizer);
+}
+// The hand-made tokenizer's pieces: <unk> <s> </s>, the 256 bytes (ids 3-258), then characters and merges whose scores
+// make each rule of BPE show: "ab" (-1) before "bc" (-2), then "abc"; "aa" twice in a row, the leftmost first; the unused
+// "cd" merges and is split again unless "cde" follows; the user-defined "xy" is one symbol from the start, never merged
+// ("ax", the highest score, would otherwise take its "x").
+static std::vector<TestPiece> test_tokenizer_pieces() {
+    std::vector<TestPiece> p = {{"<unk>", 0, PIECE_UNKNOWN}, {"<s>", 0, PIECE_CONTROL}, {"</s>", 0, PIECE_CONTROL}};
+    for (int b = 0; b < 256; b++) p.push_back({strprintf("<0x%02X>", b), 0, PIECE_BYTE});
+    for (const char* c : {"\xe2\x96\x81", "a", "b", "c", "d", "e", "x", "y"}) p.push_back({c, -20, PIECE_NORMAL});
+    const TestPiece merges[] = {{"ab", -1, PIECE_NORMAL}, {"bc", -2, PIECE_NORMAL}, {"abc", -1.5f, PIECE_NORMAL},
+                                {"\xe2\x96\x81" "a", -3, PIECE_NORMAL}, {"aa", -4, PIECE_NORMAL}, {"cd", -5, PIECE_UNUSED},
+                                {"cde", -0.5f, PIECE_NORMAL}, {"ax", 0.5f, PIECE_NORMAL}, {"xy", 0, PIECE_USER_DEFINED}};
+    p.insert(p.end(), std::begin(merges), std::end(merges));
+    return p;
+}
+static void write_text_or_die(const std::string& path, const std::string& text) {
+    FILE* f = fopen(path.c_str(), "wb");
+    if (!f || fwrite(text.data(), 1, text.size(), f) != text.size()) fail("cannot write %s", path.c_str());
+    fclose(f);
+}
+static Tokenizer load_test_tokenizer(const std::string& path) {
+    Tokenizer t;
+    const std::string err = tokenizer_load(&t, path);
+    expect(err.empty(), "%s", err.c_str());
+    return t;
+}
+
+// The hand-made model encoded and decoded as sentencepiece does it (each expectation worked out from the rules of
+// tokenizer.h's comments), and each kind of bad model file refused naming the file and the fault.
+HOST_TEST(tokenizer_bpe_rules_by_hand) {
+    TempDir dir;
+    const std::vector<TestPiece> pieces = test_tokenizer_pieces();
+    write_text_or_die(dir.file("t.model"), test_tokenizer_model(pieces));
+    const Tokenizer t = load_test_tokenizer(dir.file("t.model"));
+    auto id = [&](const std::string& p) { for (size_t i = 0; i < pieces.size(); i++) if (pieces[i].piece == p) return (int)i; return -1; };
+    const std::string S = "\xe2\x96\x81";
+    struct Case { std::string text; std::vector<std::string> want; };
+    const Case cases[] = {
+        {"abcd", {S, "abc", "d"}},               // ab (-1) first, then abc (-1.5); bc (-2) never
+        {"baaa", {S, "b", "aa", "a"}},            // two aa pairs of equal score: the leftmost
+        {"cd", {S, "c", "d"}},                    // the unused cd split back
+        {"cde", {S, "cde"}},                      // cd, then cde
+        {"axy", {S + "a", "xy"}},                 // xy whole, so no ax; then ▁a
+        {"ab cd", {S, "ab", S, "c", "d"}},        // a space is a ▁ of its own here; cd split back
+        {" a", {S, S + "a"}},                     // the dummy prefix, then the text's own space
+        {"\xc3\xa9", {S, "<0xC3>", "<0xA9>"}},    // é is no piece: its UTF-8 bytes
+        {"a\xff", {S + "a", "<0xEF>", "<0xBF>", "<0xBD>"}},   // an invalid byte is read as U+FFFD
+        {"", {}},
+    };
+    for (const Case& c : cases) {
+        std::vector<int> want;
+        for (const std::string& p : c.want) want.push_back(p[0] == '<' && p.size() == 6 ? 3 + (int)strtol(p.c_str() + 3, nullptr, 16) : id(p));
+        const std::vector<int> got = tokenizer_encode(t, c.text);
+        std::string shown;
+        for (int i : got) shown += (shown.empty() ? "" : " ") + t.pieces[i];
+        printf("    encode %-10s -> %s\n", ("\"" + c.text + "\"").c_str(), shown.c_str());
+        expect(got == want, "encode \"%s\": got %s", c.text.c_str(), shown.c_str());
+    }
+    // decode: the dummy prefix's space dropped only at the start; bytes as UTF-8, each invalid one U+FFFD; <unk> and ids
+    // past the pieces (a padded vocabulary) as the unknown surface; <s> invisible
+    struct Dec { std::vector<int> ids; std::string want; };
+    const Dec decs[] = {
+        {{1, id(S), id("ab"), id(S), id("c"), id("d")}, "ab cd"},
+        {{id(S), id(S + "a")}, " a"},
+        {{3 + 0x0A, id(S + "a")}, "\n a"},
+        {{3 + 0xC3, 3 + 0xA9, id("a")}, "\xc3\xa9" "a"},
+        {{3 + 0xE2, 3 + 0x82, id("a")}, "\xef\xbf\xbd\xef\xbf\xbd" "a"},
+        {{0, 2, 5000, -1}, " \xe2\x81\x87  \xe2\x81\x87  \xe2\x81\x87 "},
+    };
+    for (const Dec& d : decs) {
+        const std::string got = tokenizer_decode(t, d.ids);
+        expect(got == d.want, "decode: got \"%s\", want \"%s\"", got.c_str(), d.want.c_str());
+    }
+    for (const std::string s : {"abcd baaa cde  axy", " leading and trailing ", "tab\tnewline\n\xc3\xa9 \xf0\x9f\x99\x82 \xe6\x97\xa5"})
+        expect(tokenizer_decode(t, tokenizer_encode(t, s)) == s, "round trip of \"%s\": \"%s\"", s.c_str(),
+               tokenizer_decode(t, tokenizer_encode(t, s)).c_str());
+    // the bad files
+    std::vector<TestPiece> no_byte = pieces, twice = pieces, empty = pieces;
+    no_byte.erase(no_byte.begin() + 3 + 0x41);
+    twice.push_back({"ab", -9, PIECE_NORMAL});
+    empty[270].piece = "";
+    const std::string good = test_tokenizer_model(pieces);
+    struct Bad { const char* what; std::string bytes; std::vector<std::string> pieces; };
+    const Bad bad[] = {
+        {"truncated", good.substr(0, good.size() - 7), {"not a SentencePiece model", "malformed"}},
+        {"no pieces", proto_bytes_field(2, proto_int_field(3, 2)), {"holds no pieces"}},
+        {"unigram", test_tokenizer_model(pieces, proto_int_field(3, 1)), {"unigram", "--vocab N"}},
+        {"NFKC", test_tokenizer_model(pieces, "", proto_bytes_field(1, "nmt_nfkc") + proto_bytes_field(2, "map")),
+         {"normalizes", "nmt_nfkc", "character map", "extra spaces removed"}},
+        {"a byte missing", test_tokenizer_model(no_byte), {"byte 0x41"}},
+        {"a piece twice", test_tokenizer_model(twice), {"'ab' is there twice"}},
+        {"an empty piece", test_tokenizer_model(empty), {"piece 270 is empty"}},
+        {"no unknown", test_tokenizer_model(pieces, proto_int_field(40, 5)), {"unknown piece (id 5)"}},
+    };
+    for (const Bad& b : bad) {
+        write_text_or_die(dir.file("bad.model"), b.bytes);
+        Tokenizer u;
+        const std::string err = tokenizer_load(&u, dir.file("bad.model"));
+        printf("    %-14s -> %s\n", b.what, err.c_str());
+        std::vector<std::string> want = b.pieces;
+        want.push_back(dir.file("bad.model"));
+        const std::string missing = error_pieces_missing(err, want);
+        expect(!err.empty() && missing.empty(), "%s: the refusal lacks %s", b.what, missing.c_str());
+    }
+    Tokenizer u;
+    const std::string err = tokenizer_load(&u, dir.file("none.model"));
+    expect(err.find("cannot read tokenizer") != std::string::npos && err.find("none.model") != std::string::npos, "a missing file: %s", err.c_str());
+}
+
+// True if python3 imports every module of `modules`; else false and the test skips, saying what to install.
+static bool python_has(const std::vector<std::string>& modules, const std::string& scratch, const char* install) {
+    for (const std::string& m : modules)
+        if (run_program("python3", {"-c", "import " + m}, scratch, nullptr, nullptr) != 0) {
+            skip_test(strprintf("python3 lacks %s: %s", m.c_str(), install));
+            return false;
+        }
+    return true;
+}
+// The ids of `text` by sentencepiece (scripts/tokenizer.py encode).
+static std::vector<int> sentencepiece_encode(const std::string& model, const std::string& text, const TempDir& scratch) {
+    write_text_or_die(scratch.file("text.txt"), text);
+    std::string out;
+    run_program("python3", {"scripts/tokenizer.py", "encode", model, scratch.file("text.txt")}, scratch.file("encode"), &out, nullptr);
+    std::vector<int> ids;
+    for (const char* p = out.c_str(); *p;) {
+        char* end;
+        const long v = strtol(p, &end, 10);
+        if (end == p) break;
+        ids.push_back((int)v);
+        p = end;
+    }
+    return ids;
+}
+
+// prepare --vocab N (python3 scripts/tokenizer.py, by way of ./train_fp8 prepare) on a text with characters the tokenizer
+// never sees in training: the shards' header names N and the loader takes it; the shards decode back to the text exactly;
+// and this file's encoding and decoding match sentencepiece's own on samples of the text, unseen characters and random ids.
+HOST_TEST(tokenizer_matches_sentencepiece) {
+    TempDir dir;
+    if (!python_has({"sentencepiece"}, dir.file("py"), "pip install -r scripts/requirements.txt")) return;
+    std::string text = synthetic_text(40000, TEST_SEED) + "Ge1:1 12345 \xc3\xa9t\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac, tabs\tand  spaces\n";
+    write_text_or_die(dir.file("t.txt"), text);
+    std::string out, err;
+    int status = run_program(train_fp8_binary(), {"prepare", dir.file("t.txt"), dir.file("t"), "--vocab", "400"}, dir.file("prep"), &out, &err);
+    printf("%s", out.c_str());
+    expect(status == 0 && out.find("vocab 400") != std::string::npos, "prepare --vocab 400: exit %d: %s", status, err.c_str());
+    if (status != 0) return;
+    int32_t h_train[SHARD_HEADER_INTS], h_val[SHARD_HEADER_INTS];
+    std::vector<uint16_t> train = read_shard_tokens(dir.file("t_train.bin"), h_train), val = read_shard_tokens(dir.file("t_val.bin"), h_val);
+    expect(h_train[3] == 400 && h_val[3] == 400, "the shards' headers name vocabulary %d and %d, want 400", h_train[3], h_val[3]);
+    DataLoader dl;
+    err = dataloader_open(&dl, dir.file("t_train.bin").c_str(), 2, 16, 0, 1, 0, false, 0);
+    expect(err.empty() && dl.vocab_size == 400 && dl.vocab_source == "from the shard header", "the loader's vocabulary: %d (%s) %s",
+           dl.vocab_size, dl.vocab_source.c_str(), err.c_str());
+    dataloader_free(&dl);
+    const Tokenizer t = load_test_tokenizer(dir.file("t.model"));
+    std::vector<int> ids(train.begin(), train.end());
+    ids.insert(ids.end(), val.begin(), val.end());
+    expect(ids.size() > 1 && ids[0] == t.bos_id && tokenizer_decode(t, ids) == text, "the shards do not decode to the text (%zu tokens)", ids.size());
+    const std::vector<std::string> samples = {"In the beginning", text.substr(1000, 3000), " a leading space", "two  spaces\tand a tab\n",
+                                              "unseen: \xc3\xa9\xc3\xa0 \xe2\x98\x83 \xf0\x9f\x99\x82 \xc2\xbd", "1:17 and 2024", ""};
+    int matched = 0;
+    for (const std::string& s : samples) {
+        const std::vector<int> want = sentencepiece_encode(dir.file("t.model"), s, dir), got = tokenizer_encode(t, s);
+        matched += got == want;
+        expect(got == want, "encode \"%.40s\": %zu ids here, %zu by sentencepiece", s.c_str(), got.size(), want.size());
+    }
+    printf("    encode: %d of %zu samples as sentencepiece's\n", matched, samples.size());
+    uint64_t rng = TEST_SEED;
+    matched = 0;
+    for (int k = 0; k < 6; k++) {   // random ids, and runs of byte pieces (invalid UTF-8 among them)
+        std::vector<int> r;
+        for (int i = 0; i < 40; i++) r.push_back(k % 2 ? 3 + (int)random_below(&rng, 256) : (int)random_below(&rng, 400));
+        if (k == 4) r.insert(r.begin(), t.bos_id);
+        std::string line;
+        for (int i : r) line += std::to_string(i) + " ";
+        write_text_or_die(dir.file("ids.txt"), line);
+        const int s = run_program("sh", {"-c", "python3 scripts/tokenizer.py decode " + dir.file("t.model") + " < " + dir.file("ids.txt")},
+                                  dir.file("decode"), &out, nullptr);
+        matched += s == 0 && tokenizer_decode(t, r) == out;
+        expect(s == 0 && tokenizer_decode(t, r) == out, "decode of random ids %d: \"%s\" here, \"%s\" by sentencepiece", k,
+               tokenizer_decode(t, r).c_str(), out.c_str());
+    }
+    printf("    decode: %d of 6 random id lists as sentencepiece's\n", matched);
+}
+
+
+// The hand-made tokenizer's shards in `dir`: NAME_train.bin and NAME_val.bin, <s> and the tokens of the synthetic text
+// (50000 and 10000 bytes), their headers naming `hint`; the model as NAME.model unless model_name says otherwise ("": none).
+static Tokenizer write_tokenized_corpus(const TempDir& dir, const std::string& name, int hint, const std::string& model_name) {
+    const std::string model = dir.file("hand.model");
+    write_text_or_die(model, test_tokenizer_model(test_tokenizer_pieces()));
+    const Tokenizer t = load_test_tokenizer(model);
+    const std::string text = synthetic_text(60000, TEST_SEED);
+    std::vector<uint16_t> train = {(uint16_t)t.bos_id}, val;
+    for (int id : tokenizer_encode(t, text.substr(0, 50000))) train.push_back((uint16_t)id);
+    for (int id : tokenizer_encode(t, text.substr(50000))) val.push_back((uint16_t)id);
+    write_shard_or_die(dir.file((name + "_train.bin").c_str()), train, hint);
+    write_shard_or_die(dir.file((name + "_val.bin").c_str()), val, hint);
+    if (model_name.empty()) remove(model.c_str());
+    else if (model_name != "hand.model") rename(model.c_str(), dir.file(model_name.c_str()).c_str());
+    return t;
+}
+
+// Where training finds the tokenizer and what it checks, all before any GPU work: PREFIX.model beside PREFIX_train.bin,
+// the prompt then <s> and the tokenizer's ids of --prompt; shards without a vocabulary in their header take the
+// tokenizer's (tokenizer.model in their folder); the run's copy written once. Refused, naming the files: a --tokenizer of
+// another vocabulary, a --prompt with no tokenizer for data that is not bytes, a --tokenizer other than the resumed run's.
+HOST_TEST(train_finds_the_tokenizer) {
+    TempDir data, bare, plain, run, resumed;
+    const Tokenizer t = write_tokenized_corpus(data, "tk", 276, "tk.model");
+    const std::vector<std::string> flags = {"--model", "tiny", "--batch", "4", "--seq", "32"};
+    auto args = [&](const TempDir& d, const std::string& name, std::vector<std::string> more) {
+        std::vector<std::string> a = flags;
+        a.insert(a.end(), {"--data", d.file((name + "_train.bin").c_str()), "--val-data", d.file((name + "_val.bin").c_str())});
+        a.insert(a.end(), more.begin(), more.end());
+        return a;
+    };
+    std::string out;
+    int status = run_program(train_fp8_binary(), args(data, "tk", {"--prompt", "abcd", "--dry-run"}), data.file("found"), &out, nullptr);
+    expect(status == 0 && out.find("tokenizer: " + data.file("tk.model")) != std::string::npos, "the tokenizer beside the shards "
+           "was not found (exit %d): %s", status, out.c_str());
+    if (status != 0) return;   // the checks below would end this process
+    TrainOptions o;
+    std::string err = parse_list(args(data, "tk", {"--prompt", "abcd"}), &o);
+    expect(err.empty(), "%s", err.c_str());
+    TrainRun r;
+    train_check_inputs(&r, o);
+    const std::vector<int> want_prompt = {t.bos_id, (int)t.mergeable.at("\xe2\x96\x81"), (int)t.mergeable.at("abc"), (int)t.mergeable.at("d")};
+    expect(r.tokenizer.path == data.file("tk.model") && r.V == 276 && r.prompt == want_prompt,
+           "beside the shards: tokenizer '%s', vocab %d, a prompt of %zu ids (want <s> ▁ abc d)", r.tokenizer.path.c_str(), r.V, r.prompt.size());
+    // bits per byte: the evaluated targets, the validation tokens 1 .. E B T in order, stand for the bytes they decode to
+    // (one more where the first starts with the "▁" that decoding drops)
+    int32_t header[SHARD_HEADER_INTS];
+    const std::vector<uint16_t> val = read_shard_tokens(data.file("tk_val.bin"), header);
+    const size_t n = (size_t)r.eval_batches * 4 * 32;
+    const double decoded = n < val.size() ? (double)tokenizer_decode(t, std::vector<int>(val.begin() + 1, val.begin() + 1 + n)).size() : 0;
+    printf("    %d batches evaluated: %.4f bytes a token; %zu targets decode to %.0f bytes\n", r.eval_batches, r.val_bytes_per_token, n, decoded);
+    expect(decoded > 0 && fabs(r.val_bytes_per_token * (double)n - decoded) <= 1.0, "bytes a token %.6f x %zu, want %.0f", r.val_bytes_per_token,
+           n, decoded);
+    train_keep_tokenizer(r, run.path);
+    struct stat first, second;
+    stat(run_tokenizer_path(run.path).c_str(), &first);
+    train_keep_tokenizer(r, run.path);
+    stat(run_tokenizer_path(run.path).c_str(), &second);
+    const std::vector<char> copy = read_whole_file(run_tokenizer_path(run.path));
+    expect(std::string(copy.begin(), copy.end()) == t.file && first.st_mtim.tv_nsec == second.st_mtim.tv_nsec &&
+           first.st_mtim.tv_sec == second.st_mtim.tv_sec, "the run's copy: written once, the same bytes");
+    dataloader_free(&r.train_data);
+    dataloader_free(&r.val_data);
+    // no header hint: the vocabulary of tokenizer.model in the shards' folder
+    write_tokenized_corpus(bare, "x", 0, "tokenizer.model");
+    err = parse_list(args(bare, "x", {}), &o);
+    TrainRun h;
+    train_check_inputs(&h, o);
+    expect(err.empty() && h.V == 276 && h.train_data.vocab_source.find("of the tokenizer") != std::string::npos && h.prompt.size() > 1,
+           "no hint: vocab %d (%s), want 276 of the tokenizer", h.V, h.train_data.vocab_source.c_str());
+    dataloader_free(&h.train_data);
+    dataloader_free(&h.val_data);
+    // the refusals
+    write_tokenized_corpus(plain, "p", 276, "");
+    std::vector<TestPiece> more = test_tokenizer_pieces();
+    more.push_back({"zz", -30, PIECE_NORMAL});
+    write_text_or_die(bare.file("other.model"), test_tokenizer_model(more));
+    write_text_or_die(run_tokenizer_path(resumed.path), test_tokenizer_model(more));   // a run folder with another tokenizer
+    expect_train_fp8_refuses("another vocabulary", args(data, "tk", {"--tokenizer", bare.file("other.model"), "--dry-run"}),
+                             {bare.file("other.model"), "277 pieces", "vocabulary 276", "--tokenizer FILE.model"}, data.file("err"));
+    expect_train_fp8_refuses("--prompt, no tokenizer", args(plain, "p", {"--prompt", "abc", "--dry-run"}),
+                             {"--prompt needs the tokenizer", plain.file("p.model"), "--tokenizer FILE.model"}, data.file("err"));
+    expect_train_fp8_refuses("not the run's", args(data, "tk", {"--tokenizer", data.file("tk.model"), "--resume", resumed.path, "--dry-run"}),
+                             {data.file("tk.model"), run_tokenizer_path(resumed.path), "drop --tokenizer"}, data.file("err"));
+    status = run_program(train_fp8_binary(), args(plain, "p", {"--dry-run"}), data.file("dry"), &out, nullptr);
+    expect(status == 0 && out.find("tokenizer: none found") != std::string::npos && out.find("print token ids") != std::string::npos,
+           "no tokenizer: samples of ids, said at the start (exit %d): %s", status, out.c_str());
 }
 
 // ==============================================================================================
@@ -6908,6 +7213,135 @@ HOST_TEST(export_llama2c_round_trip) {
            "a 32-token vocabulary: model.bin and no tokenizer.bin (%s)", err.c_str());
 }
 
+// A run with a tokenizer exports it. llama2.c: tokenizer.bin read back as run.c reads it (every piece with "▁" a space,
+// <s> and </s> as llama2.c writes them, the ids up to the padded vocabulary). transformers: tokenizer.model the same bytes,
+// tokenizer.json's vocabulary, merges (each split of a piece into two pieces, in the order generate_merges gives) and
+// byte fallback, tokenizer_config.json's class and special tokens, and the BOS and EOS ids of generation_config.json and
+// config.json. A tokenizer of another vocabulary is refused.
+HOST_TEST(export_carries_the_tokenizer) {
+    TempDir run, l2c, hf;
+    const std::vector<TestPiece> pieces = test_tokenizer_pieces();
+    write_text_or_die(run_tokenizer_path(run.path), test_tokenizer_model(pieces));
+    const Tokenizer t = load_test_tokenizer(run_tokenizer_path(run.path));
+    const ModelConfig c = export_test_config((int)pieces.size());
+    expect(c.vocab_size == 288, "276 pieces pad to vocabulary %d, want 288", c.vocab_size);
+    write_host_checkpoint(run.path, export_test_header(c, 1), export_test_weights(c), 2);
+    std::string err = export_checkpoint(run.path, l2c.path, "llama2c", "fp32", false);
+    expect(err.empty(), "export --format llama2c: %s", err.c_str());
+    const std::vector<char> bin = read_whole_file(l2c.file("tokenizer.bin"));
+    size_t at = 4;
+    int32_t max_len = -1;
+    if (bin.size() >= 4) memcpy(&max_len, bin.data(), 4);
+    std::vector<std::string> tokens;
+    std::vector<float> scores;
+    while (at + 8 <= bin.size()) {   // run.c's read: score, length, bytes
+        float score;
+        int32_t len;
+        memcpy(&score, bin.data() + at, 4);
+        memcpy(&len, bin.data() + at + 4, 4);
+        at += 8;
+        if (len < 1 || at + len > bin.size()) break;
+        tokens.emplace_back(bin.data() + at, (size_t)len);
+        scores.push_back(score);
+        at += len;
+    }
+    bool ok = at == bin.size() && tokens.size() == 288 && max_len == 8;   // "<pad287>"
+    for (size_t i = 0; ok && i < pieces.size(); i++) {
+        std::string want = i == 1 ? "\n<s>\n" : i == 2 ? "\n</s>\n" : pieces[i].piece;
+        if (want.rfind("\xe2\x96\x81", 0) == 0) want = " " + want.substr(3);
+        ok = tokens[i] == want && scores[i] == pieces[i].score;
+    }
+    for (size_t i = pieces.size(); ok && i < tokens.size(); i++) ok = tokens[i] == strprintf("<pad%zu>", i) && scores[i] < -1e8f;
+    printf("    tokenizer.bin: %zu tokens, max length %d: %s\n", tokens.size(), max_len, ok ? "every piece, then the padding" : "WRONG");
+    expect(ok, "tokenizer.bin is not the tokenizer's pieces padded to 288 (read %zu of %zu bytes)", at, bin.size());
+    err = export_checkpoint(run.path, hf.path, "hf", "bf16", false);
+    expect(err.empty(), "export --format hf: %s", err.c_str());
+    const std::vector<char> model = read_whole_file(hf.file("tokenizer.model"));
+    expect(std::string(model.begin(), model.end()) == t.file, "tokenizer.model is not the run's tokenizer");
+    auto json_of = [&](const char* name) {
+        const std::vector<char> bytes = read_whole_file(hf.file(name));
+        bool parsed;
+        Json j = json_parse_all(std::string(bytes.begin(), bytes.end()), &parsed);
+        expect(parsed, "%s is not JSON", name);
+        return j;
+    };
+    auto is_text = [](const Json* j, const char* text) { return j && j->kind == Json::STRING && j->text == text; };
+    auto is_number = [](const Json* j, double v) { return j && j->kind == Json::NUMBER && j->number == v; };
+    const Json config = json_of("tokenizer_config.json"), special = json_of("special_tokens_map.json");
+    const Json gen = json_of("generation_config.json"), model_config = json_of("config.json"), tj = json_of("tokenizer.json");
+    expect(is_text(config.get("tokenizer_class"), "LlamaTokenizer") && is_text(config.get("bos_token"), "<s>") &&
+           is_text(config.get("eos_token"), "</s>") && is_text(config.get("unk_token"), "<unk>") &&
+           is_text(special.get("bos_token"), "<s>") && is_text(special.get("eos_token"), "</s>"),
+           "tokenizer_config.json / special_tokens_map.json: the class or the special tokens are wrong");
+    expect(is_number(gen.get("bos_token_id"), 1) && is_number(gen.get("eos_token_id"), 2) &&
+           is_number(model_config.get("bos_token_id"), 1) && is_number(model_config.get("eos_token_id"), 2),
+           "generation_config.json and config.json: BOS 1 and EOS 2");
+    const Json* m = tj.get("model");
+    const Json* vocab = m ? m->get("vocab") : nullptr;
+    const Json* merges = m ? m->get("merges") : nullptr;
+    std::vector<std::string> merge_list;
+    for (size_t i = 0; merges && i < merges->items.size(); i++)
+        if (merges->items[i].items.size() == 2) merge_list.push_back(merges->items[i].items[0].text + " " + merges->items[i].items[1].text);
+    const std::vector<std::string> want_merges = {"a b", "b c", "a bc", "ab c", "\xe2\x96\x81 a", "a a", "c d", "cd e", "a x", "x y"};
+    bool vocab_ok = vocab && vocab->members.size() == pieces.size();
+    for (size_t i = 0; vocab_ok && i < pieces.size(); i++)
+        vocab_ok = vocab->members[i].first == pieces[i].piece && vocab->members[i].second.number == (double)i;
+    expect(m && is_text(m->get("type"), "BPE") && m->get("byte_fallback") && m->get("byte_fallback")->boolean && vocab_ok,
+           "tokenizer.json: a BPE model with byte fallback over the 276 pieces, in id order");
+    std::string shown;
+    for (const std::string& s : merge_list) shown += "[" + s + "] ";
+    printf("    tokenizer.json merges: %s\n", shown.c_str());
+    expect(merge_list == want_merges, "tokenizer.json's merges: %s", shown.c_str());
+    // a tokenizer of 300 pieces for a model of vocabulary 288: refused
+    std::vector<TestPiece> longer = pieces;
+    for (int i = 0; i < 24; i++) longer.push_back({strprintf("z%d", i), -40.0f - i, PIECE_NORMAL});
+    write_text_or_die(run_tokenizer_path(run.path), test_tokenizer_model(longer));
+    TempDir refused;
+    err = export_checkpoint(run.path, refused.path + "/out", "hf", "bf16", false);
+    printf("    another tokenizer: %s\n", err.c_str());
+    expect(err.find("300 pieces") != std::string::npos && err.find("vocabulary 288") != std::string::npos &&
+           err.find(run_tokenizer_path(run.path)) != std::string::npos, "a tokenizer of another vocabulary should be refused: '%s'", err.c_str());
+}
+
+// transformers' AutoTokenizer loads the HF export of a run whose tokenizer prepare --vocab trained (which needs
+// sentencepiece; transformers needs neither it nor protobuf for tokenizer.json) and encodes and decodes as this program
+// does. Texts that begin with a space aside: transformers 5's LlamaTokenizer puts no "▁" before one, sentencepiece does.
+HOST_TEST(export_tokenizer_loads_in_transformers) {
+    TempDir run, trained, out;
+    if (!python_has({"sentencepiece", "transformers"}, trained.file("py"), "pip install -r scripts/requirements.txt, pip install transformers")) return;
+    write_text_or_die(trained.file("t.txt"), synthetic_text(40000, TEST_SEED) + "\xc3\xa9t\xc3\xa9 12345\n");
+    std::string text;
+    int status = run_program(train_fp8_binary(), {"prepare", trained.file("t.txt"), trained.file("t"), "--vocab", "400"},
+                             trained.file("prep"), nullptr, &text);
+    expect(status == 0, "prepare --vocab 400: %s", text.c_str());
+    if (status != 0) return;
+    rename(trained.file("t.model").c_str(), run_tokenizer_path(run.path).c_str());
+    const Tokenizer tt = load_test_tokenizer(run_tokenizer_path(run.path));
+    const ModelConfig c400 = export_test_config(400);
+    write_host_checkpoint(run.path, export_test_header(c400, 1), export_test_weights(c400), 2);
+    std::string err = export_checkpoint(run.path, out.path, "hf", "bf16", false);
+    expect(err.empty(), "export of the trained tokenizer: %s", err.c_str());
+    const std::vector<std::string> samples = {"In the beginning", "And the lord said unto him, let there be light.\nAnd",
+                                              "unseen \xc3\xa9\xe2\x98\x83 12345", "two  spaces\tand a tab"};
+    std::string code = "import sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+                       "for s in sys.argv[2:]:\n    ids = tok(s)['input_ids']\n"
+                       "    print(' '.join(map(str, ids)) + '|' + str(tok.decode(ids, skip_special_tokens=True) == s))\n";
+    std::vector<std::string> args = {"-c", code, out.path};
+    args.insert(args.end(), samples.begin(), samples.end());
+    status = run_program("python3", args, trained.file("hf"), &text, &err);
+    std::vector<std::string> lines;
+    for (size_t s = 0, e; (e = text.find('\n', s)) != std::string::npos; s = e + 1) lines.push_back(text.substr(s, e - s));
+    expect(status == 0 && lines.size() == samples.size(), "AutoTokenizer.from_pretrained(%s) failed (exit %d): %s", out.path.c_str(), status,
+           err.c_str());
+    for (size_t i = 0; status == 0 && i < samples.size() && i < lines.size(); i++) {
+        std::string want;
+        for (int id : tokenizer_encode(tt, samples[i])) want += " " + std::to_string(id);
+        want = std::to_string(tt.bos_id) + want + "|True";
+        expect(lines[i] == want, "AutoTokenizer on \"%s\": %s, this program: %s", samples[i].c_str(), lines[i].c_str(), want.c_str());
+    }
+    printf("    AutoTokenizer.from_pretrained: %zu texts encoded as here, with <s>, and decoded back\n", lines.size());
+}
+
 HOST_TEST(export_refuses_bad_input) {
     TempDir run, out;
     const ModelConfig c = export_test_config(32);
@@ -7053,8 +7487,20 @@ HOST_TEST(export_refuses_output_paths) {
     expect(err.empty() && o.prepare && o.force && o.prepare_prefix == "data/a", "prepare --force: '%s'", err.c_str());
     err = parse_list({"prepare", "a.txt", "data/a"}, &o);
     expect(err.empty() && o.prepare && !o.force, "prepare without --force: '%s'", err.c_str());
-    err = parse_list({"prepare", "a.txt", "data/a", "--batch"}, &o);
-    expect(err.find("usage: prepare TEXT OUT_PREFIX [--force]") != std::string::npos, "prepare with another flag: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--batch", "2"}, &o);
+    expect(err.find("prepare takes only --vocab, --tokenizer and --force, not --batch") != std::string::npos, "prepare with another flag: '%s'",
+           err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--vocab", "4096", "--force"}, &o);
+    expect(err.empty() && o.prepare && o.vocab == 4096 && o.force && o.tokenizer.empty(), "prepare --vocab 4096 --force: '%s'", err.c_str());
+    err = parse_list({"prepare", "a.txt", "data/a", "--tokenizer", "llama.model"}, &o);
+    expect(err.empty() && o.vocab == BYTE_VOCAB && o.tokenizer == "llama.model", "prepare --tokenizer: '%s'", err.c_str());
+    for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
+             {"prepare", "a.txt", "data/a", "--vocab", "4096", "--tokenizer", "llama.model"}, {"prepare", "a.txt", "data/a", "--dry-run"},
+             {"prepare", "a.txt", "--vocab", "4096"}, {"--vocab", "4096"}, {"prepare", "a.txt", "data/a", "--vocab", "100"}}) {
+        err = parse_list(bad, &o);
+        printf("    %-50s -> %s\n", (bad[0] + " " + bad[1] + " ... " + bad.back()).c_str(), err.c_str());
+        expect(!err.empty(), "should be refused: %s ... %s", bad[0].c_str(), bad.back().c_str());
+    }
     err = parse_list({"--force"}, &o);
     expect(err.find("--force is an option of export and prepare") != std::string::npos, "--force in training: '%s'", err.c_str());
 }

@@ -1,6 +1,8 @@
 // train_fp8.cu: the training program. LLaMA-2 pretraining on one GPU or tensor-parallel over the GPUs of one
 // machine (--tp N: one host thread per GPU, NCCL), FP8 or BF16 by build.
-//   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%)
+//   ./train_fp8 prepare TEXT OUT_PREFIX     any text file -> byte-level token shards (train 90%, val 10%); with
+//                                            --vocab N or --tokenizer FILE.model, tokens of a SentencePiece tokenizer
+//                                            (scripts/tokenizer.py)
 //   ./train_fp8 [flags]                      train (./train_fp8 --help lists the flags and their defaults;
 //                                            --dry-run makes every check that needs no GPU, and stops there)
 //   ./train_fp8 export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32]   the model for transformers / llama2.c
@@ -23,6 +25,7 @@
 #include "llama2.cuh"
 #include "adamw_fp8.cuh"
 #include "dataloader.h"
+#include "tokenizer.h"
 #include <chrono>
 #include <numeric>
 #include <functional>
@@ -75,6 +78,8 @@ struct TrainOptions {
     int eval_batches = 20;
     int sample_every = 250;                  // 0 = never
     int sample_tokens = 256;
+    std::string prompt = "In the beginning";   // the samples' first words (with a tokenizer or bytes)
+    std::string tokenizer;                   // FILE.model; empty: beside the data, or the resumed run's copy (train_find_tokenizer)
     float temperature = 0.8f;                // 0 = greedy
     int checkpoint_every = 500;              // 0 = only at the end (checkpoints need --out)
     int keep_checkpoints = 2;                // the newest K checkpoint files stay; 0 = all
@@ -113,6 +118,7 @@ struct TrainOptions {
     // prepare subcommand
     bool prepare = false;
     std::string prepare_text, prepare_prefix;
+    int vocab = BYTE_VOCAB;                  // prepare: 256 = bytes; else train a SentencePiece tokenizer of this size
     // export subcommand (checkpoint.h, section 3)
     bool do_export = false;
     std::string export_ckpt, export_dir;
@@ -174,6 +180,8 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--sample-every", "N", "print a sample every N steps (0 = never)", &o->sample_every, 0, BIG),
         flag_int("--sample-tokens", "N", "tokens per sample", &o->sample_tokens, 1, BIG),
         flag_float("--temperature", "X", "sampling temperature (0 = greedy)", &o->temperature, 0, 100),
+        flag_string("--prompt", "TEXT", "the samples' first words, encoded by the tokenizer (or as bytes); <s> goes first", &o->prompt),
+        flag_string("--tokenizer", "FILE.model", "the data's SentencePiece tokenizer: decodes the samples, encodes --prompt, copied to DIR/tokenizer.model for resume and export (default: PREFIX.model beside the first --data shard PREFIX_train*.bin, else tokenizer.model there; a resumed run's copy). prepare: encode TEXT with it", &o->tokenizer),
         flag_int("--checkpoint-every", "N", "checkpoint every N steps, and at the end (0 = end only; needs --out)", &o->checkpoint_every, 0, BIG),
         flag_int("--keep-checkpoints", "K", "keep the newest K checkpoints (and DIR/latest naming the newest); 0 = all", &o->keep_checkpoints, 0, BIG),
         flag_string("--resume", "DIR|FILE", "continue from DIR's newest checkpoint (DIR/latest), or from a checkpoint file (--out defaults to its folder)", &o->resume),
@@ -197,6 +205,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_string("--format", "hf|llama2c", "export only: transformers (config.json + model.safetensors) or llama2.c (model.bin + tokenizer.bin)", &o->export_format),
         flag_string("--dtype", "bf16|fp32", "export only: the weights' type (hf: bf16; llama2c: fp32 only)", &o->export_dtype),
         flag_switch("--force", "export and prepare only: write into an OUT_DIR that holds files, or over existing OUT_PREFIX shards", &o->force),
+        flag_int("--vocab", "N", "prepare only: train a SentencePiece BPE tokenizer of N pieces on TEXT, as LLaMA-2's (scripts/tokenizer.py; 256: bytes, no tokenizer)", &o->vocab, BYTE_VOCAB, 65536),
         flag_float("--smooth-quant", "ALPHA", "SmoothQuant for the FP8 linears: X/s and W*s per input channel, s = amax(X)^ALPHA / amax(W)^(1-ALPHA) (X's of the last step) rounded to a power of two, new with the weights every step (0 = off; FP8 build)", &o->smooth_quant, 0, 1),
         flag_float("--qkv-clip", "C", "clamp the QKV projection's output to [-C, C] before RoPE; no gradient where clamped (0 = off)", &o->qkv_clip, 0, 1e30),
         flag_switch("--qk-norm", "RMSNorm with a learned weight on each head of Q and of K before RoPE (one [head_dim] weight for Q and one for K per layer; not with --tp > 1, not exportable)", &o->qk_norm),
@@ -231,10 +240,13 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
                 if (strcmp(f.name, name) == 0) printf("  %-22s %s\n", usage(f).c_str(), f.help);
     };
     if (o.prepare) {
-        printf("usage: %s prepare TEXT OUT_PREFIX [--force]\n"
-               "  any file TEXT as bytes (vocab 256): the first 90%% to OUT_PREFIX_train.bin, the last 10%% to OUT_PREFIX_val.bin\n"
-               "  (token shards for --data and --val-data)\n", argv0);
-        print_flags({"--force"});
+        printf("usage: %s prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]\n"
+               "  TEXT as tokens: the first 90%% to OUT_PREFIX_train.bin, the last 10%% to OUT_PREFIX_val.bin (token shards for\n"
+               "  --data and --val-data, their headers naming the vocabulary). By default any file as bytes (vocab 256); with\n"
+               "  --vocab N or --tokenizer, UTF-8 text as <s> and the tokens of a SentencePiece BPE tokenizer, which goes to\n"
+               "  OUT_PREFIX.model (training finds it there): python3 scripts/tokenizer.py does this (pip install -r\n"
+               "  scripts/requirements.txt)\n", argv0);
+        print_flags({"--vocab", "--tokenizer", "--force"});
         return;
     }
     if (o.probe) {
@@ -257,8 +269,9 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
         return;
     }
     printf("usage: %s [flags]                   train (defaults: the King James Bible, bytes, preset %s)\n", argv0, defaults.model.c_str());
-    printf("       %s prepare TEXT OUT_PREFIX [--force]\n"
-           "                                        write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (bytes, last 10%% val)\n", argv0);
+    printf("       %s prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force]\n"
+           "                                        write OUT_PREFIX_train.bin / OUT_PREFIX_val.bin (last 10%% val): bytes, or\n"
+           "                                        the tokens of a SentencePiece tokenizer (OUT_PREFIX.model)\n", argv0);
     printf("       %s export CKPT OUT_DIR [--format hf|llama2c] [--dtype bf16|fp32] [--force]\n"
            "                                        the model of checkpoint CKPT (a file, or a run's folder: its newest)\n"
            "                                        for transformers (hf) or llama2.c's run (llama2c), into OUT_DIR\n", argv0);
@@ -375,7 +388,7 @@ inline std::string train_size_problem(const TrainOptions& o, const ModelConfig& 
 }
 
 // Fills *o from argv; returns "" or the reason for rejecting the command line (naming the flag and value).
-//   prepare TEXT OUT_PREFIX [--force]                        two words, then only --force
+//   prepare TEXT OUT_PREFIX [--vocab N] [--tokenizer F] [--force]   two words, then only those three flags
 //   export CKPT OUT_DIR [--format F] [--dtype T] [--force]   two words, then only those three flags
 //   [flags]                                                  training: every flag but --format, --dtype and --force
 // --help (or -h) anywhere asks for the usage: of prepare or export after their names, else of training.
@@ -402,18 +415,18 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     o->command.assign(argv, argv + argc);
     auto is_help = [](const char* a) { return strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0; };
     const bool help = std::any_of(argv + 1, argv + argc, is_help);
+    int first = 1;
     if (argc >= 2 && strcmp(argv[1], "prepare") == 0) {
         o->prepare = true;
         o->help = help;
         if (help) return "";
-        const bool force = argc == 5 && strcmp(argv[4], "--force") == 0;
-        if (argc != 4 && !force) return "usage: prepare TEXT OUT_PREFIX [--force] (two arguments; prepare --help says more)";
+        if (argc < 4 || argv[2][0] == '-' || argv[3][0] == '-')
+            return "usage: prepare TEXT OUT_PREFIX [--vocab N | --tokenizer FILE.model] [--force] (a text file and the shards' "
+                   "path without its ending; prepare --help says more)";
         o->prepare_text = argv[2];
         o->prepare_prefix = argv[3];
-        o->force = force;
-        return "";
+        first = 4;
     }
-    int first = 1;
     if (argc >= 2 && strcmp(argv[1], "export") == 0) {
         o->do_export = true;
         o->help = help;
@@ -434,7 +447,7 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     std::vector<TrainFlag> flags = train_flags(o);
     std::vector<std::string> given;
     for (int i = first; i < argc; i++) {
-        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export && !o->probe) { o->dry_run = true; continue; }
+        if (strcmp(argv[i], "--dry-run") == 0 && !o->do_export && !o->probe && !o->prepare) { o->dry_run = true; continue; }
         const TrainFlag* f = nullptr;
         for (const TrainFlag& g : flags) if (strcmp(argv[i], g.name) == 0) f = &g;
         if (!f) return strprintf("unknown argument %s (see --help)", argv[i]);
@@ -445,6 +458,15 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         if (!err.empty()) return err;
     }
     auto is_export_flag = [](const std::string& name) { return name == "--format" || name == "--dtype" || name == "--force"; };
+    if (o->prepare) {
+        for (const std::string& name : given)
+            if (name != "--vocab" && name != "--tokenizer" && name != "--force")
+                return strprintf("prepare takes only --vocab, --tokenizer and --force, not %s (prepare --help says more)", name.c_str());
+        if (o->vocab != BYTE_VOCAB && !o->tokenizer.empty())
+            return strprintf("prepare --vocab %d --tokenizer %s: --vocab trains a new tokenizer, --tokenizer uses one: give one "
+                             "of the two", o->vocab, o->tokenizer.c_str());
+        return "";
+    }
     if (o->do_export) {
         for (const std::string& name : given)
             if (!is_export_flag(name)) return strprintf("export takes only --format, --dtype and --force, not %s", name.c_str());
@@ -466,6 +488,9 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
         if (name == "--force")
             return "--force is an option of export and prepare (./train_fp8 export CKPT OUT_DIR --force, ./train_fp8 prepare "
                    "TEXT OUT_PREFIX --force), not of training";
+        if (name == "--vocab")
+            return "--vocab is an option of prepare (./train_fp8 prepare TEXT OUT_PREFIX --vocab N); training takes the vocabulary "
+                   "from the data";
         if (is_export_flag(name))
             return strprintf("%s is an option of export (./train_fp8 export CKPT OUT_DIR %s ...), not of training",
                              name.c_str(), name.c_str());
@@ -601,9 +626,10 @@ inline std::vector<int> sample_text(Model* m, const std::vector<int>& prompt, in
     return std::vector<int>(tokens.begin() + prompt.size(), tokens.end());
 }
 
-// Tokens as text: with the byte vocabulary, printable ASCII and newlines as they are, other bytes as \xNN;
-// other vocabularies (no tokenizer here) as ids.
-inline std::string tokens_to_text(const std::vector<int>& tokens, int vocab_size) {
+// Tokens as text: with a tokenizer, its decoding (tokenizer.h); with the byte vocabulary, printable ASCII and newlines
+// as they are, other bytes as \xNN; other vocabularies (no tokenizer) as ids.
+inline std::string tokens_to_text(const std::vector<int>& tokens, int vocab_size, const Tokenizer* tokenizer) {
+    if (tokenizer) return tokenizer_decode(*tokenizer, tokens);
     std::string s;
     for (int t : tokens) {
         if (vocab_size != BYTE_VOCAB) s += strprintf("%d ", t);
@@ -867,6 +893,8 @@ struct TrainRun {
     std::vector<TpGroup> groups;          // --tp >= 1: one NCCL communicator per rank
     std::vector<TrainRank> ranks;
     GpuPeak peak;                         // of GPU 0, taken for every GPU of the group
+    Tokenizer tokenizer;                  // the data's (train_find_tokenizer); none: path empty
+    double val_bytes_per_token = 0;       // of the evaluated targets (train_val_bytes_per_token); 0: not known
     std::vector<int> prompt;              // the samples' first tokens
     FILE* log = nullptr;                  // OUT/log.csv
     FILE* fp8_csv = nullptr;              // OUT/fp8_stats.csv (FP8 build, --fp8-stats)
@@ -1039,6 +1067,99 @@ inline std::string train_resume_range_problem(const TrainOptions& o, long at) {
     return "";
 }
 
+// The copy of the tokenizer that the resumed run keeps (train_keep_tokenizer), in the checkpoint's folder ("" without
+// --resume).
+inline std::string train_resumed_tokenizer_path(const TrainOptions& o) {
+    if (o.resume.empty()) return "";
+    struct stat st;
+    const bool folder = stat(o.resume.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+    return run_tokenizer_path(folder ? o.resume : path_folder(o.resume));
+}
+
+// The data's tokenizer (a SentencePiece model file): --tokenizer; else the resumed run's copy; else beside the first
+// training shard: PREFIX.model for a shard PREFIX_train*.bin (the names prepare writes), else tokenizer.model in its
+// folder. "" if there is none; *looked: the files looked for.
+inline std::string train_find_tokenizer(const TrainOptions& o, const std::string& first_shard, std::string* looked) {
+    if (!o.tokenizer.empty()) return o.tokenizer;
+    std::vector<std::string> candidates;
+    if (!o.resume.empty()) candidates.push_back(train_resumed_tokenizer_path(o));
+    const size_t slash = first_shard.find_last_of('/'), cut = first_shard.rfind("_train");
+    if (cut != std::string::npos && (slash == std::string::npos || cut > slash)) candidates.push_back(first_shard.substr(0, cut) + ".model");
+    candidates.push_back(path_folder(first_shard) + "/tokenizer.model");
+    *looked = "";
+    for (const std::string& c : candidates) {
+        if (access(c.c_str(), F_OK) == 0) return c;
+        *looked += (looked->empty() ? "" : ", ") + c;
+    }
+    return "";
+}
+
+// The tokenizer of the data into run->tokenizer, checked against the training data (whose loader is open), and the
+// samples' prompt: <s> and the tokenizer's ids of --prompt; without a tokenizer the bytes of --prompt, or, with a
+// vocabulary that is not bytes, none (train_open_logs takes the first tokens of the validation data; an explicit
+// --prompt is refused). A
+// tokenizer of N pieces needs data of vocabulary N: the shards' header hint, or, without one, every token below N (the
+// vocabulary is then N). A resumed run's copy is the tokenizer it was trained with: a --tokenizer must be the same file.
+inline void train_check_tokenizer(TrainRun* run, const TrainOptions& o) {
+    DataLoader& data = run->train_data;
+    std::string looked;
+    const std::string path = train_find_tokenizer(o, data.shards[0].path, &looked);
+    if (!path.empty()) {
+        std::string err = tokenizer_load(&run->tokenizer, path);
+        if (!err.empty()) fail("%s", err.c_str());
+        const int n = (int)run->tokenizer.pieces.size();
+        const bool hinted = data.shards[0].vocab_hint > 0;
+        int largest = -1;
+        for (const DataShard& sh : data.shards) largest = std::max(largest, sh.largest_token);
+        if (hinted ? data.vocab_size != n : largest >= n)
+            fail("tokenizer %s has %d pieces, but --data %s %s: the data was not made with this tokenizer; give the one that "
+                 "made it (--tokenizer FILE.model), or prepare the data again with this one (./train_fp8 prepare TEXT "
+                 "OUT_PREFIX --tokenizer %s)", path.c_str(), n, o.data.c_str(),
+                 hinted ? strprintf("names vocabulary %d in its header", data.vocab_size).c_str()
+                        : strprintf("holds token %d", largest).c_str(), path.c_str());
+        if (!hinted) {
+            data.vocab_size = n;
+            data.vocab_source = strprintf("of the tokenizer %s", path.c_str());
+        }
+        const std::string resumed = train_resumed_tokenizer_path(o);
+        Tokenizer copy;
+        if (!resumed.empty() && path != resumed && access(resumed.c_str(), F_OK) == 0 &&
+            (!tokenizer_load(&copy, resumed).empty() || copy.file != run->tokenizer.file))
+            fail("--tokenizer %s is not %s, the tokenizer the resumed run was trained with: drop --tokenizer", path.c_str(),
+                 resumed.c_str());
+        printf("tokenizer: %s, SentencePiece BPE of %d pieces%s\n", path.c_str(), n,
+               run->tokenizer.byte_fallback ? ", byte fallback" : "");
+        if (run->tokenizer.bos_id >= 0) run->prompt.push_back(run->tokenizer.bos_id);
+        const std::vector<int> ids = tokenizer_encode(run->tokenizer, o.prompt);
+        run->prompt.insert(run->prompt.end(), ids.begin(), ids.end());
+    } else if (data.vocab_size == BYTE_VOCAB) {
+        for (unsigned char ch : o.prompt) run->prompt.push_back(ch);
+    } else {
+        if (o.prompt != TrainOptions().prompt)
+            fail("--prompt needs the tokenizer of the data (vocabulary %d), and none was found (looked for %s): give it with "
+                 "--tokenizer FILE.model", data.vocab_size, looked.c_str());
+        printf("tokenizer: none found (looked for %s): samples print token ids after the first tokens of the validation data; "
+               "give one with --tokenizer FILE.model\n", looked.c_str());
+    }
+}
+
+// The bytes of text a target token of the evaluated validation batches stands for, on average (1 for bytes; with a
+// tokenizer, tokenizer_piece_bytes), so that a validation loss in nats a token L is L / ln 2 / this bits a byte: losses
+// of different tokenizers on the same text compare. 0 without a tokenizer for a vocabulary that is not bytes.
+inline double train_val_bytes_per_token(TrainRun* run) {
+    const bool bytes = run->tokenizer.path.empty();
+    if (bytes && run->val_data.vocab_size != BYTE_VOCAB) return 0;
+    double sum = 0, count = 0;
+    dataloader_reset(&run->val_data);
+    for (int b = 0; b < run->eval_batches; b++) {
+        dataloader_next_batch(&run->val_data);
+        for (int t : run->val_data.targets) sum += bytes ? 1 : tokenizer_piece_bytes(run->tokenizer, t);
+        count += (double)run->val_data.targets.size();
+    }
+    dataloader_reset(&run->val_data);
+    return sum / count;
+}
+
 // Setup, part 1: everything that can be wrong with the data, the checkpoint and the run folder, before any GPU work.
 inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     run->o = &o;
@@ -1049,6 +1170,7 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     const int B = run->B, T = run->T;
     std::string err = dataloader_open(&run->train_data, o.data.c_str(), B, T, 0, 1, 0, true, (uint64_t)o.seed);
     if (!err.empty()) fail("--data %s: %s", o.data.c_str(), err.c_str());
+    train_check_tokenizer(run, o);
     err = dataloader_open(&run->val_data, o.val_data.c_str(), B, T, 0, 1, run->train_data.vocab_size, false, 0);
     if (!err.empty())
         fail("--val-data %s: %s. The loader was given the vocab of the training data --data %s (%d, %s): the validation "
@@ -1063,6 +1185,10 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
         run->eval_batches = (int)run->val_data.batches_per_epoch;
         printf("evaluation: --eval-batches %d is more than the validation data holds; using %d\n", o.eval_batches, run->eval_batches);
     }
+    run->val_bytes_per_token = train_val_bytes_per_token(run);
+    if (run->val_bytes_per_token > 0)
+        printf("evaluation: %.4f bytes a token in the %d batches evaluated: bits per byte = val loss / ln 2 / %.4f\n",
+               run->val_bytes_per_token, run->eval_batches, run->val_bytes_per_token);
     run->config = model_config_from_options(o, V);
     model_config_validate(run->config);
     run->adamw_config = adamw_config_from_options(o);
@@ -1089,6 +1215,16 @@ inline void train_check_inputs(TrainRun* run, const TrainOptions& o) {
     }
     err = train_out_problem(o, run->resume_path);
     if (!err.empty()) fail("%s", err.c_str());
+}
+
+// The run's copy of its tokenizer in --out (DIR/tokenizer.model), where a resume and export find it; written unless it is
+// there already.
+inline void train_keep_tokenizer(const TrainRun& run, const std::string& out) {
+    const std::string path = run_tokenizer_path(out);
+    Tokenizer there;
+    if (tokenizer_load(&there, path).empty() && there.file == run.tokenizer.file) return;
+    write_text_durably(path, run.tokenizer.file);
+    printf("tokenizer: copied %s to %s\n", run.tokenizer.path.c_str(), path.c_str());
 }
 
 // Setup, part 2: the ranks. GPU r holds rank r's shard of the model and of the optimizer (--tp 0: GPU 0, no
@@ -1187,9 +1323,7 @@ inline void train_create_ranks(TrainRun* run) {
 // open_run_csv) and the per-step constants.
 inline void train_open_logs(TrainRun* run) {
     const TrainOptions& o = *run->o;
-    if (run->V == BYTE_VOCAB) {
-        for (const char* p = "In the beginning"; *p; p++) run->prompt.push_back((unsigned char)*p);
-    } else {   // no tokenizer here: the first tokens of the validation data
+    if (run->prompt.empty()) {   // no tokenizer (train_check_tokenizer): the first tokens of the validation data
         dataloader_reset(&run->val_data);
         dataloader_next_batch(&run->val_data);
         run->prompt.assign(run->val_data.inputs.begin(), run->val_data.inputs.begin() + std::min(run->T, 16));
@@ -1360,7 +1494,8 @@ inline float train_evaluate(TrainRun* run, int step) {
     on_ranks(run->ranks, [&](TrainRank& r) { r.val_loss = evaluate_val_loss(&r.model, &r.val_data, run->eval_batches, r.d_inputs, r.d_targets); });
     const float val = run->ranks[0].val_loss;
     run->result.val_losses.push_back({step, val});
-    printf("step %5d | val loss %.4f\n", step, val);
+    if (run->val_bytes_per_token > 0) printf("step %5d | val loss %.4f | %.4f bits a byte\n", step, val, val / M_LN2 / run->val_bytes_per_token);
+    else printf("step %5d | val loss %.4f\n", step, val);
     return val;
 }
 
@@ -1380,8 +1515,10 @@ inline void train_sample(TrainRun* run, int step) {
         r.sample = sample_text(&r.model, run->prompt, o.sample_tokens, o.temperature, &r.sample_rng, r.d_inputs, r.d_logits);
     });
     run->sample_rng = run->ranks[0].sample_rng;
-    printf("---- sample at step %d ----\n%s%s\n-------------------------\n", step, tokens_to_text(run->prompt, run->V).c_str(),
-           tokens_to_text(run->ranks[0].sample, run->V).c_str());
+    std::vector<int> tokens = run->prompt;
+    tokens.insert(tokens.end(), run->ranks[0].sample.begin(), run->ranks[0].sample.end());
+    const Tokenizer* tokenizer = run->tokenizer.path.empty() ? nullptr : &run->tokenizer;
+    printf("---- sample at step %d ----\n%s\n-------------------------\n", step, tokens_to_text(tokens, run->V, tokenizer).c_str());
 }
 
 // A checkpoint after `step` in OUT: every rank's shard, the loader's position, the counters and the sampling RNG.
@@ -1537,6 +1674,7 @@ inline TrainResult train(const TrainOptions& o) {
     TrainRun run;
     train_check_inputs(&run, o);   // the flags, the data, the checkpoint and the run folder, before any GPU work
     if (!o.out.empty()) make_dirs(o.out);
+    if (!o.out.empty() && !run.tokenizer.path.empty()) train_keep_tokenizer(run, o.out);
     train_create_ranks(&run);      // the model and optimizer shards, from the init or the checkpoint
     train_open_logs(&run);
     bool stopped = g_stop_signal != 0;   // read once a step: what the checkpoint and the report go by
@@ -1764,6 +1902,29 @@ inline ProbeResult probe_main(const TrainOptions& o) {
 // ----------------------------------------------------------------------------------------------
 // 5. main
 
+// prepare --vocab N (N > 256) or --tokenizer FILE.model: python3 runs scripts/tokenizer.py, found beside this program, in
+// this process's place (its messages and exit status are prepare's), so that the sentencepiece library stays out of the
+// trainer. Returns only if it cannot be started: the reason and the fix.
+inline std::string prepare_with_tokenizer(const TrainOptions& o) {
+    char exe[4096];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    const std::string script = (n > 0 ? path_folder(std::string(exe, (size_t)n)) : std::string(".")) + "/scripts/tokenizer.py";
+    if (access(script.c_str(), R_OK) != 0)
+        return strprintf("prepare --vocab/--tokenizer runs %s, which is missing (%s): run the train_fp8 built in the "
+                         "repository, beside its scripts/", script.c_str(), strerror(errno));
+    std::vector<std::string> words = {"python3", script, o.prepare_text, o.prepare_prefix};
+    if (o.tokenizer.empty()) words.insert(words.end(), {"--vocab", std::to_string(o.vocab)});
+    else words.insert(words.end(), {"--tokenizer", o.tokenizer});
+    if (o.force) words.push_back("--force");
+    std::vector<char*> argv;
+    for (std::string& w : words) argv.push_back(&w[0]);
+    argv.push_back(nullptr);
+    fflush(stdout);
+    execvp(argv[0], argv.data());
+    return strprintf("cannot run python3 (%s): prepare --vocab/--tokenizer trains and applies the tokenizer with Python's "
+                     "sentencepiece: install Python 3, then pip install -r scripts/requirements.txt", strerror(errno));
+}
+
 #ifndef TESTING
 int main(int argc, char** argv) {
     setvbuf(stdout, nullptr, _IOLBF, 0);   // each line as it comes, into a pipe too (| tee), in order with stderr's
@@ -1779,7 +1940,8 @@ int main(int argc, char** argv) {
     }
     for (const std::string& w : o.warnings) fprintf(stderr, "warning: %s\n", w.c_str());
     if (o.prepare) {
-        err = prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str(), o.force);
+        const bool bytes = o.vocab == BYTE_VOCAB && o.tokenizer.empty();
+        err = bytes ? prepare_byte_shards(o.prepare_text.c_str(), o.prepare_prefix.c_str(), o.force) : prepare_with_tokenizer(o);
         if (!err.empty()) fail("%s", err.c_str());
         return 0;
     }

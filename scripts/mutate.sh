@@ -55,7 +55,7 @@ shopt -u patsub_replacement 2>/dev/null || true   # '&' in a replacement stays '
 ROOT=$(cd "$(dirname "$0")/.." && pwd)   # the repository
 LIST="$ROOT/mutants.txt"
 SCRATCH="$ROOT/scratch-mutants"
-SOURCES=" common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h checkpoint.h train_fp8.cu "
+SOURCES=" common.cuh fp8_kernels.cuh llama2.cuh attention.cuh adamw_fp8.cuh dataloader.h tokenizer.h checkpoint.h train_fp8.cu "
 
 die() { echo "mutate.sh: $*" >&2; exit 2; }
 
