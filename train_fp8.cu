@@ -1374,8 +1374,9 @@ inline void train_micro_batches(TrainRun* run, int step, bool eager) {
             auto micro_batch = [&] { model_micro_batch(&r.model, r.d_inputs, r.d_targets, run->grad_scale); };
             // two graphs: the first micro-batch of a step writes the gradients, the others add to them
             if (graph) {   // keys 2, 3: the same in the --amax-warmup steps (their casts are current-scaled)
-                if (model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0), micro_batch))
-                    run->captured = true;   // every rank captures at the same micro-batch: a plain store of the same value
+                const bool captured = model_graph_launch(&r.model, (k == 0 ? 0 : 1) + (r.model.fp8_options.recipe.warmup ? 2 : 0),
+                                                         micro_batch);
+                if (captured && &r == &run->ranks[0]) run->captured = true;   // the ranks capture alike; rank 0's thread says so
                 r.model.accumulate_grads = true;   // as the micro-batch would leave it: a replay runs no host code
             } else {
                 micro_batch();
