@@ -6241,8 +6241,9 @@ HOST_TEST(train_probe_arguments_and_refusals) {
     expect(read_text(garbage) == "not a checkpoint", "probe --out FILE changed the file");
 }
 
-// log.csv's last column counts the FP8 doctor's warnings of its step.
-HOST_TEST(train_log_row_counts_fp8_warnings) {
+// log.csv's fp8_warnings column counts the FP8 doctor's warnings of its step; the last, val_bits_per_byte, is the
+// validation loss in bits a byte of text (empty without an evaluation, or where the bytes a token are not known).
+HOST_TEST(train_log_row_counts_fp8_warnings_and_bits_per_byte) {
     TempDir dir;
     TrainRun run;
     run.log = fopen(dir.file("log.csv").c_str(), "w");
@@ -6255,14 +6256,19 @@ HOST_TEST(train_log_row_counts_fp8_warnings) {
     s.step = 8;
     s.fp8_warnings.clear();
     train_log_row(&run, s, 1.5f);
+    run.val_bytes_per_token = 3.0;   // 1.5 nats a token over 3 bytes a token: 1.5 / ln 2 / 3 = 0.721348 bits a byte
+    train_log_row(&run, s, 1.5f);
     fclose(run.log);
     const std::vector<char> bytes = read_whole_file(dir.file("log.csv"));
     const std::string text(bytes.begin(), bytes.end());
-    const size_t second = text.find('\n') + 1;
-    const std::string row7 = text.substr(0, second - 1), row8 = text.substr(second, text.find('\n', second) - second);
-    printf("    %s\n    %s\n", row7.c_str(), row8.c_str());
-    expect(row7.rfind(",2") == row7.size() - 2 && row8.rfind(",0") == row8.size() - 2 && std::count(row7.begin(), row7.end(), ',') == 10,
-           "the rows end in their warning counts (2, 0), 11 columns: '%s' / '%s'", row7.c_str(), row8.c_str());
+    std::vector<std::string> rows;
+    for (size_t start = 0, end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) rows.push_back(text.substr(start, end - start));
+    for (const std::string& r : rows) printf("    %s\n", r.c_str());
+    const bool shape = rows.size() == 3 && std::all_of(rows.begin(), rows.end(), [](const std::string& r) {
+        return std::count(r.begin(), r.end(), ',') == 11; });
+    expect(shape && rows[0].size() > 3 && rows[0].substr(rows[0].size() - 3) == ",2," && rows[1].substr(rows[1].size() - 3) == ",0," &&
+           rows[2].substr(rows[2].size() - 11) == ",0,0.721348", "12 columns, ending in the warning counts (2, 0, 0) and the bits a byte "
+           "(none, none, 0.721348): %s", text.c_str());
 }
 
 // What a person sees: stdout is line-buffered, so a line printed before an error comes before it in one file (| tee);

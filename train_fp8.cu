@@ -1330,7 +1330,7 @@ inline void train_open_logs(TrainRun* run) {
     }
     const long keep_rows_through = o.resume.empty() ? -1 : run->first_step - 1;
     if (!o.out.empty())
-        run->log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent,fp8_warnings",
+        run->log = open_run_csv(o.out, "log.csv", "step,loss,val_loss,lr,grad_norm,ms,tokens_per_s,tflops,skipped,mfu_percent,fp8_warnings,val_bits_per_byte",
                                 keep_rows_through);
     if (BUILD_FP8 && o.fp8_stats > 0 && !o.out.empty())
         run->fp8_csv = open_run_csv(o.out, "fp8_stats.csv", "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac",
@@ -1490,21 +1490,29 @@ inline void train_print_step(TrainRun* run, const StepStats& s) {
     for (const std::string& w : s.fp8_warnings) printf("%s\n", w.c_str());
 }
 
+// log.csv's val_bits_per_byte of a validation loss in nats a token: empty where the step was not evaluated or the
+// bytes a token are not known (train_val_bytes_per_token).
+inline std::string train_bits_per_byte_field(const TrainRun* run, float val) {
+    if (std::isnan(val) || run->val_bytes_per_token <= 0) return "";
+    return strprintf("%.6f", val / M_LN2 / run->val_bytes_per_token);
+}
+
 // The validation loss after `step` (0: before training), the same on every rank.
 inline float train_evaluate(TrainRun* run, int step) {
     on_ranks(run->ranks, [&](TrainRank& r) { r.val_loss = evaluate_val_loss(&r.model, &r.val_data, run->eval_batches, r.d_inputs, r.d_targets); });
     const float val = run->ranks[0].val_loss;
     run->result.val_losses.push_back({step, val});
-    if (run->val_bytes_per_token > 0) printf("step %5d | val loss %.4f | %.4f bits a byte\n", step, val, val / M_LN2 / run->val_bytes_per_token);
+    const std::string bits = train_bits_per_byte_field(run, val);
+    if (!bits.empty()) printf("step %5d | val loss %.4f | %s bits a byte\n", step, val, bits.c_str());
     else printf("step %5d | val loss %.4f\n", step, val);
     return val;
 }
 
 // The step's row of OUT/log.csv; val: NaN when the step was not evaluated.
 inline void train_log_row(TrainRun* run, const StepStats& s, float val) {
-    fprintf(run->log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s,%zu\n", s.step, s.loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
+    fprintf(run->log, "%d,%.6f,%s,%.6e,%.6f,%.3f,%.1f,%.3f,%d,%s,%zu,%s\n", s.step, s.loss, std::isnan(val) ? "" : strprintf("%.6f", val).c_str(),
             s.lr, s.grad_norm, s.ms, s.tokens_per_s, s.tflops, s.bad ? 1 : 0, std::isnan(s.mfu) ? "" : strprintf("%.2f", s.mfu).c_str(),
-            s.fp8_warnings.size());
+            s.fp8_warnings.size(), train_bits_per_byte_field(run, val).c_str());
     fflush(run->log);
 }
 
@@ -1682,7 +1690,7 @@ inline TrainResult train(const TrainOptions& o) {
     if (stopped) train_report_stop(&run, run.first_step - 1);   // during the setup
     if (run.first_step == 1 && o.eval_every > 0 && !stopped) {
         float val = train_evaluate(&run, 0);
-        if (run.log) fprintf(run.log, "0,,%.6f,,,,,,,,\n", val);
+        if (run.log) fprintf(run.log, "0,,%.6f,,,,,,,,,%s\n", val, train_bits_per_byte_field(&run, val).c_str());
     }
     run.result.first_step = run.first_step;
     for (int step = run.first_step; step <= run.last_step && !stopped; step++) {
