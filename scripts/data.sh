@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
-# data.sh: prepare the default corpus under data/, the King James Bible as bytes (vocab 256):
-#   data/kjv.txt        the text, one verse a line ("Ge1:1 In the beginning God created ..."), 4.4 MB
-#   data/kjv_train.bin  its first 90% as a token shard (dataloader.h describes the format)
-#   data/kjv_val.bin    its last 10%
-# Needs the `bible` command (Debian/Ubuntu package bible-kjv; installed here when running as root) and
-# ./train_fp8 (make). Run from anywhere: it works in the repository's folder. `make data` runs it.
+# data.sh: prepare the default corpus under data/, the King James Bible:
+#   data/kjv.txt            the text, one verse a line ("Ge1:1 In the beginning God created ..."), 4.4 MB
+#   data/kjv_train.bin      its first 90% as bytes (vocab 256), a token shard (dataloader.h describes the format)
+#   data/kjv_val.bin        its last 10%
+#   data/kjv8192.model      a SentencePiece BPE tokenizer of 8192 pieces trained on it (scripts/tokenizer.py)
+#   data/kjv8192_train.bin  the same two parts in its tokens: what make train trains on
+#   data/kjv8192_val.bin
+# Needs the `bible` command (Debian/Ubuntu package bible-kjv; installed here when running as root), ./train_fp8
+# (make) and, for the tokenizer, Python's sentencepiece (pip install -r scripts/requirements.txt). Run from anywhere:
+# it works in the repository's folder. `make data` runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."   # the repository
 
-if [[ -f data/kjv_train.bin && -f data/kjv_val.bin ]]; then
-    echo "data: data/kjv_train.bin and data/kjv_val.bin already exist (delete them to prepare them again)"
+# prepare_tokens: the tokenizer and the text in its tokens, unless they exist
+prepare_tokens() {
+    if [[ -f data/kjv8192.model && -f data/kjv8192_train.bin && -f data/kjv8192_val.bin ]]; then
+        echo "data: data/kjv8192.model and its shards already exist (delete them to prepare them again)"
+        return
+    fi
+    if ! ./train_fp8 prepare data/kjv.txt data/kjv8192 --vocab 8192 --force; then
+        echo "error: the bytes are ready (data/kjv_train.bin), but not the 8192-piece tokenizer that make train uses" \
+             "(above: its fix). Python's sentencepiece: pip install -r scripts/requirements.txt; then run $0 again" >&2
+        exit 1
+    fi
+}
+
+if [[ -f data/kjv_train.bin && -f data/kjv_val.bin && -f data/kjv.txt ]]; then
+    echo "data: data/kjv.txt, data/kjv_train.bin and data/kjv_val.bin already exist (delete them to prepare them again)"
+    prepare_tokens
     exit 0
 fi
 
@@ -49,3 +67,4 @@ echo "data: data/kjv.txt: $verses verses, $bytes bytes"
 # --force: one of the two shards may be left from an earlier, interrupted preparation
 ./train_fp8 prepare data/kjv.txt data/kjv --force
 ls -l data/kjv_train.bin data/kjv_val.bin
+prepare_tokens

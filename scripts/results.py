@@ -146,13 +146,15 @@ def step_section(runs, skipped, reasons):
     return lines
 
 
-def pair_section(runs, skipped, shapes):
+def pair_section(runs, skipped, shapes, sections):
     lines = ["## Long context and a 7B shape", ""]
     lines += ["The 1.1B at T 8192 (B 2) and LLaMA-2 7B's dimensions (dim 4096, 32 heads, FFN 11008, vocabulary 32000; "
               "the layers and B in each row), the same random tokens, FP8 build against BF16 build, interleaved; "
               "columns as above.", ""]
     rows = []
     for label, fp8, bf16 in PAIR_ROWS:
+        if fp8.split("-")[0] not in sections:
+            continue
         for prefix, build in ((fp8, "FP8"), (bf16, "BF16")):
             what = f"{label} ({shapes[prefix]})" if prefix in shapes else label
             if prefix in runs:
@@ -243,6 +245,61 @@ def kernels_section(raw):
     return lines + ["`./test_fp8 --bench gemm cast optimizer`, as it printed:", "", "```", read(path).strip(), "```", ""]
 
 
+TOK_RUNS = [  # (file name, label) of the tokenizer table, in order
+    ("bytes-600", "bytes, 600 steps"), ("4096-600", "4096 pieces, 600 steps"), ("8192-600", "8192 pieces, 600 steps"),
+    ("bytes-200", "bytes, 200 steps"), ("4096-200", "4096 pieces, 200 steps"), ("8192-200", "8192 pieces, 200 steps"),
+]
+TOK_VAL = re.compile(r"^step\s+(\d+) \| val loss ([\d.]+) \| ([\d.]+) bits a byte$", re.M)
+TOK_STEP_MS = re.compile(r"^step\s+\d+/\d+ \| loss .*? \| ([\d.]+) ms \|", re.M)
+
+
+def tokenizer_section(raw, skipped):
+    lines = ["## Tokenizers", ""]
+    if "tokenizer" in skipped:
+        return lines + [f"Not measured: {skipped['tokenizer']}", ""]
+    lines += ["The default run (d12: dim 768, 12 layers; 32 x 512 tokens a step, peak LR 6e-4, warm-up a tenth of the "
+              "steps, FP8 recipe) on the King James Bible (`make data`): as bytes, and as the tokens of a SentencePiece BPE "
+              "tokenizer of 4096 or 8192 pieces trained on it (`./train_fp8 prepare data/kjv.txt data/kjvN --vocab N`). "
+              "Validation on the whole validation split (the same text for all three) every 100 steps, in bits a byte "
+              "(nats a token / ln 2 / the bytes a validation token stands for). Training time: the sum of the steps' "
+              "times (evaluation and sampling left out).", ""]
+    rows, samples = [], []
+    for name, label in TOK_RUNS:
+        path = os.path.join(raw, f"tok-{name}.log")
+        if not os.path.exists(path):
+            continue
+        text = read(path)
+        summ, vals = SUMMARY.search(text), TOK_VAL.findall(text)
+        bpt = re.search(r"^evaluation: ([\d.]+) bytes a token", text, re.M)
+        vocab = re.search(r"^data: .*?, vocab (\d+)", text, re.M)
+        if not (summ and vals and bpt and vocab):
+            rows.append([label, "-", "-", "-", f"failed: {text.strip().splitlines()[-1][:120] if text.strip() else 'no output'}", "-", "-", "-"])
+            continue
+        curve = [(int(st), float(b)) for st, _, b in vals if int(st) > 0]
+        best = min(curve, key=lambda c: c[1])
+        train_s = sum(float(ms) for ms in TOK_STEP_MS.findall(text)) / 1000
+        rows.append([label, vocab.group(1), f"{float(bpt.group(1)):.3f}", f"{train_s:.1f}", ", ".join(f"{b:.3f}" for _, b in curve),
+                     f"{best[1]:.3f} ({best[0]})", f"{curve[-1][1]:.3f}", kilo(float(summ.group(5)))])
+        at = text.rfind("---- sample at step")
+        if at >= 0:
+            head, _, body = text[at:].partition("\n")
+            body = body.split("\n-------------------------")[0]
+            samples += [f"{label}, {head.strip('- ')}:", "", "```", body[:400].rstrip(), "```", ""]
+    lines.append(table(["run", "vocabulary", "bytes a token", "training (s)", "val bits a byte, every 100 steps",
+                        "best (step)", "final", "tokens/s"], rows))
+    return lines + ["", "The last sample of each run (train_fp8's own, from \"In the beginning\", temperature 0.8):", ""] + samples
+
+
+def study_section(raw, name, title, command):
+    path = os.path.join(raw, f"{name}-table.md")
+    lines = [f"## {title}", ""]
+    if not os.path.exists(path):
+        log = os.path.join(raw, f"{name}.log")
+        why = read(log).strip().splitlines()[-1] if os.path.exists(log) and read(log).strip() else "no table"
+        return lines + [f"Not measured: {why}", ""]
+    return lines + [f"`{command}`, its table as it printed it:", "", read(path).strip(), ""]
+
+
 def make(raw, out):
     env = {}
     env_path = os.path.join(raw, "env.txt")
@@ -272,15 +329,27 @@ def make(raw, out):
              f"runs interleaved with the others'.", ""]
     if "torch-missing" in " ".join(os.listdir(raw)):
         lines += [read(os.path.join(raw, "torch-missing.log")).strip(), ""]
-    lines += step_section(runs, skipped, torch_reasons(raw)) + profile_section(raw, runs) + pair_section(runs, skipped, shapes)
-    lines += attention_section(raw) + kernels_section(raw)
+    sections = env.get("sections", "step,attention,kernels,long,7b").split(",")
+    if "step" in sections:
+        lines += step_section(runs, skipped, torch_reasons(raw)) + profile_section(raw, runs)
+    if "long" in sections or "7b" in sections:
+        lines += pair_section(runs, skipped, shapes, sections)
+    if "attention" in sections:
+        lines += attention_section(raw)
+    if "kernels" in sections:
+        lines += kernels_section(raw)
+    if "tokenizer" in sections:
+        lines += tokenizer_section(raw, skipped)
+    if "lab" in sections:
+        lines += study_section(raw, "lab", "Recipe lab", "scripts/study.sh")
+    if "study1b" in sections:
+        lines += study_section(raw, "study1b", "Quality per hour at 1.1B", "scripts/study.sh --preset 1b --seeds 2")
     with open(out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"results.py: wrote {out}")
 
 
 FIGURE = re.compile(r"(?<![\w.])[+-]?\d[\d,]*(?:\.\d+[kx%]?|[kx%])(?![\w])")
-CITE = re.compile(r"\((?:[^()]*?)(results/[\w.-]+\.md)")
 
 
 def check(readme):
@@ -363,6 +432,25 @@ def self_test():
         expect("commit abc1234" in md, "the caption names the commit")
         expect("| 1b | 429.6 / 322.9 | 196.5 / 138.4 | 403.1 / 303.8 | - | 1.07x / 1.06x | 2.19x / 2.33x |" in md,
                "the attention row: both kernel paths, cuDNN, no FlashAttention line, the ratios")
+        # a tokenizer-only run: its section alone, the bits a byte over the run, the best and the last sample
+        tok_raw = os.path.join(tmp, "tok")
+        os.mkdir(tok_raw)
+        open(os.path.join(tok_raw, "env.txt"), "w").write("gpu: NVIDIA Test GPU\ncommit: abc1234\nsections: tokenizer\n")
+        step = "step {n:5d}/600 | loss 1.0 | lr 1e-4 | grad norm 0.5 | {ms} ms | 700000 tok/s | 400.0 TFLOP/s | MFU 20.0%\n"
+        open(os.path.join(tok_raw, "tok-8192-600.log"), "w").write(
+            "data: data/kjv8192_train.bin, 1058257 tokens, vocab 8192 (header); validation data/kjv8192_val.bin, 117673 tokens\n"
+            "evaluation: 3.7317 bytes a token in the 7 batches evaluated: bits per byte = val loss / ln 2 / 3.7317\n"
+            "step     0 | val loss 9.1604 | 3.541503 bits a byte\n" + step.format(n=1, ms="500.0") + step.format(n=2, ms="22.5") +
+            "step   100 | val loss 4.7844 | 1.849696 bits a byte\nstep   200 | val loss 4.4392 | 1.716250 bits a byte\n"
+            "---- sample at step 600 ----\nIn the beginning.\nNum14:5 And the LORD spake unto Moses, saying,\n-------------------------\n"
+            "step   600 | val loss 5.7199 | 2.211364 bits a byte\n" + summ.format(ms=23.59, tok=694420, tf=399.8, gib=7.4))
+        tok_out = os.path.join(tmp, "Test-GPU-tokenizer.md")
+        make(tok_raw, tok_out)
+        md = read(tok_out)
+        expect("| 8192 pieces, 600 steps | 8192 | 3.732 | 0.5 | 1.850, 1.716, 2.211 | 1.716 (200) | 2.211 | 694.4k |" in md,
+               f"the tokenizer row: vocabulary, bytes a token, training time, the curve, best and final")
+        expect("Num14:5 And the LORD spake unto Moses, saying," in md and "## 1.1B step" not in md and "## Attention" not in md,
+               "a tokenizer-only file holds that section and the last sample, and no other section")
         # the README check: figures present pass, a figure missing fails, a missing file fails
         os.mkdir(os.path.join(tmp, "results"))
         os.rename(out, os.path.join(tmp, "results", "Test-GPU.md"))

@@ -19,19 +19,27 @@ Builds both precisions (make train_fp8 test_fp8 train_fp8_bf16) and measures, on
   long        the 1.1B at T = 8192 (B 2), FP8 against BF16, N rounds interleaved
   7b          LLaMA-2 7B's dimensions, FP8 against BF16, N rounds interleaved: all 32 layers where the GPU
               has 120 GiB or more, else the first 16; B 2 if it fits, else 1
+and, named with --only (each takes minutes and measures quality, not speed):
+  tokenizer   the default run (d12, 32 x 512 tokens a step) on the Bible as bytes and with trained 4096- and
+              8192-piece tokenizers (data/kjv4096, data/kjv8192: prepared here if missing), 600 steps and 200,
+              validated on the whole validation split: bits a byte over the run, and the last sample
+  lab         the recipe lab (scripts/study.sh: 19 configurations x 3 seeds of a 27M model)
+  study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b --seeds 2)
 Each train_fp8 run ends with its summary line (the timed steps' mean ms, tokens/s, model TFLOP/s, memory);
 a row's figure is the median over the rounds, with their min-max.
 
   --reps N         rounds of each row (3)
-  --only LIST      comma list of the sections above (all)
+  --only LIST      comma list of the sections above (step,attention,kernels,long,7b)
   --budget S       seconds for the whole run (540): a section that would start later is skipped, said so
-  --out DIR        where the two files go (results)
+  --out DIR        where the two files go (results): GPU.md for the default sections, else GPU-SECTIONS.md
+                   (e.g. H100-80GB-HBM3-7b.md for --only 7b), so that a section run alone replaces its own file
 Where PyTorch or torchao is missing the PyTorch rows are skipped with a line saying how to get it; the rest
 runs. The commit comes from RESULTS_COMMIT where set (a copy of the tree), else from git.
 EOF
 }
 
-REPS=3 ONLY=step,attention,kernels,long,7b BUDGET=540 OUT=results
+DEFAULT_SECTIONS=step,attention,kernels,long,7b
+REPS=3 ONLY=$DEFAULT_SECTIONS BUDGET=540 OUT=results
 while (($#)); do
     case $1 in
         --reps) REPS=$2; shift 2 ;;
@@ -45,7 +53,8 @@ done
 [[ $REPS =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --reps $REPS: want a whole number, 1 or more" >&2; exit 2; }
 [[ $BUDGET =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --budget $BUDGET: want seconds, 1 or more" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
-    [[ ,step,attention,kernels,long,7b, == *",$s,"* ]] || { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b)" >&2; exit 2; }
+    [[ ,$DEFAULT_SECTIONS,tokenizer,lab,study1b, == *",$s,"* ]] ||
+        { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b, tokenizer, lab, study1b)" >&2; exit 2; }
 done
 wants() { [[ ,$ONLY, == *",$1,"* ]]; }
 command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1 ||
@@ -89,6 +98,7 @@ CUBLASLT=$(ldd ./train_fp8 | awk '/libcublasLt/ {print $3}')
     echo "commit: $COMMIT"
     echo "date: $(date -u +%Y-%m-%d)"
     echo "reps: $REPS"
+    echo "sections: $ONLY"
 } > "$RAW/env.txt"
 cat "$RAW/env.txt"
 
@@ -161,8 +171,51 @@ if section 7b $((REPS * 80)); then
     done
 fi
 
+# tok NAME PREFIX STEPS: the default run on PREFIX_train.bin for STEPS steps (warm-up a tenth), the whole validation split
+tok() {
+    local name=$1 prefix=$2 steps=$3
+    echo "train_fp8 --data ${prefix}_train.bin --val-data ${prefix}_val.bin --steps $steps --warmup $((steps / 10)) --eval-batches 1000" > "$RAW/tok-$name.log"
+    ./train_fp8 --data "${prefix}_train.bin" --val-data "${prefix}_val.bin" --steps "$steps" --warmup $((steps / 10)) \
+        --eval-batches 1000 --out "$RAW/tok-$name.run" >> "$RAW/tok-$name.log" 2>&1
+    local line; line=$(grep -h '^summary' "$RAW/tok-$name.log")
+    if [[ -n $line ]]; then echo "  tok $name: $(grep 'bits a byte$' "$RAW/tok-$name.log" | tail -1)"
+    else echo "  tok $name: failed: $(tail -1 "$RAW/tok-$name.log")"; fi
+    rm -rf "$RAW/tok-$name.run"
+}
+if section tokenizer 110; then
+    if [[ ! -f data/kjv_train.bin || ! -f data/kjv.txt ]]; then
+        echo "skipped: data/kjv.txt and data/kjv_train.bin are missing: make data prepares them" > "$RAW/skipped-tokenizer.log"
+    else
+        for v in 4096 8192; do
+            [[ -f data/kjv${v}_train.bin && -f data/kjv$v.model ]] ||
+                ./train_fp8 prepare data/kjv.txt "data/kjv$v" --vocab $v --force > "$RAW/prepare-$v.log" 2>&1 ||
+                echo "skipped: ./train_fp8 prepare data/kjv.txt data/kjv$v --vocab $v failed: $(tail -1 "$RAW/prepare-$v.log")" > "$RAW/skipped-tokenizer.log"
+        done
+        if [[ ! -f $RAW/skipped-tokenizer.log ]]; then
+            for steps in 600 200; do
+                tok "bytes-$steps" data/kjv $steps
+                tok "4096-$steps" data/kjv4096 $steps
+                tok "8192-$steps" data/kjv8192 $steps
+            done
+        fi
+    fi
+fi
+
+if section lab 330; then
+    scripts/study.sh --dir "$RAW/lab" --deadline $(($(time_left) - 90)) > "$RAW/lab.log" 2>&1
+    cp "$RAW/lab/table.md" "$RAW/lab-table.md" 2>/dev/null
+    rm -rf "$RAW/lab"
+fi
+
+if section study1b 360; then
+    scripts/study.sh --preset 1b --seeds 2 --dir "$RAW/study1b" --deadline $(($(time_left) - 90)) > "$RAW/study1b.log" 2>&1
+    cp "$RAW/study1b/table.md" "$RAW/study1b-table.md" 2>/dev/null
+    rm -rf "$RAW/study1b"
+fi
+
 mkdir -p "$OUT"
 NAME=$(echo "$GPU" | sed 's/^NVIDIA //; s/[^A-Za-z0-9.]\+/-/g; s/-$//')
+[[ $ONLY == "$DEFAULT_SECTIONS" ]] || NAME="$NAME-${ONLY//,/-}"
 python3 scripts/results.py make "$RAW" "$OUT/$NAME.md" || exit 1
 for f in "$RAW"/*; do echo "==== $(basename "$f")"; cat "$f"; done > "$OUT/$NAME.raw.txt"
 echo "results: $OUT/$NAME.md and $OUT/$NAME.raw.txt, $((SECONDS - START)) s"
