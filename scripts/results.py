@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The tables of `make results`, and the check that the README quotes them.
 
-    scripts/results.py make RAW_DIR OUT.md   the tables of one results.sh run (RAW_DIR: its programs' outputs)
+    scripts/results.py make RAW_DIR OUT.md   the tables of one results.sh run (RAW_DIR: its programs' outputs, or the
+                                             .raw.txt it wrote: the tables made again from a committed measurement)
     scripts/results.py check README.md       every figure of a README paragraph that cites results/NAME.md
                                              (a decimal number, or one ending in k, x or %) is in that file
     scripts/results.py test                  this script's checks on synthetic outputs (host only; make test)
@@ -16,6 +17,7 @@ import statistics
 import sys
 import tempfile
 
+DEFAULT_SECTIONS = ["step", "attention", "kernels", "long", "7b"]   # results.sh without --only
 STEP_ROWS = [  # (file prefix, label) of the 1.1B step table, in order
     ("step-fp8", "ours, FP8 recipe"),
     ("step-fp8-delayed", "ours, FP8, delayed scaling (--amax-history 16)"),
@@ -300,7 +302,27 @@ def study_section(raw, name, title, command):
     return lines + [f"`{command}`, its table as it printed it:", "", read(path).strip(), ""]
 
 
+def unpack_raw(raw_txt, into):
+    """A results file's .raw.txt (results.sh: each program's output after a line `==== NAME`) back into the folder
+    of files it was made from, so that the tables can be made again from what was measured."""
+    name = None
+    for line in read(raw_txt).splitlines(keepends=True):
+        m = re.fullmatch(r"==== ([\w.-]+)\n?", line)
+        if m:
+            name = m.group(1)
+            open(os.path.join(into, name), "w").close()
+        elif name is None:
+            fail(f"{raw_txt} does not start with a '==== NAME' line: not a results.sh .raw.txt")
+        else:
+            with open(os.path.join(into, name), "a") as f:
+                f.write(line)
+
+
 def make(raw, out):
+    if os.path.isfile(raw):   # a committed .raw.txt: its tables made again
+        with tempfile.TemporaryDirectory() as tmp:
+            unpack_raw(raw, tmp)
+            return make(tmp, out)
     env = {}
     env_path = os.path.join(raw, "env.txt")
     if not os.path.exists(env_path):
@@ -323,13 +345,16 @@ def make(raw, out):
             if lm and bm:
                 shapes[prefix] = f"{lm.group(1)} layers, B {bm.group(1)}"
     name = os.path.basename(out)
+    sections = env.get("sections", ",".join(DEFAULT_SECTIONS)).split(",")
+    rounds = (f" Rounds: {env.get('reps', '?')}, each row's runs interleaved with the others'."
+              if {"step", "long", "7b"} & set(sections) else "")
+    command = ("`make results` (scripts/results.sh)" if sections == DEFAULT_SECTIONS else
+               f"`scripts/results.sh --only {','.join(sections)}`")
     lines = [f"# Results: {env.get('gpu', '?')}", "", env_caption(env) + ".", "",
-             f"`make results` (scripts/results.sh) measured every table here in one run and wrote this file; the "
-             f"programs' whole output is in `{name[:-3]}.raw.txt` beside it. Rounds: {env.get('reps', '?')}, each row's "
-             f"runs interleaved with the others'.", ""]
+             f"{command} measured every table here in one run and wrote this file; "
+             f"the programs' whole output is in `{name[:-3]}.raw.txt` beside it.{rounds}", ""]
     if "torch-missing" in " ".join(os.listdir(raw)):
         lines += [read(os.path.join(raw, "torch-missing.log")).strip(), ""]
-    sections = env.get("sections", "step,attention,kernels,long,7b").split(",")
     if "step" in sections:
         lines += step_section(runs, skipped, torch_reasons(raw)) + profile_section(raw, runs)
     if "long" in sections or "7b" in sections:
@@ -451,6 +476,14 @@ def self_test():
                f"the tokenizer row: vocabulary, bytes a token, training time, the curve, best and final")
         expect("Num14:5 And the LORD spake unto Moses, saying," in md and "## 1.1B step" not in md and "## Attention" not in md,
                "a tokenizer-only file holds that section and the last sample, and no other section")
+        # the tables made again from the .raw.txt that results.sh writes (each file after a line ==== NAME)
+        with open(os.path.join(tmp, "tok.raw.txt"), "w") as f:
+            for name in sorted(os.listdir(tok_raw)):
+                f.write(f"==== {name}\n" + read(os.path.join(tok_raw, name)))
+        again = os.path.join(tmp, "again.md")
+        make(os.path.join(tmp, "tok.raw.txt"), again)
+        expect(read(again).replace("again.raw.txt", "X") == md.replace("Test-GPU-tokenizer.raw.txt", "X"),
+               "the tables made from the .raw.txt equal those made from the folder")
         # the README check: figures present pass, a figure missing fails, a missing file fails
         os.mkdir(os.path.join(tmp, "results"))
         os.rename(out, os.path.join(tmp, "results", "Test-GPU.md"))

@@ -217,6 +217,7 @@ mkdir -p "$OUT"
 NAME=$(echo "$GPU" | sed 's/^NVIDIA //; s/[^A-Za-z0-9.]\+/-/g; s/-$//')
 [[ $ONLY == "$DEFAULT_SECTIONS" ]] || NAME="$NAME-${ONLY//,/-}"
 python3 scripts/results.py make "$RAW" "$OUT/$NAME.md" || exit 1
-for f in "$RAW"/*; do echo "==== $(basename "$f")"; cat "$f"; done > "$OUT/$NAME.raw.txt"
+# each file after a line "==== NAME" (results.py make reads the tables back from it), ending in a newline
+for f in "$RAW"/*; do echo "==== $(basename "$f")"; cat "$f"; [[ -z $(tail -c 1 "$f") ]] || echo; done > "$OUT/$NAME.raw.txt"
 echo "results: $OUT/$NAME.md and $OUT/$NAME.raw.txt, $((SECONDS - START)) s"
 rm -rf "$RAW"
