@@ -65,7 +65,7 @@ def load_runs(raw):
     """{prefix: {round: {ms, tokens, tflops, gib}}} from the raw folder's step, long, 7b and torch logs."""
     runs = {}
     for name in sorted(os.listdir(raw)):
-        m = re.fullmatch(r"((?:step|long|7b)-[a-z0-9-]+?)-(\d+)\.log", name)
+        m = re.fullmatch(r"((?:step|long|7b|block)-[a-z0-9-]+?)-(\d+)\.log", name)
         if m:
             s = SUMMARY.search(read(os.path.join(raw, name)))
             if s:
@@ -183,6 +183,20 @@ def parse_profile(text):
     return phases
 
 
+def profile_rows(a_prof, b_prof):
+    """the rows of two --profile tables side by side, with a - b"""
+    names = list(a_prof) + [n for n in b_prof if n not in a_prof]
+    rows = []
+    for n in names:
+        a, b = a_prof.get(n), b_prof.get(n)
+        fmt = lambda x: "-" if x is None else f"{x:.1f}"
+        diff = f"{(a or 0) - (b or 0):+.1f}"
+        bold = n.startswith("GPU span")
+        cells = [n, fmt(a), fmt(b), diff]
+        rows.append([f"**{c}**" for c in cells] if bold else cells)
+    return rows
+
+
 def profile_section(raw, runs):
     lines = ["## Where the step goes", ""]
     prof = {}
@@ -195,15 +209,7 @@ def profile_section(raw, runs):
               "phase (ms). A kernel that computes a layer's math counts in that layer's row in both builds, also where "
               "it writes FP8 (a cast fused into RMSNorm, SwiGLU or RoPE); the FP8-casts row holds only kernels that do "
               "nothing but quantize. The last column is what the FP8 build spends more (+) or less (-).", ""]
-    names = list(prof["fp8"]) + [n for n in prof["bf16"] if n not in prof["fp8"]]
-    rows = []
-    for n in names:
-        a, b = prof["fp8"].get(n), prof["bf16"].get(n)
-        fmt = lambda x: "-" if x is None else f"{x:.1f}"
-        diff = f"{(a or 0) - (b or 0):+.1f}"
-        bold = n.startswith("GPU span")
-        cells = [n, fmt(a), fmt(b), diff]
-        rows.append([f"**{c}**" for c in cells] if bold else cells)
+    rows = profile_rows(prof["fp8"], prof["bf16"])
     timed = [f"{statistics.median(r['ms'] for r in runs[p].values()):.1f}" if p in runs else "-" for p in ("step-fp8", "step-bf16")]
     rows.append(["a timed step (CUDA-graph replay; the table above, median)", timed[0], timed[1], ""])
     lines.append(table(["phase", "FP8 build", "BF16 build", "FP8 - BF16"], rows))
@@ -253,6 +259,39 @@ TOK_RUNS = [  # (file name, label) of the tokenizer table, in order
 ]
 TOK_VAL = re.compile(r"^step\s+(\d+) \| val loss ([\d.]+) \| ([\d.]+) bits a byte$", re.M)
 TOK_STEP_MS = re.compile(r"^step\s+\d+/\d+ \| loss .*? \| ([\d.]+) ms \|", re.M)
+
+
+BLOCK_ROWS = [("block-tensor", "per-tensor scaling (the recipe)"), ("block-block", "block scaling (--scaling block)"),
+              ("block-block-e4m3", "block scaling, E4M3 gradients (--dy-format e4m3)")]
+
+
+def block_section(runs, raw, skipped):
+    lines = ["## Block scaling", ""]
+    if "block" in skipped:
+        return lines + [f"Not measured: {skipped['block']}", ""]
+    lines += ["The 1.1B step as above (B 8, T 2048, the FP8 build, the recipe's first and last layers BF16) under "
+              "per-tensor current scaling and under block scaling (a scale per 1x128 tile of X and dY, per 128x128 block "
+              "of W), interleaved; the ratio is to per-tensor scaling, round by round.", ""]
+    rows = []
+    for prefix, label in BLOCK_ROWS:
+        if prefix in runs:
+            r = ratio(runs, prefix, "block-tensor") if prefix != "block-tensor" else None
+            rows.append([label] + run_cells(runs[prefix]) + [r or "-"])
+        else:
+            rows.append([label, "0", "not run: no summary line (the raw output says why)", "-", "-", "-", "-"])
+    lines.append(table(["run", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "vs per-tensor"], rows))
+    prof = {}
+    for prefix in ("block-tensor", "block-block"):
+        path = os.path.join(raw, f"{prefix}-1.log")
+        prof[prefix] = parse_profile(read(path)) if os.path.exists(path) else None
+    if prof["block-tensor"] and prof["block-block"]:
+        lines += ["", "`--profile 5` of the first round's per-tensor and block runs (ms; the last column block minus per-tensor):", ""]
+        lines.append(table(["phase", "per-tensor", "block", "block - per-tensor"],
+                           [[r[0], r[2], r[1], r[3]] for r in profile_rows(prof["block-block"], prof["block-tensor"])]))
+    bench = os.path.join(raw, "bench-block.log")
+    if os.path.exists(bench):
+        lines += ["", "`./test_fp8 --bench gemm cast`, as it printed:", "", "```", read(bench).strip(), "```"]
+    return lines + [""]
 
 
 def tokenizer_section(raw, skipped):
@@ -347,7 +386,7 @@ def make(raw, out):
     name = os.path.basename(out)
     sections = env.get("sections", ",".join(DEFAULT_SECTIONS)).split(",")
     rounds = (f" Rounds: {env.get('reps', '?')}, each row's runs interleaved with the others'."
-              if {"step", "long", "7b"} & set(sections) else "")
+              if {"step", "long", "7b", "block"} & set(sections) else "")
     command = ("`make results` (scripts/results.sh)" if sections == DEFAULT_SECTIONS else
                f"`scripts/results.sh --only {','.join(sections)}`")
     lines = [f"# Results: {env.get('gpu', '?')}", "", env_caption(env) + ".", "",
@@ -365,6 +404,8 @@ def make(raw, out):
         lines += kernels_section(raw)
     if "tokenizer" in sections:
         lines += tokenizer_section(raw, skipped)
+    if "block" in sections:
+        lines += block_section(runs, raw, skipped)
     if "lab" in sections:
         lines += study_section(raw, "lab", "Recipe lab", "scripts/study.sh")
     if "study1b" in sections:
@@ -476,6 +517,23 @@ def self_test():
                f"the tokenizer row: vocabulary, bytes a token, training time, the curve, best and final")
         expect("Num14:5 And the LORD spake unto Moses, saying," in md and "## 1.1B step" not in md and "## Attention" not in md,
                "a tokenizer-only file holds that section and the last sample, and no other section")
+        # a block-scaling run: its rows against per-tensor scaling round by round, the two profiles side by side
+        blk_raw = os.path.join(tmp, "blk")
+        os.mkdir(blk_raw)
+        open(os.path.join(blk_raw, "env.txt"), "w").write("gpu: NVIDIA Test GPU\ncommit: abc1234\nreps: 2\nsections: block\n")
+        for r, (t, b) in enumerate([(100.0, 90.0), (104.0, 91.0)], 1):
+            for prefix, ms in (("block-tensor", t), ("block-block", b)):
+                text = "cmd\n" + summ.format(ms=ms, tok=round(16384 / ms * 1000), tf=600.0, gib=30.0)
+                if r == 1:
+                    text += ("profile of step 5 (PRECISION=FP8): 1 ms\n  phase  ms  %  ranges\n"
+                             f"  FP8 casts alone, amax, scales   {ms / 10:.3f}   10.0%   88\n  GPU span of the step   {ms:.3f}  100.0%\n\n")
+                open(os.path.join(blk_raw, f"{prefix}-{r}.log"), "w").write(text)
+        make(blk_raw, os.path.join(tmp, "blk.md"))
+        md_blk = read(os.path.join(tmp, "blk.md"))
+        expect("| block scaling (--scaling block) | 2 | 90.5 (90.0-91.0) | 181.0k (180.0k-182.0k) | 600 (600-600) | 30.0 (30.0-30.0) | "
+               "1.13x (1.11x-1.14x) |" in md_blk, "the block row: its ratio to per-tensor scaling round by round")
+        expect("| FP8 casts alone, amax, scales | 10.0 | 9.0 | -1.0 |" in md_blk and "not run" in md_blk,
+               f"the profiles side by side (per-tensor, block, block - per-tensor); the E4M3 row not run")
         # the tables made again from the .raw.txt that results.sh writes (each file after a line ==== NAME)
         with open(os.path.join(tmp, "tok.raw.txt"), "w") as f:
             for name in sorted(os.listdir(tok_raw)):

@@ -25,6 +25,8 @@ and, named with --only (each takes minutes and measures quality, not speed):
               validated on the whole validation split: bits a byte over the run, and the last sample
   lab         the recipe lab (scripts/study.sh: 19 configurations x 3 seeds of a 27M model)
   study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b --seeds 2)
+  block       the 1.1B step under per-tensor scaling against block scaling (--scaling block, with E5M2 and with
+              E4M3 gradients), N rounds interleaved, the first profiled; ./test_fp8 --bench gemm cast
 Each train_fp8 run ends with its summary line (the timed steps' mean ms, tokens/s, model TFLOP/s, memory);
 a row's figure is the median over the rounds, with their min-max.
 
@@ -53,8 +55,8 @@ done
 [[ $REPS =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --reps $REPS: want a whole number, 1 or more" >&2; exit 2; }
 [[ $BUDGET =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --budget $BUDGET: want seconds, 1 or more" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
-    [[ ,$DEFAULT_SECTIONS,tokenizer,lab,study1b, == *",$s,"* ]] ||
-        { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b, tokenizer, lab, study1b)" >&2; exit 2; }
+    [[ ,$DEFAULT_SECTIONS,tokenizer,lab,study1b,block, == *",$s,"* ]] ||
+        { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b, tokenizer, lab, study1b, block)" >&2; exit 2; }
 done
 wants() { [[ ,$ONLY, == *",$1,"* ]]; }
 command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1 ||
@@ -211,6 +213,16 @@ if section study1b 360; then
     scripts/study.sh --preset 1b --seeds 2 --dir "$RAW/study1b" --deadline $(($(time_left) - 90)) > "$RAW/study1b.log" 2>&1
     cp "$RAW/study1b/table.md" "$RAW/study1b-table.md" 2>/dev/null
     rm -rf "$RAW/study1b"
+fi
+
+if section block $((REPS * 75 + 60)); then
+    for r in $(seq "$REPS"); do
+        P=(); [[ $r == 1 ]] && P=(--profile 5)
+        ours block-tensor "$r" train_fp8 --model 1b --batch 8 --seq 2048 "${P[@]}"
+        ours block-block "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block "${P[@]}"
+        ours block-block-e4m3 "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block --dy-format e4m3
+    done
+    ./test_fp8 --bench gemm cast > "$RAW/bench-block.log" 2>&1
 fi
 
 mkdir -p "$OUT"
