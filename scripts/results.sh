@@ -209,7 +209,7 @@ if section lab 330; then
     rm -rf "$RAW/lab"
 fi
 
-if section study1b 360; then
+if section study1b 300; then
     scripts/study.sh --preset 1b --seeds 2 --dir "$RAW/study1b" --deadline $(($(time_left) - 90)) > "$RAW/study1b.log" 2>&1
     cp "$RAW/study1b/table.md" "$RAW/study1b-table.md" 2>/dev/null
     rm -rf "$RAW/study1b"
