@@ -290,7 +290,7 @@ def block_section(runs, raw, skipped):
                            [[r[0], r[2], r[1], r[3]] for r in profile_rows(prof["block-block"], prof["block-tensor"])]))
     bench = os.path.join(raw, "bench-block.log")
     if os.path.exists(bench):
-        lines += ["", "`./test_fp8 --bench gemm cast`, as it printed:", "", "```", read(bench).strip(), "```"]
+        lines += ["", "`./test_fp8 --bench block`, as it printed:", "", "```", read(bench).strip(), "```"]
     return lines + [""]
 
 

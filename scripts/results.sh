@@ -26,7 +26,7 @@ and, named with --only (each takes minutes and measures quality, not speed):
   lab         the recipe lab (scripts/study.sh: 19 configurations x 3 seeds of a 27M model)
   study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b --seeds 2)
   block       the 1.1B step under per-tensor scaling against block scaling (--scaling block, with E5M2 and with
-              E4M3 gradients), N rounds interleaved, the first profiled; ./test_fp8 --bench gemm cast
+              E4M3 gradients), N rounds interleaved, the first profiled; ./test_fp8 --bench block
 Each train_fp8 run ends with its summary line (the timed steps' mean ms, tokens/s, model TFLOP/s, memory);
 a row's figure is the median over the rounds, with their min-max.
 
@@ -222,7 +222,7 @@ if section block $((REPS * 75 + 60)); then
         ours block-block "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block "${P[@]}"
         ours block-block-e4m3 "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block --dy-format e4m3
     done
-    ./test_fp8 --bench gemm cast > "$RAW/bench-block.log" 2>&1
+    ./test_fp8 --bench block > "$RAW/bench-block.log" 2>&1
 fi
 
 mkdir -p "$OUT"
