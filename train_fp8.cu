@@ -97,6 +97,10 @@ struct TrainOptions {
     int amax_history = 1;                    // 1 = current scaling; more: delayed scaling from this many amaxes
     int quant_interval = 1;                  // delayed scaling: recompute the scales every this many steps
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
+    std::string scaling = "tensor";          // FP8 scales: tensor (one per tensor, current or delayed) or block (1x128 tiles
+                                             // of X and dY, 128x128 blocks of W: fp8_kernels.cuh 3b)
+    bool block_scale_pow2 = false;           // --scaling block: the tiles' scales rounded down to powers of two
+    std::string dy_format = "e5m2";          // dY's FP8 format: e5m2, or e4m3 (--scaling block only)
     int fp8_stats = BUILD_FP8 ? 50 : 0;      // every this many steps: the FP8 tensors' health, to DIR/fp8_stats.csv and the
                                              // warnings below; 0 = off
     double fp8_warn_saturated = FP8_WARN_SATURATED;   // warn when a tensor's saturated fraction is above this ...
@@ -196,6 +200,9 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
+        flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation, no --fp8-stats; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
+        flag_switch("--block-scale-pow2", "--scaling block: each tile's and block's scale rounded down to a power of two (default: 448 or 57344 / amax in FP32; FP8 build)", &o->block_scale_pow2),
+        flag_string("--dy-format", "e5m2|e4m3", "FP8 format of the output gradients dY: e5m2, or e4m3 (one more mantissa bit, the range of a tile being narrow; --scaling block only; FP8 build)", &o->dy_format),
         flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_double("--fp8-warn-saturated", "F", "warn when an FP8 tensor's saturated fraction is above F at --fp8-warn-after --fp8-stats steps in a row (FP8 build)", &o->fp8_warn_saturated, 0, 1),
         flag_double("--fp8-warn-flushed", "F", "warn when an FP8 tensor's fraction of non-zero values flushed to zero is above F, likewise (FP8 build)", &o->fp8_warn_flushed, 0, 1),
@@ -410,6 +417,33 @@ inline std::string probe_args_problem(const TrainOptions& o, const std::vector<s
     return "";
 }
 
+// --scaling block against the other FP8 flags, and its shapes: "" or what is wrong. A tile's scale comes from the tile's own
+// amax at every cast: no amax history (--amax-history, --quant-interval, --amax-warmup), no tensor amax to share over a TP
+// group, no SmoothQuant (its channel scales are per-tensor casts'), no fast accumulation (cuBLASLt's block-scaled GEMMs have
+// none); the block casts count no --fp8-stats, which is off under it. --block-scale-pow2 and --dy-format e4m3 need it.
+inline std::string train_block_scaling_problem(TrainOptions* o, const std::vector<std::string>& given) {
+    if (o->scaling != "block") {
+        if (o->block_scale_pow2) return "--block-scale-pow2 rounds the scales of --scaling block's tiles: add --scaling block";
+        if (o->dy_format != "e5m2")
+            return strprintf("--dy-format %s needs --scaling block (one scale for a whole dY needs E5M2's range)", o->dy_format.c_str());
+        return "";
+    }
+    auto was_given = [&](const char* name) { return std::find(given.begin(), given.end(), name) != given.end(); };
+    if (o->amax_history > 1 || o->quant_interval > 1 || o->amax_warmup > 0)
+        return "--scaling block with --amax-history, --quant-interval or --amax-warmup: block scaling takes each tile's scale from "
+               "the tile's own amax at every cast, there is no history; drop those flags";
+    if (o->smooth_quant > 0.0f) return "--scaling block with --smooth-quant: SmoothQuant's channel scales go with per-tensor scaling; drop one";
+    if (o->tp_amax_sync) return "--scaling block with --tp-amax-sync: a tile's scale needs no amax from the other GPUs; drop --tp-amax-sync";
+    if (was_given("--fp8-fast-accum") && o->fp8_fast_accum == 1)
+        return "--scaling block with --fp8-fast-accum 1: cuBLASLt's block-scaled GEMMs accumulate split only; drop --fp8-fast-accum";
+    if (was_given("--fp8-stats") && o->fp8_stats > 0)
+        return strprintf("--scaling block with --fp8-stats %d: the block casts count no saturated or flushed values; drop --fp8-stats",
+                         o->fp8_stats);
+    o->fp8_stats = 0;
+    const std::string problem = model_block_scaling_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp), (long)o->batch * o->seq);
+    return problem.empty() ? "" : "--scaling block: " + problem;
+}
+
 inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     *o = TrainOptions();
     o->command.assign(argv, argv + argc);
@@ -518,6 +552,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
                        o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f))
         return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --fp8-warn-*, --tp-amax-sync, "
                "--amax-warmup and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+    if (o->scaling != "tensor" && o->scaling != "block") return strprintf("--scaling %s: tensor or block", o->scaling.c_str());
+    if (o->dy_format != "e5m2" && o->dy_format != "e4m3") return strprintf("--dy-format %s: e5m2 or e4m3", o->dy_format.c_str());
+    if (!BUILD_FP8 && (o->scaling != defaults.scaling || o->block_scale_pow2 || o->dy_format != defaults.dy_format))
+        return "--scaling, --block-scale-pow2 and --dy-format are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
     if (init_kind_from_name(o->init) < 0)
         return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
     if (o->init == "torch-default" && std::find(given.begin(), given.end(), "--init-std") != given.end())
@@ -553,6 +591,8 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     problem = model_tp_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp));
     if (!problem.empty()) return strprintf("--tp %d: %s", o->tp, problem.c_str());
     problem = train_size_problem(*o, model_config_from_options(*o, BYTE_VOCAB));
+    if (!problem.empty()) return problem;
+    problem = train_block_scaling_problem(o, given);
     if (!problem.empty()) return problem;
     if (o->tp > 1 && o->update_clip)
         return strprintf("--update-clip with --tp %d: update clipping divides by each tensor's update RMS, which a rank "
@@ -712,6 +752,9 @@ inline Fp8Options fp8_options_from_options(const TrainOptions& o, int first_step
     fp8.tp_amax_sync = o.tp_amax_sync;
     fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
     fp8.smooth_quant = o.smooth_quant;
+    fp8.block_scaling = o.scaling == "block";
+    fp8.block_scale_pow2 = o.block_scale_pow2;
+    fp8.dy_format = o.dy_format == "e4m3" ? E4M3 : E5M2;
     return fp8;
 }
 
