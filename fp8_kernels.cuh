@@ -4,8 +4,8 @@
 //   3. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers); 3b. block scaling: the casts
 //                            with a scale per 1x128 tile or 128x128 block, in the GEMM's scale layouts
 //   4. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
-//   5. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs,
-//                            the weight re-quantization after each optimizer step; the BF16 linear it replaces;
+//   5. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs (per-tensor or
+//                            block-scaled), the weight re-quantization after each optimizer step; the BF16 linear it replaces;
 //                            the SQNR of an FP8 result against the BF16 one (train_fp8 probe)
 #pragma once
 #include "common.cuh"
@@ -619,25 +619,28 @@ inline size_t fp8_scale_count(Fp8Granularity g, int rows, int k) {
     return 1;
 }
 
-// Cast + transpose of a producer's values [rows, cols] (both multiples of 128) with block scaling: one thread block
-// per 128 x 128 tile of the input. A thread holds 16 consecutive columns of 4 rows (32 rows apart) in registers; the
-// amax of a row's 128 values is a max over the row's 8 threads (lanes 8k..8k+7 of one warp), of a column's 128 values
-// over its 4 lanes of each warp then the 8 warps through shared memory. Codes go to out with the row scales, and
-// through a shared tile (pitch 132 bytes) to out_t with the column scales (blocks: one scale for both).
+// Cast + transpose of a producer's values [rows, outs * cols] (rows and cols multiples of 128) with block scaling: one
+// thread block per 128 x 128 tile of the values (of one output: a producer of two outputs computes both, the block keeps
+// its own). A thread holds 16 consecutive columns of 4 rows (32 rows apart) in registers; the amax of a row's 128 values
+// is a max over the row's 8 threads (lanes 8k..8k+7 of one warp), of a column's 128 values over its 4 lanes of each warp
+// then the 8 warps through shared memory. Codes go to out with the row scales, and through a shared tile (pitch 132
+// bytes) to out_t with the column scales (blocks: one scale for both).
 constexpr int BC_PITCH = SCALE_BLOCK + 4;
 template <Fp8Format F, Fp8Granularity G, class P>
 __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p, fp8* out, float* out_inv_scale, fp8* out_t,
                                                                             float* out_t_inv_scale, int rows, int cols, int margin,
                                                                             bool pow2) {
-    static_assert(P::outs == 1, "a block-scaled cast takes a producer of one output");
     static_assert(G == FP8_TILES_1x128 || G == FP8_BLOCKS_128x128, "block_cast_transpose_kernel casts tiles or blocks");
+    constexpr int O = P::outs;
     constexpr int THREADS_PER_ROW = SCALE_BLOCK / CAST_VEC;               // 8
     constexpr int ROWS_PER_PASS = CAST_THREADS / THREADS_PER_ROW;         // 32
     constexpr int PASSES = SCALE_BLOCK / ROWS_PER_PASS;                   // 4
     constexpr int WARPS = CAST_THREADS / 32;
     __shared__ unsigned int col_amax_of_warp[WARPS][SCALE_BLOCK];         // [0][c]: the column's amax, after the reduction
     __shared__ uint32_t tile_words[SCALE_BLOCK * BC_PITCH / 4];
-    const int r0 = blockIdx.y * SCALE_BLOCK, c0 = blockIdx.x * SCALE_BLOCK;
+    const int width = O * cols;   // out's row length: output o's column c is column o * cols + c
+    const int r0 = blockIdx.y * SCALE_BLOCK, c0 = blockIdx.x * SCALE_BLOCK;   // the tile in out
+    const int o = c0 / cols, pc0 = c0 % cols;                                 // its output and its column there
     const int tr = threadIdx.x / THREADS_PER_ROW, tc = (threadIdx.x % THREADS_PER_ROW) * CAST_VEC;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float v[PASSES][CAST_VEC];
@@ -646,12 +649,14 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
     for (int k = 0; k < CAST_VEC; k++) col_amax[k] = 0u;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ps++) {
-        float w[1][CAST_VEC];
-        p.load16(w, r0 + tr + ps * ROWS_PER_PASS, c0 + tc);
+        float w[O][CAST_VEC];
+        p.load16(w, r0 + tr + ps * ROWS_PER_PASS, pc0 + tc);
         row_amax[ps] = 0u;
 #pragma unroll
         for (int k = 0; k < CAST_VEC; k++) {
-            v[ps][k] = w[0][k];
+#pragma unroll
+            for (int j = 0; j < O; j++)   // constant indices: w stays in registers
+                if (j == o) v[ps][k] = w[j][k];
             row_amax[ps] = max(row_amax[ps], abs_bits(w[0][k]));
             col_amax[k] = max(col_amax[k], abs_bits(w[0][k]));
         }
@@ -682,7 +687,7 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
 #pragma unroll
         for (int k = 0; k < CAST_VEC; k++) col_scale[k] = s;
         if (threadIdx.x == 0) {
-            out_inv_scale[(size_t)blockIdx.y * block_scale_ld(cols) + blockIdx.x] = 1.0f / s;
+            out_inv_scale[(size_t)blockIdx.y * block_scale_ld(width) + blockIdx.x] = 1.0f / s;
             out_t_inv_scale[(size_t)blockIdx.x * block_scale_ld(rows) + blockIdx.y] = 1.0f / s;
         }
     } else {
@@ -695,7 +700,7 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
 #pragma unroll
         for (int k = 0; k < CAST_VEC; k++) col_scale[k] = fp8_block_scale(__uint_as_float(col_amax_of_warp[0][tc + k]), F, margin, pow2);
         if (threadIdx.x < SCALE_BLOCK)
-            out_t_inv_scale[(size_t)blockIdx.y * cols + c0 + threadIdx.x] =
+            out_t_inv_scale[(size_t)blockIdx.y * width + c0 + threadIdx.x] =
                 1.0f / fp8_block_scale(__uint_as_float(col_amax_of_warp[0][threadIdx.x]), F, margin, pow2);
     }
 #pragma unroll
@@ -708,7 +713,7 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
             q[2 * k] = pair & 0xff;
             q[2 * k + 1] = pair >> 8;
         }
-        *reinterpret_cast<uint4*>(out + (size_t)(r0 + tile_row) * cols + c0 + tc) = *reinterpret_cast<const uint4*>(q);
+        *reinterpret_cast<uint4*>(out + (size_t)(r0 + tile_row) * width + c0 + tc) = *reinterpret_cast<const uint4*>(q);
 #pragma unroll
         for (int k = 0; k < CAST_VEC / 2; k++) {   // out_t's codes: the column scales
             const uint16_t pair = fp8x2_encode<F>(v[ps][2 * k] * col_scale[2 * k], v[ps][2 * k + 1] * col_scale[2 * k + 1]);
@@ -732,15 +737,15 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
 
 // Where a block-scaled cast goes: the codes and the dequantizing factors of both layouts (section 3b's layouts).
 struct Fp8BlockCastOut {
-    fp8* q;              // [rows, cols]
-    float* q_inv_scale;  // its scales, as an operand [rows, K = cols]
-    fp8* q_t;            // [cols, rows]
-    float* q_t_inv_scale;   // its scales, as an operand [cols, K = rows]
+    fp8* q;              // [rows, outs * cols]
+    float* q_inv_scale;  // its scales, as an operand [rows, K = outs * cols]
+    fp8* q_t;            // [outs * cols, rows]
+    float* q_t_inv_scale;   // its scales, as an operand [outs * cols, K = rows]
     Fp8Granularity granularity;   // FP8_TILES_1x128 or FP8_BLOCKS_128x128
     Fp8BlockRule rule;
 };
 
-// Producer p's values [rows, cols] -> o's codes and scales in one launch (one read of the values).
+// Producer p's values [rows, outs * cols] -> o's codes and scales in one launch (one read of the values).
 template <class P>
 void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int cols, cudaStream_t stream) {
     if (o.granularity != FP8_TILES_1x128 && o.granularity != FP8_BLOCKS_128x128)
@@ -751,7 +756,7 @@ void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int
     if (rows / SCALE_BLOCK > 65535) fail("FP8 block cast of %d rows: more than the grid's 65535 tiles of %d rows", rows, SCALE_BLOCK);
     check_cast_pointers("FP8 block cast", o.q, o.q_t);
     check_cast_pointers("FP8 block cast scales", o.q_inv_scale, o.q_t_inv_scale);
-    const dim3 grid(cols / SCALE_BLOCK, rows / SCALE_BLOCK);
+    const dim3 grid(P::outs * cols / SCALE_BLOCK, rows / SCALE_BLOCK);
     const bool e4m3 = o.rule.format == E4M3, tiles = o.granularity == FP8_TILES_1x128;
     const int m = o.rule.margin;
     const bool pw = o.rule.pow2;
@@ -765,6 +770,20 @@ void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int
         block_cast_transpose_kernel<E5M2, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
     cudaCheckLaunch();
 }
+
+// A producer's values into FP8 under the scaling that o's type names: one scale per tensor (fp8_cast_produced; amax_gathered
+// as there) or per tile or block (fp8_block_cast_produced, which needs no amax). fp8_amax_slot: where the producer's own
+// kernel should gather the amax for the cast, or nullptr where the cast needs none gathered (delayed and block scaling).
+template <class P>
+void fp8_cast_to(const Fp8CastOut& o, const P& p, int rows, int cols, cudaStream_t stream, bool amax_gathered) {
+    fp8_cast_produced(o, p, rows, cols, stream, amax_gathered);
+}
+template <class P>
+void fp8_cast_to(const Fp8BlockCastOut& o, const P& p, int rows, int cols, cudaStream_t stream, bool) {
+    fp8_block_cast_produced(o, p, rows, cols, stream);
+}
+inline unsigned int* fp8_amax_slot(const Fp8CastOut& o) { return o.recipe.delayed() ? nullptr : &o.meta->amax_pending; }
+inline unsigned int* fp8_amax_slot(const Fp8BlockCastOut&) { return nullptr; }
 
 // ----------------------------------------------------------------------------------------------
 // 4. The matmul: one wrapper over cuBLASLt for every GEMM of the model.

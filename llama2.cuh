@@ -649,17 +649,18 @@ struct RmsNormCast {
     }
 };
 
-// rmsnorm_forward into an FP8 linear's input: X8 and X8^T as o says, no BF16 y. Two kernels in both scalings:
-// the statistics (resid_out and rstd, which the backward keeps anyway) and the cast recomputing y from them. The
-// BF16 y is never written nor read back (the unfused path writes it, reads it for the amax, reads it again for
-// the cast). Current scaling: the statistics kernel also computes y in registers for amax(y), so the cast knows
-// its scale; delayed scaling: it skips y, and the cast gathers the amax.
-inline void rmsnorm_forward_fp8(const Fp8CastOut& o, bf16* resid_out, float* rstd, const bf16* resid, const bf16* branch,
-                                const bf16* w, int N, int D, float eps, cudaStream_t s) {
-    const bool current = !o.recipe.delayed();
-    rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, current ? &o.meta->amax_pending : nullptr);
+// rmsnorm_forward into an FP8 linear's input: X8 and X8^T as o says (Fp8CastOut or Fp8BlockCastOut), no BF16 y. Two
+// kernels in every scaling: the statistics (resid_out and rstd, which the backward keeps anyway) and the cast recomputing
+// y from them. The BF16 y is never written nor read back (the unfused path writes it, reads it for the amax, reads it
+// again for the cast). Current scaling: the statistics kernel also computes y in registers for amax(y), so the cast
+// knows its scale; delayed scaling: it skips y, and the cast gathers the amax; block scaling: the cast needs no amax.
+template <class Out>
+inline void rmsnorm_forward_fp8(const Out& o, bf16* resid_out, float* rstd, const bf16* resid, const bf16* branch, const bf16* w, int N,
+                                int D, float eps, cudaStream_t s) {
+    unsigned int* amax = fp8_amax_slot(o);
+    rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, amax);
     ProfileRange range(PHASE_NORM, s, "rmsnorm: cast X");
-    fp8_cast_produced(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, current);
+    fp8_cast_to(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, amax != nullptr);
 }
 // The RMSNorm backward's kernel and grid for rows of D: P packs of 8 columns per thread, the fewest of 1, 2, 4, 8
 // with at most RMSNORM_BWD_MAX_THREADS threads a row; blocks as described above rmsnorm_backward_kernel.
@@ -838,14 +839,15 @@ struct RopeBackwardCast {
 // Delayed scaling: one kernel (reads dqkv, writes the codes); current scaling: an amax pass that rotates too,
 // then the cast: dqkv read twice and never written, against the unfused path's in-place rotation (a read and a
 // write) and its two reads for the amax and the cast.
-inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH,
-                              int NKV, int HD, cudaStream_t s) {
+template <class Out>
+inline void rope_backward_fp8(const Out& o, const bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV,
+                              int HD, cudaStream_t s) {
     check_rows("rope_backward_fp8", HD, {dqkv});
     if (HD % CAST_VEC != 0) fail("rope_backward_fp8: head_dim %d must be a multiple of %d (a cast chunk within one head)", HD, CAST_VEC);
     if (!is_aligned16(cos_t) || !is_aligned16(sin_t)) fail("rope_backward_fp8: the cos/sin tables must be 16-byte aligned (got %p, %p)", cos_t, sin_t);
     ProfileRange range(PHASE_ROPE, s, "rope backward: cast dY");
     const int cols = (NH + 2 * NKV) * HD;
-    fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
+    fp8_cast_to(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s, false);
 }
 
 // ---- QKV clipping (--qkv-clip C), in place on wqkv's output, before the QK norm and RoPE:
@@ -1112,17 +1114,19 @@ struct SwigluBackwardCast {
 // (reads gate_up, writes the codes); current scaling: an amax pass computing the SwiGLU, then the cast computing
 // it again: gate_up read twice, nothing written but the codes, against the unfused path's BF16 write and its two
 // reads back (amax, cast).
-inline void swiglu_forward_fp8(const Fp8CastOut& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
+template <class Out>
+inline void swiglu_forward_fp8(const Out& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_forward_fp8", F, {gate_up});
     ProfileRange range(PHASE_SWIGLU, s, "swiglu forward: cast X");
-    fp8_cast_produced(o, SwigluCast{gate_up, F}, N, F, s);
+    fp8_cast_to(o, SwigluCast{gate_up, F}, N, F, s, false);
 }
 // swiglu_backward into an FP8 linear's dY (dY8 [N,2F] and dY8^T of w_gate_up), no BF16 dgate_up: costs as above,
 // dout and gate_up read once per pass.
-inline void swiglu_backward_fp8(const Fp8CastOut& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
+template <class Out>
+inline void swiglu_backward_fp8(const Out& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_backward_fp8", F, {dout, gate_up});
     ProfileRange range(PHASE_SWIGLU, s, "swiglu backward: cast dY");
-    fp8_cast_produced(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s);
+    fp8_cast_to(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s, false);
 }
 
 // ---- Cross-entropy of FP32 logits rows [N,V], one block per row:
@@ -1304,8 +1308,8 @@ struct Fp8Options {
                                 // false: they write BF16 and a plain cast follows (the unfused path: the reference of
                                 // the fused casts' tests and the benchmark's baseline)
     bool block_scaling = false; // --scaling block (fp8_kernels.cuh 3b): X and dY in 1x128 tiles, W in 128x128 blocks, each
-                                // scale from its tile's amax (recipe.margin; current scaling only); plain casts after the
-                                // producers; false: one scale per tensor (recipe)
+                                // scale from its tile's amax (recipe.margin; current scaling only), the casts fused as above;
+                                // false: one scale per tensor (recipe)
     bool block_scale_pow2 = false;   // --block-scale-pow2: the tiles' scales rounded down to powers of two
     Fp8Format dy_format = E5M2; // --dy-format: dY's format under block scaling (per-tensor scaling: E5M2 always)
 };
@@ -1525,13 +1529,19 @@ inline Fp8BlockCastOut model_fp8_block_cast(Model* m, int param, bool dy) {
     if (dy) return Fp8BlockCastOut{f.dy8, f.dy8_scales, f.dy8_t, f.dy8_t_scales, FP8_TILES_1x128, {o.dy_format, o.recipe.margin, o.block_scale_pow2}};
     return Fp8BlockCastOut{f.x8, f.x8_scales, f.saved_x8_t[i], f.saved_x8_t_scales[i], FP8_TILES_1x128, {E4M3, o.recipe.margin, o.block_scale_pow2}};
 }
+// cast(o) with o where FP8 linear `param`'s X (dy: its dY) goes under the model's scaling: model_fp8_block_cast's
+// Fp8BlockCastOut under block scaling, else model_fp8_cast's Fp8CastOut.
+template <class F>
+inline void model_fp8_cast_to(Model* m, int param, bool dy, const F& cast) {
+    if (m->fp8_options.block_scaling) cast(model_fp8_block_cast(m, param, dy));
+    else cast(model_fp8_cast(m, param, dy));
+}
 // Whether FP8 linear `param`'s X (dy: its dY) is cast by the kernel that produces it (section 6's producers:
 // RMSNorm makes the X of wqkv and w_gate_up, SwiGLU that of w_down, the SwiGLU backward the dY of w_gate_up, the
 // RoPE backward that of wqkv). The others (X of wo, attention's output; dY of wo and w_down, the residual
 // stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
 inline bool model_fp8_fused(Model* m, int param, bool dy) {
     if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
-    if (m->fp8_options.block_scaling) return false;   // the producers fuse per-tensor casts only
     if (!dy && model_smooth(m, param)) return false;   // X / s: linear_forward casts it (and gathers its channel amaxes)
     const LayerParam kind = param_place(m->config, param).kind;
     // the QK norm's and the QKV clip's backward come between RoPE's backward and wqkv's dY: no fused cast there
@@ -1543,7 +1553,7 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p,
     const TensorSpec& w = m->params[p.index];
     if (Fp8Linear* lin = model_fp8_linear(m, p.index); lin && m->fp8_options.block_scaling) {
         const Fp8BlockCastOut x = model_fp8_block_cast(m, p.index, false);
-        {
+        if (!model_fp8_fused(m, p.index, false)) {   // else X8 and X8^T came from the producer of inp
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X (block scaling)");
             fp8_block_cast_produced(x, CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
         }
@@ -1570,7 +1580,7 @@ inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* 
     const TensorSpec& w = m->params[p.index];
     if (Fp8Linear* lin = model_fp8_linear(m, p.index); lin && m->fp8_options.block_scaling) {
         const Fp8BlockCastOut dy = model_fp8_block_cast(m, p.index, true);
-        {
+        if (!model_fp8_fused(m, p.index, true)) {   // else dY8 and dY8^T came from the producer of dout
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY (block scaling)");
             fp8_block_cast_produced(dy, CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
         }
@@ -1606,22 +1616,23 @@ inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rst
                                   const Param& norm, const Param& consumer, int N) {
     const ModelConfig& c = m->config;
     if (model_fp8_fused(m, consumer.index, false)) {
-        rmsnorm_forward_fp8(model_fp8_cast(m, consumer.index, false), resid_out, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps,
-                            m->stream);
+        model_fp8_cast_to(m, consumer.index, false, [&](const auto& o) {
+            rmsnorm_forward_fp8(o, resid_out, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps, m->stream);
+        });
         return;
     }
     rmsnorm_forward(resid_out, y, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps, m->stream);
 }
 inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, const Param& consumer, int N) {
     if (model_fp8_fused(m, consumer.index, false)) {
-        swiglu_forward_fp8(model_fp8_cast(m, consumer.index, false), gate_up, N, m->ffn_dim, m->stream);
+        model_fp8_cast_to(m, consumer.index, false, [&](const auto& o) { swiglu_forward_fp8(o, gate_up, N, m->ffn_dim, m->stream); });
         return;
     }
     swiglu_forward(out, gate_up, N, m->ffn_dim, m->stream);
 }
 inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, const Param& consumer, int N) {
     if (model_fp8_fused(m, consumer.index, true)) {
-        swiglu_backward_fp8(model_fp8_cast(m, consumer.index, true), dout, gate_up, N, m->ffn_dim, m->stream);
+        model_fp8_cast_to(m, consumer.index, true, [&](const auto& o) { swiglu_backward_fp8(o, dout, gate_up, N, m->ffn_dim, m->stream); });
         return;
     }
     swiglu_backward(dgate_up, dout, gate_up, N, m->ffn_dim, m->stream);
@@ -1629,7 +1640,9 @@ inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, co
 inline void model_rope_backward(Model* m, bf16* dqkv, const Param& consumer, int B, int T) {
     const int HD = m->config.head_dim;
     if (model_fp8_fused(m, consumer.index, true)) {
-        rope_backward_fp8(model_fp8_cast(m, consumer.index, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+        model_fp8_cast_to(m, consumer.index, true, [&](const auto& o) {
+            rope_backward_fp8(o, dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+        });
         return;
     }
     rope_backward(dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
@@ -2005,6 +2018,9 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
         printf("model FP8: %d of %d decoder layers in FP8 (%s; attention forward %s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, "
                "scratch %.1f MiB\n", fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16",
                fp8.attention ? "FP8 too" : "BF16", m->fp8.weight_bytes / MiB, m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
+        if (fp8.block_scaling)
+            printf("model FP8 scales: one per 1x128 tile of X and dY (dY %s), per 128x128 block of W, %s\n", fp8_name(fp8.dy_format),
+                   fp8.block_scale_pow2 ? "powers of two" : "fmax / amax in FP32");
         printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
                (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
     }

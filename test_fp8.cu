@@ -5,7 +5,7 @@
 //   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs (a NAME that matches none is an error)
 //   ./test_fp8 --list          the tests' names, host or gpu beside each
 //   ./test_fp8 --fail-fast     stop at the first failing test;  --host-only: skip the GPU tests
-//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   the benchmark tables (GPU): all, or those named
+//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]   the benchmark tables (GPU): all, or those named
 // Sections, in the order of the source files after the spec; each holds its host references first, then its tests:
 //   1. test infrastructure    the harness (HOST_TEST / GPU_TEST, expect, error_stats), random inputs, device
 //                             buffers, temporary folders
@@ -4773,8 +4773,8 @@ static bool same_meta(const Fp8Meta& a, const Fp8Meta& b) {
 // and plain casts, the code before the fusion): two training steps (the second with the scales the first
 // recorded) and an evaluation, bit for bit: losses, every gradient, every scale record. Current and delayed
 // scaling; every layer FP8, and the recipe's first and last layers BF16 (a BF16 layer's norm feeding an FP8 one).
-static void check_fused_model(int n_layers, Fp8Options fp8, const char* what) {
-    const int B = 2, T = 32, N = B * T;
+static void check_fused_model(int n_layers, Fp8Options fp8, const char* what, int T = 32) {
+    const int B = 2, N = B * T;
     struct Run { std::vector<float> losses, grads; std::vector<Fp8Meta> metas; };
     std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
     DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
@@ -4815,6 +4815,20 @@ GPU_TEST(fp8_model_fused_casts_match_unfused) {
     Fp8Options delayed = all;
     delayed.recipe.history_len = 4;
     check_fused_model(2, delayed, "all layers FP8, delayed scaling (history 4)");
+}
+
+// Block scaling's casts in their producers (RMSNorm, SwiGLU forward, the SwiGLU backward's two outputs, the RoPE backward)
+// against the unfused path (BF16 outputs, plain block casts), bit for bit: T 64, B*T = 128 tokens, whole tiles.
+GPU_TEST(fp8_model_fused_block_casts_match_unfused) {
+    Fp8Options block;
+    block.all_layers = true;
+    block.block_scaling = true;
+    check_fused_model(2, block, "all layers FP8, block scaling", 64);
+    block.dy_format = E4M3;
+    block.block_scale_pow2 = true;
+    check_fused_model(2, block, "all layers FP8, block scaling, E4M3 dY, power-of-two scales", 64);
+    block.all_layers = false;
+    check_fused_model(4, block, "block scaling, the recipe (first and last layers BF16)", 64);
 }
 
 GPU_TEST(fp8_model_vs_reference) {
@@ -9162,34 +9176,61 @@ static void fill_random_device(void* p, size_t bytes, DType t) {
 
 // The casts fused into their producers against the producer's BF16 kernel then a plain cast, on the 1B shapes
 // at 16384 tokens (D 2048, F 5632, QKV 2560): median ms of each way, both scalings, in one run.
-static void bench_fused_casts(double copy_gbs) {
-    const int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
-    const size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
+// The cast benchmarks' inputs on the 1B shapes at 16384 tokens (D 2048, F 5632, QKV 2560), random BF16: a (resid, gate_up
+// [N, 2F]), b (branch, the SwiGLU's output gradient [N, F]), c (a copy of a: the unfused path's BF16 outputs; dqkv), the norm
+// weight w [D], resid_out and rstd, the RoPE tables; the FP8 outputs q and q_t [N, 2F], one Fp8Meta, and room for block
+// scaling's scale tensors of q and q_t (s_q, s_qt).
+struct BenchCastInputs {
+    static constexpr int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
+    static constexpr size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
     bf16 *a, *b, *c, *w, *resid_out;
     fp8 *q, *qt;
-    float *rstd, *tables;
+    float *rstd, *tables, *s_q, *s_qt;
+    const float *d_cos, *d_sin;
     Fp8Meta* meta;
-    cudaCheck(cudaMalloc(&a, big * 2));               // resid / gate_up
-    cudaCheck(cudaMalloc(&b, (size_t)N * F * 2));     // branch / the SwiGLU's output gradient
-    cudaCheck(cudaMalloc(&c, big * 2));               // BF16 outputs of the unfused path; dqkv
-    cudaCheck(cudaMalloc(&w, D * 2));
-    cudaCheck(cudaMalloc(&resid_out, (size_t)N * D * 2));
-    cudaCheck(cudaMalloc(&q, big));
-    cudaCheck(cudaMalloc(&qt, big));
-    cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
-    cudaCheck(cudaMalloc(&meta, sizeof(Fp8Meta)));
-    fill_random_device(a, big * 2, DT_BF16);
-    fill_random_device(b, (size_t)N * F * 2, DT_BF16);
-    fill_random_device(w, D * 2, DT_BF16);
-    cudaCheck(cudaMemcpy(c, a, big * 2, cudaMemcpyDeviceToDevice));
-    std::vector<float> cos_t, sin_t;
-    rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
-    cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
-    cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-    const float *d_cos = tables, *d_sin = tables + cos_t.size();
-    Fp8Meta m0 = fp8_meta_initial();
-    cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
+    BenchCastInputs() {
+        cudaCheck(cudaMalloc(&a, big * 2));
+        cudaCheck(cudaMalloc(&b, (size_t)N * F * 2));
+        cudaCheck(cudaMalloc(&c, big * 2));
+        cudaCheck(cudaMalloc(&w, D * 2));
+        cudaCheck(cudaMalloc(&resid_out, (size_t)N * D * 2));
+        cudaCheck(cudaMalloc(&q, big));
+        cudaCheck(cudaMalloc(&qt, big));
+        cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
+        cudaCheck(cudaMalloc(&s_q, big / SCALE_BLOCK * sizeof(float)));
+        cudaCheck(cudaMalloc(&s_qt, big / SCALE_BLOCK * sizeof(float)));
+        cudaCheck(cudaMalloc(&meta, sizeof(Fp8Meta)));
+        fill_random_device(a, big * 2, DT_BF16);
+        fill_random_device(b, (size_t)N * F * 2, DT_BF16);
+        fill_random_device(w, D * 2, DT_BF16);
+        cudaCheck(cudaMemcpy(c, a, big * 2, cudaMemcpyDeviceToDevice));
+        std::vector<float> cos_t, sin_t;
+        rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
+        cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
+        cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+        d_cos = tables;
+        d_sin = tables + cos_t.size();
+        const Fp8Meta m0 = fp8_meta_initial();
+        cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
+    }
+    ~BenchCastInputs() {
+        for (void* p : {(void*)a, (void*)b, (void*)c, (void*)w, (void*)resid_out, (void*)q, (void*)qt, (void*)rstd, (void*)tables, (void*)s_q,
+                        (void*)s_qt, (void*)meta})
+            cudaCheck(cudaFree(p));
+    }
+    BenchCastInputs(const BenchCastInputs&) = delete;
+    BenchCastInputs& operator=(const BenchCastInputs&) = delete;
+};
+
+static void bench_fused_casts(double copy_gbs) {
+    const BenchCastInputs in;
+    const int N = in.N, D = in.D, F = in.F, NH = in.NH, NKV = in.NKV, HD = in.HD, T = in.T, QKV = in.QKV;
+    bf16 *a = in.a, *b = in.b, *c = in.c, *w = in.w, *resid_out = in.resid_out;
+    fp8 *q = in.q, *qt = in.qt;
+    float* rstd = in.rstd;
+    const float *d_cos = in.d_cos, *d_sin = in.d_sin;
+    Fp8Meta* meta = in.meta;
     printf("\nFP8 casts fused into their producers (1B shapes, %d tokens): the BF16 kernel then a plain cast+transpose, "
            "against the fused kernels; median ms. floor: the bytes the fused kernels must move (current scaling reads\n"
            "its inputs twice: the amax pass, then the cast) at the copy's %.0f GB/s\n", N, copy_gbs);
@@ -9235,8 +9276,6 @@ static void bench_fused_casts(double copy_gbs) {
             fp8_cast_transpose(q, qt, c, N, QKV, E5M2, meta, r, 0);
         }, [&] { rope_backward_fp8(dy_out, c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0); });
     }
-    for (void* p : {(void*)a, (void*)b, (void*)c, (void*)w, (void*)resid_out, (void*)q, (void*)qt, (void*)rstd, (void*)tables, (void*)meta})
-        cudaCheck(cudaFree(p));
 }
 
 // rmsnorm_backward (the one-pass kernel and the dw reduction) at 16384 tokens on the presets' widths: d12 (768),
@@ -9656,7 +9695,97 @@ static void bench_attention() {
     }
 }
 
-// ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]: all the tables, or the ones named.
+// ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]: all the tables, or the ones named.
+// ---- Block scaling against per-tensor scaling (--bench block), in one run: the GEMMs of the 1B shapes at 16384 tokens with
+// each scaling's operands (block: X and dY in 1x128 tiles, W in 128x128 blocks, dW's operands tiled along the tokens; no
+// fast accumulation), and the casts they need: per-tensor current scaling's (amax pass + cast+transpose, or the producer
+// gathering the amax) against block scaling's one pass, plain and fused into their producers. The recipe's per-tensor
+// GEMMs use fast accumulation forward and split backward: "block / recipe" compares with those.
+static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
+    const int tokens = BenchCastInputs::N, D = BenchCastInputs::D, F = BenchCastInputs::F, NH = BenchCastInputs::NH,
+              NKV = BenchCastInputs::NKV, HD = BenchCastInputs::HD, T = BenchCastInputs::T, QKV = BenchCastInputs::QKV;
+    struct Shape { const char* name; int M, N, K; bool backward; Fp8Granularity a, b; };
+    const Fp8Granularity TL = FP8_TILES_1x128, BL = FP8_BLOCKS_128x128;
+    const std::vector<Shape> shapes = {
+        {"1b qkv fwd", tokens, QKV, D, false, TL, BL},       {"1b qkv dX", tokens, D, QKV, true, TL, BL},
+        {"1b qkv dW", QKV, D, tokens, true, TL, TL},         {"1b wo fwd", tokens, D, D, false, TL, BL},
+        {"1b wo dX", tokens, D, D, true, TL, BL},            {"1b wo dW", D, D, tokens, true, TL, TL},
+        {"1b gate_up fwd", tokens, 2 * F, D, false, TL, BL}, {"1b gate_up dX", tokens, D, 2 * F, true, TL, BL},
+        {"1b gate_up dW", 2 * F, D, tokens, true, TL, TL},   {"1b down fwd", tokens, D, F, false, TL, BL},
+        {"1b down dX", tokens, F, D, true, TL, BL},          {"1b down dW", D, F, tokens, true, TL, TL},
+    };
+    size_t max_a = 0, max_b = 0, max_d = 0, max_sa = 0, max_sb = 0;
+    for (const Shape& s : shapes) {
+        max_a = std::max(max_a, (size_t)s.M * s.K);
+        max_b = std::max(max_b, (size_t)s.N * s.K);
+        max_d = std::max(max_d, (size_t)s.M * s.N * 2);
+        max_sa = std::max(max_sa, fp8_scale_count(s.a, s.M, s.K));
+        max_sb = std::max(max_sb, fp8_scale_count(s.b, s.N, s.K));
+    }
+    void *a8, *b8, *d;
+    cudaCheck(cudaMalloc(&a8, max_a));
+    cudaCheck(cudaMalloc(&b8, max_b));
+    cudaCheck(cudaMalloc(&d, max_d));
+    fill_random_device(a8, max_a, DT_E4M3);
+    fill_random_device(b8, max_b, DT_E4M3);
+    DeviceBuffer<float> scales(std::vector<float>{1.0f / 64, 0, 0, 0, 1.0f / 64}), sa(std::vector<float>(max_sa, 1.0f / 64)),
+        sb(std::vector<float>(max_sb, 1.0f / 64));
+    printf("\nBlock-scaled GEMMs against per-tensor ones, TFLOP/s (BF16 output; E4M3 x E4M3 forward, E5M2 x E4M3 backward; block: A %s or "
+           "%s as each GEMM of the recipe reads it)\n", fp8_granularity_name(TL), fp8_granularity_name(BL));
+    printf("%-16s %6s %6s %6s | %8s %8s %8s | %11s %11s\n", "shape", "M", "N", "K", "tensor", "t. fast", "block", "block/split",
+           "block/recipe");
+    for (const Shape& s : shapes) {
+        const double flops = 2.0 * s.M * s.N * s.K;
+        const DType ta = s.backward ? DT_E5M2 : DT_E4M3;
+        auto tensor = [&](bool fast) {
+            return bench_median_ms([&] {
+                matmul(ctx, d, DT_BF16, {a8, ta, false, &scales.ptr[0]}, {b8, DT_E4M3, false, &scales.ptr[4]}, s.M, s.N, s.K, false, fast, 0);
+            });
+        };
+        const float t_split = tensor(false), t_fast = tensor(true), t_block = bench_median_ms([&] {
+            matmul(ctx, d, DT_BF16, {a8, ta, false, sa.ptr, s.a}, {b8, DT_E4M3, false, sb.ptr, s.b}, s.M, s.N, s.K, false, false, 0);
+        });
+        const float t_recipe = s.backward ? t_split : t_fast;
+        printf("%-16s %6d %6d %6d | %8.1f %8.1f %8.1f | %10.2fx %10.2fx\n", s.name, s.M, s.N, s.K, flops / t_split / 1e9, flops / t_fast / 1e9,
+               flops / t_block / 1e9, t_split / t_block, t_recipe / t_block);
+    }
+    cudaCheck(cudaFree(a8));
+    cudaCheck(cudaFree(b8));
+    cudaCheck(cudaFree(d));
+
+    // The casts: per-tensor current scaling against block scaling, plain and fused (llama2.cuh's producers).
+    const BenchCastInputs in;
+    bf16 *a = in.a, *b = in.b, *c = in.c, *w = in.w, *resid_out = in.resid_out;
+    fp8 *q = in.q, *qt = in.qt;
+    float *rstd = in.rstd, *s_q = in.s_q, *s_qt = in.s_qt;
+    const float *d_cos = in.d_cos, *d_sin = in.d_sin;
+    Fp8Meta* meta = in.meta;
+    const Fp8CastOut x_tensor{q, qt, E4M3, meta, Fp8Recipe()}, dy_tensor{q, qt, E5M2, meta, Fp8Recipe()};
+    const Fp8BlockCastOut x_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E4M3, 0, false}}, dy_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E5M2, 0, false}};
+    const Fp8BlockCastOut w_block{q, s_q, qt, s_qt, FP8_BLOCKS_128x128, {E4M3, 0, false}};
+    printf("\nCasts, per-tensor current scaling against block scaling (1B shapes, %d tokens), median ms; GB/s of the plain casts: BF16 "
+           "read once + both FP8 layouts written, against the copy's %.0f GB/s\n", tokens, copy_gbs);
+    printf("%-30s %10s %10s %9s %10s\n", "producer -> FP8 tensor", "tensor ms", "block ms", "speed-up", "block GB/s");
+    auto row = [&](const char* name, double elements, const std::function<void()>& tensor_cast, const std::function<void()>& block_cast) {
+        const float t_tensor = bench_median_ms(tensor_cast), t_block = bench_median_ms(block_cast);
+        printf("%-30s %10.3f %10.3f %8.2fx ", name, t_tensor, t_block, t_tensor / t_block);
+        if (elements > 0) printf("%10.0f\n", 4.0 * elements / t_block / 1e6);
+        else printf("%10s\n", "-");
+    };
+    const double nd = (double)tokens * D;
+    row("plain cast+transpose -> X", nd, [&] { fp8_cast_transpose(q, qt, c, tokens, D, E4M3, meta, Fp8Recipe(), 0); },
+        [&] { fp8_block_cast_produced(x_block, CastPlain<bf16>{c, D}, tokens, D, 0); });
+    row("W [5632, 2048] -> W8, W8^T", (double)F * D, [&] { fp8_cast_transpose(q, qt, c, F, D, E4M3, meta, Fp8Recipe(), 0); },
+        [&] { fp8_block_cast_produced(w_block, CastPlain<bf16>{c, D}, F, D, 0); });
+    row("rmsnorm (+ add) -> X", 0, [&] { rmsnorm_forward_fp8(x_tensor, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); },
+        [&] { rmsnorm_forward_fp8(x_block, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); });
+    row("swiglu -> X", 0, [&] { swiglu_forward_fp8(x_tensor, a, tokens, F, 0); }, [&] { swiglu_forward_fp8(x_block, a, tokens, F, 0); });
+    row("swiglu backward -> dY", 0, [&] { swiglu_backward_fp8(dy_tensor, b, a, tokens, F, 0); },
+        [&] { swiglu_backward_fp8(dy_block, b, a, tokens, F, 0); });
+    row("rope backward -> dY", 0, [&] { rope_backward_fp8(dy_tensor, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); },
+        [&] { rope_backward_fp8(dy_block, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); });
+}
+
 static void run_benchmarks(const std::vector<std::string>& which) {
     auto want = [&](const char* name) { return which.empty() || std::find(which.begin(), which.end(), name) != which.end(); };
     MatmulContext ctx;
@@ -9680,6 +9809,7 @@ static void run_benchmarks(const std::vector<std::string>& which) {
         bench_optimizer("1b", 32000, copy_gbs);
     }
     if (want("attention")) bench_attention();
+    if (want("block")) bench_block_scaling(&ctx, bench_copy_gbs());
     matmul_context_destroy(&ctx);
 }
 
@@ -9707,17 +9837,17 @@ int main(int argc, char** argv) {
                    "         --fail-fast   stop after the first failing test\n"
                    "         --host-only   skip the GPU tests even where there is a GPU\n"
                    "       %s --list [NAME...]   the tests' names (host or gpu beside each), in the order they run\n"
-                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   benchmark tables (GPU): all, or those named\n",
+                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]   benchmark tables (GPU): all, or those named\n",
                    argv[0], argv[0], argv[0]);
             return 0;
         } else if (a.size() > 1 && a[0] == '-') return usage_error(argv[0], "unknown option '" + a + "'");
         else filters.push_back(a);
     }
     if (bench) {
-        const char* tables[] = {"gemm", "cast", "model", "tp", "optimizer", "attention"};
+        const char* tables[] = {"gemm", "cast", "model", "tp", "optimizer", "attention", "block"};
         for (const std::string& f : filters)
             if (std::find(std::begin(tables), std::end(tables), f) == std::end(tables))
-                return usage_error(argv[0], "--bench " + f + ": no such table; the tables are gemm, cast, model, tp, optimizer, attention");
+                return usage_error(argv[0], "--bench " + f + ": no such table; the tables are gemm, cast, model, tp, optimizer, attention, block");
     } else {
         for (const std::string& f : filters) {
             bool matched = false;
