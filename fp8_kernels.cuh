@@ -657,16 +657,16 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
 #pragma unroll
             for (int j = 0; j < O; j++)   // constant indices: w stays in registers
                 if (j == o) v[ps][k] = w[j][k];
-            row_amax[ps] = max(row_amax[ps], abs_bits(w[0][k]));
-            col_amax[k] = max(col_amax[k], abs_bits(w[0][k]));
+            row_amax[ps] = max(row_amax[ps], abs_bits(v[ps][k]));
+            col_amax[k] = max(col_amax[k], abs_bits(v[ps][k]));
         }
     }
 #pragma unroll
     for (int ps = 0; ps < PASSES; ps++)
-        for (int o = 1; o < THREADS_PER_ROW; o <<= 1) row_amax[ps] = max(row_amax[ps], __shfl_xor_sync(0xffffffffu, row_amax[ps], o));
+        for (int d = 1; d < THREADS_PER_ROW; d <<= 1) row_amax[ps] = max(row_amax[ps], __shfl_xor_sync(0xffffffffu, row_amax[ps], d));
 #pragma unroll
     for (int k = 0; k < CAST_VEC; k++)
-        for (int o = THREADS_PER_ROW; o < 32; o <<= 1) col_amax[k] = max(col_amax[k], __shfl_xor_sync(0xffffffffu, col_amax[k], o));
+        for (int d = THREADS_PER_ROW; d < 32; d <<= 1) col_amax[k] = max(col_amax[k], __shfl_xor_sync(0xffffffffu, col_amax[k], d));
     if (lane < THREADS_PER_ROW)
 #pragma unroll
         for (int k = 0; k < CAST_VEC; k++) col_amax_of_warp[warp][tc + k] = col_amax[k];
