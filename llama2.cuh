@@ -1675,7 +1675,8 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
 
 // Per parameter tensor (Model::params order): where the optimizer's update pass should gather the amax of the
 // new BF16 weights - W's Fp8Meta::amax_pending for the FP8 linears, nullptr for the others (all of them in the
-// BF16 build, and under block scaling, whose blocks take their own amaxes). Hand it to adamw_gather_weight_amax; then model_weights_changed(m, true) after each step.
+// BF16 build, and under block scaling, whose blocks take their own amaxes). Hand it to adamw_gather_weight_amax; then
+// model_weights_changed(m, true) after each step.
 inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
     std::vector<unsigned int*> slots(m->params.size(), nullptr);
     for (const LayerParams& L : m->layers)

@@ -259,7 +259,8 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
     if (o.probe) {
         printf("usage: %s probe [CKPT] [flags]\n"
                "  one batch (the first of --val-data) through the model in BF16; each linear's X, W and dY from that pass through\n"
-               "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax) and its BF16 GEMMs: the SQNR of FP8\n"
+               "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax; and block scaling's, 1x128 tiles and 128x128\n"
+               "  blocks with dY in E5M2 and in E4M3, where the widths and B x T are multiples of 128) and its BF16 GEMMs: the SQNR of FP8\n"
                "  against BF16 in dB for Y, dX and dW of every linear of every layer (a table; DIR/probe.csv with --out DIR,\n"
                "  drawn by scripts/plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
                "  CKPT: a checkpoint file or a run's folder (its newest); none: the weights of --init and --seed\n", argv0);
@@ -1767,11 +1768,15 @@ inline TrainResult train(const TrainOptions& o) {
 // from the layers below. The loss of the FP8 forward (the recipe's layers) against the BF16 one on the batch says
 // what they add up to. A freshly initialised model measures about 28 dB forward (two E4M3 operands) and 24.5 dB
 // backward (E5M2 dY, 2 mantissa bits): the formats' own precision. A GEMM well below that has outliers that set its scale.
+// The same operands also go through block scaling's GEMMs (fp8_kernels.cuh 3b: 1x128 tiles, 128x128 blocks; FP32 scales),
+// with dY in E5M2 and then in E4M3, where the linear's widths and the batch's tokens are multiples of 128.
 
 struct ProbeRow {
     int layer, linear;           // linear: LINEAR_NAMES' index
     double y_db, dx_db, dw_db;   // SQNR of the FP8 GEMM against the BF16 one
     bool fp8_in_recipe;          // the FP8 loss ran this layer in FP8 (Fp8Options: all but the first and last)
+    // block scaling's: Y, then dX and dW with dY in E5M2 ([0]) and in E4M3 ([1]); NaN where the shapes do not tile
+    double y_db_block = NAN, dx_db_block[2] = {NAN, NAN}, dw_db_block[2] = {NAN, NAN};
 };
 struct ProbeResult {
     std::vector<ProbeRow> rows;   // by layer, then linear
@@ -1783,6 +1788,7 @@ struct ProbeBuffers {
     bf16 *y8 = nullptr, *y16 = nullptr, *dx8 = nullptr, *dx16 = nullptr;
     float *dw8 = nullptr, *dw16 = nullptr;
     fp8 *x8 = nullptr, *x8_t = nullptr, *w8 = nullptr, *w8_t = nullptr, *dy8 = nullptr, *dy8_t = nullptr;
+    float *x8_s = nullptr, *x8_t_s = nullptr, *w8_s = nullptr, *w8_t_s = nullptr, *dy8_s = nullptr, *dy8_t_s = nullptr;   // block scales
     Fp8Meta* metas = nullptr;   // [3]: X, W, dY
     double* sums = nullptr;     // [2]: sqnr_db_on_device's
 };
@@ -1795,13 +1801,22 @@ inline ProbeBuffers probe_buffers_create(const ModelConfig& c, int N) {
     for (fp8** p : {&b.x8, &b.x8_t}) cudaCheck(cudaMalloc(p, N * in));
     for (fp8** p : {&b.dy8, &b.dy8_t}) cudaCheck(cudaMalloc(p, N * out));
     for (fp8** p : {&b.w8, &b.w8_t}) cudaCheck(cudaMalloc(p, out * in));
+    const std::pair<float**, size_t> scales[] = {
+        {&b.x8_s, fp8_scale_count(FP8_TILES_1x128, N, (int)in)},        {&b.x8_t_s, fp8_scale_count(FP8_TILES_1x128, (int)in, N)},
+        {&b.dy8_s, fp8_scale_count(FP8_TILES_1x128, N, (int)out)},      {&b.dy8_t_s, fp8_scale_count(FP8_TILES_1x128, (int)out, N)},
+        {&b.w8_s, fp8_scale_count(FP8_BLOCKS_128x128, (int)out, (int)in)}, {&b.w8_t_s, fp8_scale_count(FP8_BLOCKS_128x128, (int)in, (int)out)}};
+    for (const auto& sc : scales) {
+        cudaCheck(cudaMalloc(sc.first, sc.second * sizeof(float)));
+        cudaCheck(cudaMemset(*sc.first, 0, sc.second * sizeof(float)));   // the padding of the blocks' rows
+    }
     cudaCheck(cudaMalloc(&b.metas, 3 * sizeof(Fp8Meta)));
     cudaCheck(cudaMalloc(&b.sums, 2 * sizeof(double)));
     return b;
 }
 inline void probe_buffers_destroy(ProbeBuffers* b) {
     for (void* p : std::initializer_list<void*>{b->y8, b->y16, b->dx8, b->dx16, b->dw8, b->dw16, b->x8, b->x8_t, b->w8, b->w8_t,
-                                                b->dy8, b->dy8_t, b->metas, b->sums})
+                                                b->dy8, b->dy8_t, b->x8_s, b->x8_t_s, b->w8_s, b->w8_t_s, b->dy8_s, b->dy8_t_s, b->metas,
+                                                b->sums})
         cudaCheck(cudaFree(p));
     *b = ProbeBuffers();
 }
@@ -1823,6 +1838,21 @@ inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, 
     row.y_db = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
     row.dx_db = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
     row.dw_db = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
+    if (in % SCALE_BLOCK == 0 && out % SCALE_BLOCK == 0 && N % SCALE_BLOCK == 0) {   // block scaling, the same operands
+        Fp8Linear blin{b->w8, b->w8_t, nullptr, nullptr, b->w8_s, b->w8_t_s};
+        fp8_block_weight_update(&blin, w, out, in, Fp8BlockRule{E4M3}, s);
+        const Fp8BlockCastOut xo{b->x8, b->x8_s, b->x8_t, b->x8_t_s, FP8_TILES_1x128, {E4M3}};
+        fp8_block_cast_produced(xo, CastPlain<bf16>{x, in}, N, in, s);
+        fp8_block_linear_forward(mm, b->y8, xo, &blin, N, in, out, s);
+        row.y_db_block = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
+        for (int f = 0; f < 2; f++) {
+            const Fp8BlockCastOut dyo{b->dy8, b->dy8_s, b->dy8_t, b->dy8_t_s, FP8_TILES_1x128, {f == 0 ? E5M2 : E4M3}};
+            fp8_block_cast_produced(dyo, CastPlain<bf16>{dy, out}, N, out, s);
+            fp8_block_linear_backward(mm, b->dx8, b->dw8, dyo, xo, &blin, N, in, out, s, false);
+            row.dx_db_block[f] = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
+            row.dw_db_block[f] = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
+        }
+    }
     return row;
 }
 
@@ -1913,22 +1943,34 @@ inline ProbeResult probe_main(const TrainOptions& o) {
     ProbeResult r = probe_model(c, weights, fp8, o.batch, o.seq, val.inputs, val.targets);
     dataloader_free(&val);
 
-    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better):\n");
-    printf("%5s  %-9s  %7s  %7s  %7s\n", "layer", "linear", "Y", "dX", "dW");
+    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better): per-tensor scaling (E5M2 dY), "
+           "block scaling with dY in E5M2, and with dY in E4M3 (- where the shapes do not tile by 128):\n");
+    printf("%5s  %-9s  %7s  %7s  %7s | %7s  %7s  %7s | %7s  %7s\n", "layer", "linear", "Y", "dX", "dW", "Y", "dX", "dW", "dX", "dW");
+    auto db = [](double v) { return std::isnan(v) ? std::string("-") : strprintf("%.2f", v); };
     for (const ProbeRow& row : r.rows)
-        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db, row.dw_db,
-               row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
-    std::vector<std::pair<double, std::string>> gemms;
-    for (const ProbeRow& row : r.rows) {
-        const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
-        gemms.push_back({row.y_db, at + " Y"});
-        gemms.push_back({row.dx_db, at + " dX"});
-        gemms.push_back({row.dw_db, at + " dW"});
-    }
-    std::sort(gemms.begin(), gemms.end());
-    printf("lowest:");
-    for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
-    printf("\nloss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
+        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f | %7s  %7s  %7s | %7s  %7s%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db,
+               row.dw_db, db(row.y_db_block).c_str(), db(row.dx_db_block[0]).c_str(), db(row.dw_db_block[0]).c_str(),
+               db(row.dx_db_block[1]).c_str(), db(row.dw_db_block[1]).c_str(), row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
+    // the five weakest GEMMs of a scaling (dy: the block columns' dY format)
+    auto lowest = [&](const char* what, bool block, int dy) {
+        std::vector<std::pair<double, std::string>> gemms;
+        for (const ProbeRow& row : r.rows) {
+            const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
+            gemms.push_back({block ? row.y_db_block : row.y_db, at + " Y"});
+            gemms.push_back({block ? row.dx_db_block[dy] : row.dx_db, at + " dX"});
+            gemms.push_back({block ? row.dw_db_block[dy] : row.dw_db, at + " dW"});
+        }
+        gemms.erase(std::remove_if(gemms.begin(), gemms.end(), [](const auto& g) { return std::isnan(g.first); }), gemms.end());
+        if (gemms.empty()) return;
+        std::sort(gemms.begin(), gemms.end());
+        printf("lowest%s:", what);
+        for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
+        printf("\n");
+    };
+    lowest("", false, 0);
+    lowest(" under block scaling, E5M2 dY", true, 0);
+    lowest(" under block scaling, E4M3 dY", true, 1);
+    printf("loss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
            r.loss_fp8 - r.loss_bf16, 100.0 * (r.loss_fp8 - r.loss_bf16) / r.loss_bf16);
     if (!o.out.empty()) {
         std::string csv = "layer,linear,gemm,sqnr_db\n";
