@@ -1847,7 +1847,7 @@ inline void model_fp8_create(Model* m) {
             f.saved_x8_t[i] = (fp8*)(base + f.weight_bytes + x_off[i]);
         }
     f.n_fp8_linears = (int)x_ids.size();
-    if (m->fp8_options.block_scaling) model_fp8_block_scales_create(m, (int)max_in, (int)max_out);
+    if (m->fp8_options.block_scaling && f.n_fp8_linears > 0) model_fp8_block_scales_create(m, (int)max_in, (int)max_out);
     if (m->fp8_options.smooth_quant > 0.0f) {   // s = 1 and no amax gathered yet: 4 words per input channel
         size_t words = 0;
         for (const LayerParams& layer : m->layers)
