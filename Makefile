@@ -105,14 +105,15 @@ test: test_fp8 train_fp8
 
 # compute-sanitizer (CUDA toolkit) over the tests, on a GPU: memcheck over every test (out-of-bounds and misaligned
 # accesses, in our kernels and in the libraries'), racecheck over the tests of the kernels that use shared memory
-# (attention, the embedding backward, RMSNorm, cross-entropy, amax and the FP8 casts, AdamW's reductions, the loss mean).
+# (attention, the embedding backward, RMSNorm, cross-entropy, amax and the FP8 casts, block scaling's casts, AdamW's
+# reductions, the loss mean).
 SANITIZER ?= $(firstword $(wildcard $(CUDA_HOME)/bin/compute-sanitizer $(CUDA_HOME)/compute-sanitizer/compute-sanitizer) \
                          $(shell command -v compute-sanitizer 2>/dev/null))
 # API errors are not reported: NCCL's communicator set-up probes its kernels with cudaFuncGetAttributes and handles
 # the "no kernel image" answers itself (memcheck would count them as errors), and every call of ours is checked
 # by cudaCheck anyway. TESTS (default: all) narrows memcheck to the tests whose names contain one of its words.
 TESTS ?=
-RACECHECK_TESTS ?= attention embedding rmsnorm cross_entropy fp8_amax fp8_quantize fp8_cast_transpose adamw model_matches_reference
+RACECHECK_TESTS ?= attention embedding rmsnorm cross_entropy fp8_amax fp8_quantize fp8_cast_transpose adamw model_matches_reference fp8_block_cast
 sanitize: test_fp8 train_fp8
 	@test -n "$(SANITIZER)" || { echo "compute-sanitizer not found next to nvcc ($(CUDA_HOME)/bin) or on PATH: it ships with the CUDA toolkit (package cuda-sanitizer-<version>); or run make sanitize SANITIZER=/path/to/compute-sanitizer"; exit 1; }
 	$(SANITIZER) --tool memcheck --report-api-errors no --error-exitcode 1 ./test_fp8 $(TESTS)

@@ -47,7 +47,10 @@
 //   208  f32  --smooth-quant ALPHA (0 = off)         212  i32  --fp8-attention (0/1)
 //   216  i32  --update-clip (0/1)                    220  i32  --adam-atan2 (0/1)
 //   (files from before these eight flags hold zeros in 192..223: all off)
-//   224..247  zero
+//   224  i32  --scaling block (0 = tensor, 1 = block)  228  i32  --block-scale-pow2 (0/1)
+//   232  i32  --dy-format e4m3 (0 = E5M2, 1 = E4M3)
+//   (files from before these three flags hold zeros in 224..235: per-tensor scaling, E5M2 dY)
+//   236..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -72,7 +75,7 @@
 // 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
 // build precision, model config (--qk-norm and --qkv-clip included), B, T, total batch, seed, the FP8 recipe
-// (--amax-warmup and --smooth-quant included), fast accumulation, amax sync, the update rule (--update-clip,
+// (--amax-warmup, --smooth-quant, --scaling, --block-scale-pow2 and --dy-format included), fast accumulation, amax sync, the update rule (--update-clip,
 // --adam-atan2) and --wd-constant-lr; --init only shaped the weights of step 0, which the checkpoint holds; --steps,
 // --lr, the schedule, --weight-decay and --grad-clip are hyperparameters that may change (the schedule is a function
 // of the step), though changing them breaks the equality with an uninterrupted run.
@@ -103,7 +106,8 @@ struct CheckpointHeader {
     float smooth_quant;
     int32_t fp8_attention;
     int32_t update_clip, adam_atan2;
-    uint8_t reserved[24];
+    int32_t block_scaling, block_scale_pow2, dy_e4m3;
+    uint8_t reserved[12];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -118,7 +122,9 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, qk_norm) == 196 && offsetof(CheckpointHeader, amax_warmup) == 200 &&
               offsetof(CheckpointHeader, wd_constant_lr) == 204 && offsetof(CheckpointHeader, smooth_quant) == 208 &&
               offsetof(CheckpointHeader, fp8_attention) == 212 && offsetof(CheckpointHeader, update_clip) == 216 &&
-              offsetof(CheckpointHeader, adam_atan2) == 220 && offsetof(CheckpointHeader, reserved) == 224 &&
+              offsetof(CheckpointHeader, adam_atan2) == 220 && offsetof(CheckpointHeader, block_scaling) == 224 &&
+              offsetof(CheckpointHeader, block_scale_pow2) == 228 && offsetof(CheckpointHeader, dy_e4m3) == 232 &&
+              offsetof(CheckpointHeader, reserved) == 236 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -231,6 +237,9 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.fp8_attention = o.fp8_attention ? 1 : 0;
     h.update_clip = o.update_clip ? 1 : 0;
     h.adam_atan2 = o.adam_atan2 ? 1 : 0;
+    h.block_scaling = o.scaling == "block" ? 1 : 0;
+    h.block_scale_pow2 = o.block_scale_pow2 ? 1 : 0;
+    h.dy_e4m3 = o.dy_format == "e4m3" ? 1 : 0;
     return h;
 }
 
@@ -262,6 +271,9 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"FP8 fast accumulation (--fp8-fast-accum)", got.fp8_fast_accum, want.fp8_fast_accum},
         {"FP8 amax MAX over the TP group (--tp-amax-sync)", got.tp_amax_sync, want.tp_amax_sync},
         {"FP8 amax warm-up steps (--amax-warmup)", got.amax_warmup, want.amax_warmup},
+        {"FP8 block scaling (--scaling block)", got.block_scaling, want.block_scaling},
+        {"FP8 power-of-two block scales (--block-scale-pow2)", got.block_scale_pow2, want.block_scale_pow2},
+        {"FP8 E4M3 output gradients (--dy-format e4m3)", got.dy_e4m3, want.dy_e4m3},
         {"weight decay at the peak LR (--wd-constant-lr)", got.wd_constant_lr, want.wd_constant_lr},
         {"update clipping (--update-clip)", got.update_clip, want.update_clip},
         {"the Adam-atan2 update (--adam-atan2)", got.adam_atan2, want.adam_atan2},

@@ -1,10 +1,11 @@
 // fp8_kernels.cuh: everything FP8 (common.cuh holds what every file shares: error checks, types, the step profile).
 //   1. the two FP8 formats   E4M3 (forward) and E5M2 (backward): host reference codec, device casts
 //   2. the scale rule        power-of-two per-tensor scales, current or delayed (amax history)
-//   3. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers)
+//   3. FP8 kernels           amax, quantize, cast+transpose, dequantize (+ plain launchers); 3b. block scaling: the casts
+//                            with a scale per 1x128 tile or 128x128 block, in the GEMM's scale layouts
 //   4. the matmul            one cuBLASLt wrapper, D = A * B^T, FP8 or BF16 operands
-//   5. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs,
-//                            the weight re-quantization after each optimizer step; the BF16 linear it replaces;
+//   5. the FP8 linear layer  Fp8Linear (W8, W8^T, the scales of X, W, dY), its forward and backward GEMMs (per-tensor or
+//                            block-scaled), the weight re-quantization after each optimizer step; the BF16 linear it replaces;
 //                            the SQNR of an FP8 result against the BF16 one (train_fp8 probe)
 #pragma once
 #include "common.cuh"
@@ -574,13 +575,225 @@ void fp8_dequantize(T* out, const fp8* x, size_t n, Fp8Format f, const Fp8Meta* 
 }
 
 // ----------------------------------------------------------------------------------------------
+// 3b. Block scaling (--scaling block, DeepSeek-V3's recipe): a scale per 1x128 tile of X and dY along the GEMM's
+// reduction dimension, and per 128x128 block of W. A tile's scale comes from the tile's own amax, inside the
+// kernel that casts it: no amax pass, no state kept between casts. Section 2's rule with the tile's amax,
+// without the power of two unless pow2 (--block-scale-pow2):
+//   scale = fmax / max(amax, AMAX_FLOOR) / 2^margin          (FP32 division; pow2: fp8_scale_from_amax's power of two)
+// A tile with a non-finite amax casts with scale 1: its NaN stays NaN, an inf saturates. The GEMMs take the
+// dequantizing factors 1/scale in cuBLASLt's layouts, for an operand stored [rows, K] (K-contiguous):
+//   FP8_TILES_1x128     (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) inv_scale[kb * rows + r]: tile (r, kb) covers row r,
+//                        columns [128 kb, 128 kb + 128); the scales of one K-block are contiguous over the rows
+//   FP8_BLOCKS_128x128  (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) inv_scale[rb * block_scale_ld(K) + kb]: block
+//                        (rb, kb) covers rows [128 rb, +128) and columns [128 kb, +128); each row of blocks is padded to
+//                        a multiple of 4 scales (16 bytes), the padding never written
+// One read of a tensor [rows, cols] makes both its layouts: out [rows, cols] and out_t [cols, rows], each with its
+// own tiles along its own rows (tiles: out's 1x128 along cols, out_t's along rows, i.e. 128x1 columns of the input),
+// so that the dW GEMM's operands are tiled along the tokens. Blocks are square: out_t holds out's codes transposed and
+// the same scales, in out_t's layout.
+enum Fp8Granularity { FP8_PER_TENSOR = 0, FP8_TILES_1x128 = 1, FP8_BLOCKS_128x128 = 2 };
+inline const char* fp8_granularity_name(Fp8Granularity g) {
+    return g == FP8_PER_TENSOR ? "per-tensor" : g == FP8_TILES_1x128 ? "1x128 tiles" : "128x128 blocks";
+}
+constexpr int SCALE_BLOCK = 128;   // the length of a tile, the side of a block, along K
+
+// The scale rule of a block-scaled cast.
+struct Fp8BlockRule {
+    Fp8Format format = E4M3;
+    int margin = 0;       // scale / 2^margin
+    bool pow2 = false;    // --block-scale-pow2: the scale rounded down to a power of two (section 2's rule)
+};
+__host__ __device__ inline float fp8_block_scale(float amax, Fp8Format f, int margin, bool pow2) {
+    if (!isfinite(amax)) return 1.0f;
+    if (pow2) return fp8_scale_from_amax(amax, fp8_max(f), margin, 1.0f);
+    return ldexpf(fp8_max(f) / fmaxf(amax, AMAX_FLOOR), -margin);
+}
+
+// The row pitch of a BLK128x128 scale tensor of an operand with K columns: ceil(K / 128) rounded up to a multiple of 4,
+// which is 4 ceil(K / 512).
+__host__ __device__ inline int block_scale_ld(int k) { return (k + 4 * SCALE_BLOCK - 1) / (4 * SCALE_BLOCK) * 4; }
+// The number of floats of an operand's scale tensor (rows, K: the operand as the GEMM reads it, [rows, K]).
+inline size_t fp8_scale_count(Fp8Granularity g, int rows, int k) {
+    if (g == FP8_TILES_1x128) return (size_t)ceil_div(k, SCALE_BLOCK) * rows;
+    if (g == FP8_BLOCKS_128x128) return (size_t)ceil_div(rows, SCALE_BLOCK) * block_scale_ld(k);
+    return 1;
+}
+
+// Cast + transpose of a producer's values [rows, outs * cols] (rows and cols multiples of 128) with block scaling: one
+// thread block per 128 x 128 tile of the values (of one output: a producer of two outputs computes both, the block keeps
+// its own). A thread holds 16 consecutive columns of 4 rows (32 rows apart) in registers; the amax of a row's 128 values
+// is a max over the row's 8 threads (lanes 8k..8k+7 of one warp), of a column's 128 values over its 4 lanes of each warp
+// then the 8 warps through shared memory. Codes go to out with the row scales, and through a shared tile (pitch 132
+// bytes) to out_t with the column scales (blocks: one scale for both).
+constexpr int BC_PITCH = SCALE_BLOCK + 4;
+template <Fp8Format F, Fp8Granularity G, class P>
+__global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p, fp8* out, float* out_inv_scale, fp8* out_t,
+                                                                            float* out_t_inv_scale, int rows, int cols, int margin,
+                                                                            bool pow2) {
+    static_assert(G == FP8_TILES_1x128 || G == FP8_BLOCKS_128x128, "block_cast_transpose_kernel casts tiles or blocks");
+    constexpr int O = P::outs;
+    constexpr int THREADS_PER_ROW = SCALE_BLOCK / CAST_VEC;               // 8
+    constexpr int ROWS_PER_PASS = CAST_THREADS / THREADS_PER_ROW;         // 32
+    constexpr int PASSES = SCALE_BLOCK / ROWS_PER_PASS;                   // 4
+    constexpr int WARPS = CAST_THREADS / 32;
+    __shared__ unsigned int col_amax_of_warp[WARPS][SCALE_BLOCK];         // [0][c]: the column's amax, after the reduction
+    __shared__ uint32_t tile_words[SCALE_BLOCK * BC_PITCH / 4];
+    const int width = O * cols;   // out's row length: output o's column c is column o * cols + c
+    const int r0 = blockIdx.y * SCALE_BLOCK, c0 = blockIdx.x * SCALE_BLOCK;   // the tile in out
+    const int o = c0 / cols, pc0 = c0 % cols;                                 // its output and its column there
+    const int tr = threadIdx.x / THREADS_PER_ROW, tc = (threadIdx.x % THREADS_PER_ROW) * CAST_VEC;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float v[PASSES][CAST_VEC];
+    unsigned int row_amax[PASSES], col_amax[CAST_VEC];
+#pragma unroll
+    for (int k = 0; k < CAST_VEC; k++) col_amax[k] = 0u;
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ps++) {
+        float w[O][CAST_VEC];
+        p.load16(w, r0 + tr + ps * ROWS_PER_PASS, pc0 + tc);
+        row_amax[ps] = 0u;
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) {
+#pragma unroll
+            for (int j = 0; j < O; j++)   // constant indices: w stays in registers
+                if (j == o) v[ps][k] = w[j][k];
+            row_amax[ps] = max(row_amax[ps], abs_bits(v[ps][k]));
+            col_amax[k] = max(col_amax[k], abs_bits(v[ps][k]));
+        }
+    }
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ps++)
+        for (int d = 1; d < THREADS_PER_ROW; d <<= 1) row_amax[ps] = max(row_amax[ps], __shfl_xor_sync(0xffffffffu, row_amax[ps], d));
+#pragma unroll
+    for (int k = 0; k < CAST_VEC; k++)
+        for (int d = THREADS_PER_ROW; d < 32; d <<= 1) col_amax[k] = max(col_amax[k], __shfl_xor_sync(0xffffffffu, col_amax[k], d));
+    if (lane < THREADS_PER_ROW)
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) col_amax_of_warp[warp][tc + k] = col_amax[k];
+    __syncthreads();
+    if (threadIdx.x < SCALE_BLOCK) {   // thread c alone reads and writes column c
+        unsigned int m = 0u;
+        for (int w = 0; w < WARPS; w++) m = max(m, col_amax_of_warp[w][threadIdx.x]);
+        col_amax_of_warp[0][threadIdx.x] = m;
+    }
+    __syncthreads();
+    float row_scale[PASSES], col_scale[CAST_VEC];
+    if constexpr (G == FP8_BLOCKS_128x128) {
+        unsigned int m = 0u;
+        for (int c = 0; c < SCALE_BLOCK; c++) m = max(m, col_amax_of_warp[0][c]);
+        const float s = fp8_block_scale(__uint_as_float(m), F, margin, pow2);
+#pragma unroll
+        for (int ps = 0; ps < PASSES; ps++) row_scale[ps] = s;
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) col_scale[k] = s;
+        if (threadIdx.x == 0) {
+            out_inv_scale[(size_t)blockIdx.y * block_scale_ld(width) + blockIdx.x] = 1.0f / s;
+            out_t_inv_scale[(size_t)blockIdx.x * block_scale_ld(rows) + blockIdx.y] = 1.0f / s;
+        }
+    } else {
+#pragma unroll
+        for (int ps = 0; ps < PASSES; ps++) {
+            row_scale[ps] = fp8_block_scale(__uint_as_float(row_amax[ps]), F, margin, pow2);
+            if (threadIdx.x % THREADS_PER_ROW == 0)
+                out_inv_scale[(size_t)blockIdx.x * rows + r0 + tr + ps * ROWS_PER_PASS] = 1.0f / row_scale[ps];
+        }
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) col_scale[k] = fp8_block_scale(__uint_as_float(col_amax_of_warp[0][tc + k]), F, margin, pow2);
+        if (threadIdx.x < SCALE_BLOCK)
+            out_t_inv_scale[(size_t)blockIdx.y * width + c0 + threadIdx.x] =
+                1.0f / fp8_block_scale(__uint_as_float(col_amax_of_warp[0][threadIdx.x]), F, margin, pow2);
+    }
+#pragma unroll
+    for (int ps = 0; ps < PASSES; ps++) {
+        const int tile_row = tr + ps * ROWS_PER_PASS;
+        alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+        for (int k = 0; k < CAST_VEC / 2; k++) {
+            const uint16_t pair = fp8x2_encode<F>(v[ps][2 * k] * row_scale[ps], v[ps][2 * k + 1] * row_scale[ps]);
+            q[2 * k] = pair & 0xff;
+            q[2 * k + 1] = pair >> 8;
+        }
+        *reinterpret_cast<uint4*>(out + (size_t)(r0 + tile_row) * width + c0 + tc) = *reinterpret_cast<const uint4*>(q);
+#pragma unroll
+        for (int k = 0; k < CAST_VEC / 2; k++) {   // out_t's codes: the column scales
+            const uint16_t pair = fp8x2_encode<F>(v[ps][2 * k] * col_scale[2 * k], v[ps][2 * k + 1] * col_scale[2 * k + 1]);
+            q[2 * k] = pair & 0xff;
+            q[2 * k + 1] = pair >> 8;
+        }
+        uint32_t* tile_row_words = &tile_words[(tile_row * BC_PITCH + tc) / 4];
+#pragma unroll
+        for (int k = 0; k < CAST_VEC / 4; k++) tile_row_words[k] = reinterpret_cast<const uint32_t*>(q)[k];
+    }
+    __syncthreads();
+    const fp8(*tile)[BC_PITCH] = reinterpret_cast<const fp8(*)[BC_PITCH]>(tile_words);
+    for (int j = threadIdx.x; j < SCALE_BLOCK * THREADS_PER_ROW; j += CAST_THREADS) {   // 16 rows of one column each
+        const int c = j / THREADS_PER_ROW, rg = (j % THREADS_PER_ROW) * CAST_VEC;
+        alignas(16) fp8 q[CAST_VEC];
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) q[k] = tile[rg + k][c];
+        *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + c) * rows + r0 + rg) = *reinterpret_cast<const uint4*>(q);
+    }
+}
+
+// Where a block-scaled cast goes: the codes and the dequantizing factors of both layouts (section 3b's layouts).
+struct Fp8BlockCastOut {
+    fp8* q;              // [rows, outs * cols]
+    float* q_inv_scale;  // its scales, as an operand [rows, K = outs * cols]
+    fp8* q_t;            // [outs * cols, rows]
+    float* q_t_inv_scale;   // its scales, as an operand [outs * cols, K = rows]
+    Fp8Granularity granularity;   // FP8_TILES_1x128 or FP8_BLOCKS_128x128
+    Fp8BlockRule rule;
+};
+
+// Producer p's values [rows, outs * cols] -> o's codes and scales in one launch (one read of the values).
+template <class P>
+void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int cols, cudaStream_t stream) {
+    if (o.granularity != FP8_TILES_1x128 && o.granularity != FP8_BLOCKS_128x128)
+        fail("FP8 block cast of [%d, %d]: granularity must be 1x128 tiles or 128x128 blocks, not %s", rows, cols, fp8_granularity_name(o.granularity));
+    if (rows <= 0 || cols <= 0 || rows % SCALE_BLOCK || cols % SCALE_BLOCK)
+        fail("FP8 block cast of [%d, %d]: both dimensions must be positive multiples of %d (the tiles of both layouts are whole)", rows, cols,
+             SCALE_BLOCK);
+    if (rows / SCALE_BLOCK > 65535) fail("FP8 block cast of %d rows: more than the grid's 65535 tiles of %d rows", rows, SCALE_BLOCK);
+    check_cast_pointers("FP8 block cast", o.q, o.q_t);
+    check_cast_pointers("FP8 block cast scales", o.q_inv_scale, o.q_t_inv_scale);
+    const dim3 grid(P::outs * cols / SCALE_BLOCK, rows / SCALE_BLOCK);
+    const bool e4m3 = o.rule.format == E4M3, tiles = o.granularity == FP8_TILES_1x128;
+    const int m = o.rule.margin;
+    const bool pw = o.rule.pow2;
+    if (e4m3 && tiles)
+        block_cast_transpose_kernel<E4M3, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+    else if (e4m3)
+        block_cast_transpose_kernel<E4M3, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+    else if (tiles)
+        block_cast_transpose_kernel<E5M2, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+    else
+        block_cast_transpose_kernel<E5M2, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+    cudaCheckLaunch();
+}
+
+// A producer's values into FP8 under the scaling that o's type names: one scale per tensor (fp8_cast_produced; amax_gathered
+// as there) or per tile or block (fp8_block_cast_produced, which needs no amax). fp8_amax_slot: where the producer's own
+// kernel should gather the amax for the cast, or nullptr where the cast needs none gathered (delayed and block scaling).
+template <class P>
+void fp8_cast_to(const Fp8CastOut& o, const P& p, int rows, int cols, cudaStream_t stream, bool amax_gathered) {
+    fp8_cast_produced(o, p, rows, cols, stream, amax_gathered);
+}
+template <class P>
+void fp8_cast_to(const Fp8BlockCastOut& o, const P& p, int rows, int cols, cudaStream_t stream, bool) {
+    fp8_block_cast_produced(o, p, rows, cols, stream);
+}
+inline unsigned int* fp8_amax_slot(const Fp8CastOut& o) { return o.recipe.delayed() ? nullptr : &o.meta->amax_pending; }
+inline unsigned int* fp8_amax_slot(const Fp8BlockCastOut&) { return nullptr; }
+
+// ----------------------------------------------------------------------------------------------
 // 4. The matmul: one wrapper over cuBLASLt for every GEMM of the model.
 //   D[M,N] (+)= op(A)[M,K] * op(B)[N,K]^T        (row-major; a linear layer is X * W^T with W [out,in])
 // An operand is stored K-contiguous ([M,K] / [N,K], "transposed = false") or, for BF16 only, as
 // [K,M] / [K,N] ("transposed = true"). Hopper FP8 GEMMs accept only the K-contiguous ("TN") form:
 // the cast kernels write transposed copies instead. FP8 operands carry a device pointer to their
-// dequantizing factor (inv_scale = 1/scale). Types: E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2, BF16 x BF16;
-// D is BF16 or FP32; accumulate adds into D (beta = 1).
+// dequantizing factor (inv_scale = 1/scale), or under block scaling to their scale tensor (section 3b's layouts:
+// 1x128 tiles x 1x128 tiles, tiles x 128x128 blocks or blocks x tiles; cuBLASLt has no blocks x blocks). Types:
+// E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2, BF16 x BF16; D is BF16 or FP32; accumulate adds into D (beta = 1).
 enum DType { DT_BF16 = 0, DT_FP32 = 1, DT_E4M3 = 2, DT_E5M2 = 3 };
 inline const char* dtype_name(DType t) {
     static const char* names[] = {"BF16", "FP32", "E4M3", "E5M2"};
@@ -588,6 +801,7 @@ inline const char* dtype_name(DType t) {
 }
 inline bool dtype_is_fp8(DType t) { return t == DT_E4M3 || t == DT_E5M2; }
 inline size_t dtype_size(DType t) { return t == DT_FP32 ? 4 : t == DT_BF16 ? 2 : 1; }
+inline DType fp8_dtype(Fp8Format f) { return f == E4M3 ? DT_E4M3 : DT_E5M2; }
 inline cudaDataType_t dtype_cuda(DType t) {
     static const cudaDataType_t map[] = {CUDA_R_16BF, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2};
     return map[t];
@@ -597,8 +811,16 @@ struct MatmulOperand {
     const void* ptr;
     DType type;
     bool transposed = false;             // stored [K,rows] instead of [rows,K] (BF16 only)
-    const float* inv_scale = nullptr;    // device pointer to 1/scale (FP8 only)
+    const float* inv_scale = nullptr;    // device pointer to 1/scale (FP8 only), or to the scale tensor of its tiles or blocks
+    Fp8Granularity scaling = FP8_PER_TENSOR;   // FP8 only: one scale, or a scale per 1x128 tile or 128x128 block (section 3b)
 };
+
+// cuBLASLt's name of a scale granularity (CUBLASLT_MATMUL_DESC_A_SCALE_MODE / B_SCALE_MODE).
+inline cublasLtMatmulMatrixScale_t cublas_scale_mode(Fp8Granularity g) {
+    return g == FP8_TILES_1x128 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+         : g == FP8_BLOCKS_128x128 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+inline const char* matmul_scaling_tag(Fp8Granularity g) { return g == FP8_TILES_1x128 ? "[1x128]" : g == FP8_BLOCKS_128x128 ? "[128x128]" : ""; }
 
 constexpr size_t MATMUL_WORKSPACE_BYTES = 32u << 20;   // 32 MiB, cuBLASLt's recommendation for Hopper
 
@@ -648,9 +870,11 @@ inline int pointer_alignment(const void* p) {
 inline std::string matmul_check(const void* D, DType d_type, const MatmulOperand& A, const MatmulOperand& B,
                                 int M, int N, int K, bool fast_accum) {
     bool fp8 = dtype_is_fp8(A.type) || dtype_is_fp8(B.type);
-    char what[160];
-    snprintf(what, sizeof(what), "matmul M=%d N=%d K=%d, A %s%s x B %s%s -> D %s", M, N, K, dtype_name(A.type),
-             A.transposed ? "(transposed)" : "", dtype_name(B.type), B.transposed ? "(transposed)" : "", dtype_name(d_type));
+    const bool block = A.scaling != FP8_PER_TENSOR || B.scaling != FP8_PER_TENSOR;
+    char what[200];
+    snprintf(what, sizeof(what), "matmul M=%d N=%d K=%d, A %s%s%s x B %s%s%s -> D %s", M, N, K, dtype_name(A.type),
+             A.transposed ? "(transposed)" : "", matmul_scaling_tag(A.scaling), dtype_name(B.type), B.transposed ? "(transposed)" : "",
+             matmul_scaling_tag(B.scaling), dtype_name(d_type));
     std::string w = what;
     if (M <= 0 || N <= 0 || K <= 0) return w + ": dimensions must be positive";
     if (d_type != DT_BF16 && d_type != DT_FP32) return w + ": D must be BF16 or FP32";
@@ -658,12 +882,22 @@ inline std::string matmul_check(const void* D, DType d_type, const MatmulOperand
         if (!dtype_is_fp8(A.type) || !dtype_is_fp8(B.type)) return w + ": FP8 needs both operands in FP8 (cast the other one)";
         if (A.type == DT_E5M2 && B.type == DT_E5M2) return w + ": E5M2 x E5M2 is not supported by FP8 tensor cores; make one operand E4M3";
         if (A.transposed || B.transposed) return w + ": FP8 GEMMs take only K-contiguous operands (the TN form); pass the transposed copy that fp8_cast_transpose writes";
+        if (block) {   // cuBLASLt's block-scaled FP8 GEMMs (sm_90, CUDA 12.9+)
+            if (A.scaling == FP8_PER_TENSOR || B.scaling == FP8_PER_TENSOR)
+                return w + ": a block-scaled FP8 GEMM needs both operands block-scaled (1x128 tiles or 128x128 blocks)";
+            if (A.scaling == FP8_BLOCKS_128x128 && B.scaling == FP8_BLOCKS_128x128)
+                return w + ": 128x128 blocks x 128x128 blocks is not supported by cuBLASLt; make one operand 1x128 tiles";
+            if (K % SCALE_BLOCK) return w + ": block-scaled FP8 GEMMs need K a multiple of 128 (one scale per 128 of K)";
+            if (M % 4 || N % 4) return w + ": block-scaled FP8 GEMMs need M and N multiples of 4 (16-byte rows of scales)";
+            if (fast_accum) return w + ": fast accumulation is not available with block scaling (the scales apply every 128 of K)";
+        }
         if (M % 16 || N % 16 || K % 16) return w + ": FP8 GEMM dimensions must be multiples of 16";
         if (!A.inv_scale || !B.inv_scale) return w + ": FP8 operands need their inv_scale pointers";
         if (!is_aligned16(A.inv_scale) || !is_aligned16(B.inv_scale))
             return w + ": inv_scale pointers must be 16-byte aligned (cuBLASLt refuses others; pass &Fp8Meta::inv_scale)";
     } else {
         if (A.type != DT_BF16 || B.type != DT_BF16) return w + ": non-FP8 operands must both be BF16";
+        if (block) return w + ": scales per tile or block are an FP8-only option";
         if (M % 8 || N % 8 || K % 8) return w + ": BF16 GEMM dimensions must be multiples of 8 (16-byte rows)";
         if (fast_accum) return w + ": fast accumulation is an FP8-only option";
     }
@@ -680,8 +914,8 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
     bool fp8 = dtype_is_fp8(A.type);
     int align_a = pointer_alignment(A.ptr), align_b = pointer_alignment(B.ptr), align_d = pointer_alignment(D);
     bool scales_usable = A.inv_scale && B.inv_scale && is_aligned16(A.inv_scale) && is_aligned16(B.inv_scale);
-    MatmulKey key(M, N, K, A.type | (A.transposed << 4), B.type | (B.transposed << 4), d_type, accumulate, fast_accum,
-                  align_a, align_b, align_d, scales_usable);
+    MatmulKey key(M, N, K, A.type | (A.transposed << 4) | (A.scaling << 5), B.type | (B.transposed << 4) | (B.scaling << 5), d_type,
+                  accumulate, fast_accum, align_a, align_b, align_d, scales_usable);
     auto it = ctx->plans.find(key);
     if (it == ctx->plans.end()) {
         std::string err = matmul_check(D, d_type, A, B, M, N, K, fast_accum);
@@ -701,6 +935,11 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
             cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
             cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.inv_scale, sizeof(B.inv_scale)));
             cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &A.inv_scale, sizeof(A.inv_scale)));
+            if (A.scaling != FP8_PER_TENSOR) {   // block scaling (matmul_check: both operands then)
+                const cublasLtMatmulMatrixScale_t mode_first = cublas_scale_mode(B.scaling), mode_second = cublas_scale_mode(A.scaling);
+                cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_first, sizeof(mode_first)));
+                cublasCheck(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_second, sizeof(mode_second)));
+            }
         }
         if (B.transposed) cublasCheck(cublasLtMatrixLayoutCreate(&plan.a_layout, dtype_cuda(B.type), N, K, N));
         else              cublasCheck(cublasLtMatrixLayoutCreate(&plan.a_layout, dtype_cuda(B.type), K, N, K));
@@ -723,8 +962,9 @@ inline void matmul(MatmulContext* ctx, void* D, DType d_type, MatmulOperand A, M
                                                    plan.d_layout, pref, 1, &result, &found));
         ctx->heuristic_queries++;
         cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
-        if (found == 0) fail("matmul M=%d N=%d K=%d, A %s x B %s -> D %s: cuBLASLt has no algorithm for this configuration (run with CUBLASLT_LOG_LEVEL=5 to see why)",
-                              M, N, K, dtype_name(A.type), dtype_name(B.type), dtype_name(d_type));
+        if (found == 0) fail("matmul M=%d N=%d K=%d, A %s%s x B %s%s -> D %s: cuBLASLt has no algorithm for this configuration (run with CUBLASLT_LOG_LEVEL=5 to see why)",
+                              M, N, K, dtype_name(A.type), matmul_scaling_tag(A.scaling), dtype_name(B.type), matmul_scaling_tag(B.scaling),
+                              dtype_name(d_type));
         plan.algo = result.algo;
         it = ctx->plans.emplace(key, plan).first;
     }
@@ -755,6 +995,8 @@ struct Fp8Linear {
     fp8* w8_t;          // [in, out] E4M3
     Fp8Meta* meta;      // [3] device: X, W, dY
     Fp8Health* health;  // [3] device, or nullptr: --fp8-stats counts for X, W, dY
+    float* w8_scales = nullptr;     // block scaling: the 128x128 blocks' factors of W8 and of W8^T (section 3b's layout)
+    float* w8_t_scales = nullptr;
 };
 enum { FP8_X = 0, FP8_W = 1, FP8_DY = 2 };
 inline Fp8Format fp8_tensor_format(int tensor) { return tensor == FP8_DY ? E5M2 : E4M3; }   // forward E4M3, backward E5M2
@@ -815,6 +1057,29 @@ inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp
     matmul(mm, dx, DT_BF16, {dy8, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {lin->w8_t, DT_E4M3, false, &lin->meta[FP8_W].inv_scale},
            N, in, out, false, false, stream);
     matmul(mm, dw, DT_FP32, {dy8_t, DT_E5M2, false, &lin->meta[FP8_DY].inv_scale}, {x8_t, DT_E4M3, false, &lin->meta[FP8_X].inv_scale},
+           out, in, N, accumulate, false, stream);
+}
+
+// Block scaling (section 3b): the same GEMMs on X8 and dY8 in 1x128 tiles along in and out (the K of Y and dX), on dY8^T
+// and X8^T in 1x128 tiles along the tokens (the K of dW), and on W8 and W8^T in 128x128 blocks; each cast's scale tensors
+// beside its codes (x, dy: where their casts went). No fast accumulation (cuBLASLt has none with block scales).
+inline void fp8_block_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, const Fp8BlockRule& rule, cudaStream_t stream) {
+    fp8_block_cast_produced(Fp8BlockCastOut{lin->w8, lin->w8_scales, lin->w8_t, lin->w8_t_scales, FP8_BLOCKS_128x128, rule},
+                            CastPlain<bf16>{w, in}, out, in, stream);
+}
+inline void fp8_block_linear_forward(MatmulContext* mm, bf16* y, const Fp8BlockCastOut& x, const Fp8Linear* lin, int N, int in, int out,
+                                     cudaStream_t stream) {
+    ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward (block scaling)");
+    matmul(mm, y, DT_BF16, {x.q, DT_E4M3, false, x.q_inv_scale, FP8_TILES_1x128}, {lin->w8, DT_E4M3, false, lin->w8_scales, FP8_BLOCKS_128x128},
+           N, out, in, false, false, stream);
+}
+inline void fp8_block_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const Fp8BlockCastOut& dy, const Fp8BlockCastOut& x,
+                                      const Fp8Linear* lin, int N, int in, int out, cudaStream_t stream, bool accumulate = true) {
+    ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward (block scaling)");
+    const DType dy_type = fp8_dtype(dy.rule.format);
+    matmul(mm, dx, DT_BF16, {dy.q, dy_type, false, dy.q_inv_scale, FP8_TILES_1x128},
+           {lin->w8_t, DT_E4M3, false, lin->w8_t_scales, FP8_BLOCKS_128x128}, N, in, out, false, false, stream);
+    matmul(mm, dw, DT_FP32, {dy.q_t, dy_type, false, dy.q_t_inv_scale, FP8_TILES_1x128}, {x.q_t, DT_E4M3, false, x.q_t_inv_scale, FP8_TILES_1x128},
            out, in, N, accumulate, false, stream);
 }
 

@@ -170,6 +170,24 @@ inline std::vector<TensorSpec> model_param_specs(const ModelConfig& c, int tp_si
         for (int l = 0; l < c.n_layers; l++) add("layers." + std::to_string(l) + ".qk_norm", 2 * c.head_dim, 1);
     return specs;
 }
+
+// "" if the model can run under --scaling block (fp8_kernels.cuh 3b) on each of tp_size ranks with micro-batches of
+// `tokens` (B*T), else what is wrong: every tile and block whole, so the decoder linears' in and out (each rank's shard)
+// and the tokens (the K of the dW GEMM) are multiples of 128.
+inline std::string model_block_scaling_problem(const ModelConfig& c, int tp_size, long tokens) {
+    if (tokens % SCALE_BLOCK)
+        return strprintf("B*T = %ld tokens per micro-batch is not a multiple of %d (the weight gradient's GEMM tiles the tokens)", tokens, SCALE_BLOCK);
+    const std::vector<TensorSpec> specs = model_param_specs(c, tp_size);
+    for (int i = 0; i < (int)specs.size(); i++) {
+        const LayerParam kind = param_place(c, i).kind;
+        if (kind != WQKV && kind != WO && kind != W_GATE_UP && kind != W_DOWN) continue;
+        if (specs[i].rows % SCALE_BLOCK || specs[i].cols % SCALE_BLOCK)
+            return strprintf("%s is [%d, %d]%s: both must be multiples of %d (whole 128x128 blocks); change --dim, --heads, --kv-heads or --ffn",
+                             specs[i].name.c_str(), specs[i].rows, specs[i].cols, tp_size > 1 ? " on each rank" : "", SCALE_BLOCK);
+    }
+    return "";
+}
+
 inline size_t model_num_params(const ModelConfig& c, int tp_size = 1) {
     std::vector<TensorSpec> specs = model_param_specs(c, tp_size);
     return specs.back().offset + specs.back().numel;
@@ -631,17 +649,18 @@ struct RmsNormCast {
     }
 };
 
-// rmsnorm_forward into an FP8 linear's input: X8 and X8^T as o says, no BF16 y. Two kernels in both scalings:
-// the statistics (resid_out and rstd, which the backward keeps anyway) and the cast recomputing y from them. The
-// BF16 y is never written nor read back (the unfused path writes it, reads it for the amax, reads it again for
-// the cast). Current scaling: the statistics kernel also computes y in registers for amax(y), so the cast knows
-// its scale; delayed scaling: it skips y, and the cast gathers the amax.
-inline void rmsnorm_forward_fp8(const Fp8CastOut& o, bf16* resid_out, float* rstd, const bf16* resid, const bf16* branch,
-                                const bf16* w, int N, int D, float eps, cudaStream_t s) {
-    const bool current = !o.recipe.delayed();
-    rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, current ? &o.meta->amax_pending : nullptr);
+// rmsnorm_forward into an FP8 linear's input: X8 and X8^T as o says (Fp8CastOut or Fp8BlockCastOut), no BF16 y. Two
+// kernels in every scaling: the statistics (resid_out and rstd, which the backward keeps anyway) and the cast recomputing
+// y from them. The BF16 y is never written nor read back (the unfused path writes it, reads it for the amax, reads it
+// again for the cast). Current scaling: the statistics kernel also computes y in registers for amax(y), so the cast
+// knows its scale; delayed scaling: it skips y, and the cast gathers the amax; block scaling: the cast needs no amax.
+template <class Out>
+inline void rmsnorm_forward_fp8(const Out& o, bf16* resid_out, float* rstd, const bf16* resid, const bf16* branch, const bf16* w, int N,
+                                int D, float eps, cudaStream_t s) {
+    unsigned int* amax = fp8_amax_slot(o);
+    rmsnorm_forward(resid_out, nullptr, rstd, resid, branch, w, N, D, eps, s, amax);
     ProfileRange range(PHASE_NORM, s, "rmsnorm: cast X");
-    fp8_cast_produced(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, current);
+    fp8_cast_to(o, RmsNormCast{branch ? resid_out : resid, rstd, w, D}, N, D, s, amax != nullptr);
 }
 // The RMSNorm backward's kernel and grid for rows of D: P packs of 8 columns per thread, the fewest of 1, 2, 4, 8
 // with at most RMSNORM_BWD_MAX_THREADS threads a row; blocks as described above rmsnorm_backward_kernel.
@@ -820,14 +839,15 @@ struct RopeBackwardCast {
 // Delayed scaling: one kernel (reads dqkv, writes the codes); current scaling: an amax pass that rotates too,
 // then the cast: dqkv read twice and never written, against the unfused path's in-place rotation (a read and a
 // write) and its two reads for the amax and the cast.
-inline void rope_backward_fp8(const Fp8CastOut& o, const bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH,
-                              int NKV, int HD, cudaStream_t s) {
+template <class Out>
+inline void rope_backward_fp8(const Out& o, const bf16* dqkv, const float* cos_t, const float* sin_t, int B, int T, int NH, int NKV,
+                              int HD, cudaStream_t s) {
     check_rows("rope_backward_fp8", HD, {dqkv});
     if (HD % CAST_VEC != 0) fail("rope_backward_fp8: head_dim %d must be a multiple of %d (a cast chunk within one head)", HD, CAST_VEC);
     if (!is_aligned16(cos_t) || !is_aligned16(sin_t)) fail("rope_backward_fp8: the cos/sin tables must be 16-byte aligned (got %p, %p)", cos_t, sin_t);
     ProfileRange range(PHASE_ROPE, s, "rope backward: cast dY");
     const int cols = (NH + 2 * NKV) * HD;
-    fp8_cast_produced(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s);
+    fp8_cast_to(o, RopeBackwardCast{dqkv, cos_t, sin_t, T, HD, (NH + NKV) * HD, cols}, B * T, cols, s, false);
 }
 
 // ---- QKV clipping (--qkv-clip C), in place on wqkv's output, before the QK norm and RoPE:
@@ -1094,17 +1114,19 @@ struct SwigluBackwardCast {
 // (reads gate_up, writes the codes); current scaling: an amax pass computing the SwiGLU, then the cast computing
 // it again: gate_up read twice, nothing written but the codes, against the unfused path's BF16 write and its two
 // reads back (amax, cast).
-inline void swiglu_forward_fp8(const Fp8CastOut& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
+template <class Out>
+inline void swiglu_forward_fp8(const Out& o, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_forward_fp8", F, {gate_up});
     ProfileRange range(PHASE_SWIGLU, s, "swiglu forward: cast X");
-    fp8_cast_produced(o, SwigluCast{gate_up, F}, N, F, s);
+    fp8_cast_to(o, SwigluCast{gate_up, F}, N, F, s, false);
 }
 // swiglu_backward into an FP8 linear's dY (dY8 [N,2F] and dY8^T of w_gate_up), no BF16 dgate_up: costs as above,
 // dout and gate_up read once per pass.
-inline void swiglu_backward_fp8(const Fp8CastOut& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
+template <class Out>
+inline void swiglu_backward_fp8(const Out& o, const bf16* dout, const bf16* gate_up, int N, int F, cudaStream_t s) {
     check_rows("swiglu_backward_fp8", F, {dout, gate_up});
     ProfileRange range(PHASE_SWIGLU, s, "swiglu backward: cast dY");
-    fp8_cast_produced(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s);
+    fp8_cast_to(o, SwigluBackwardCast{dout, gate_up, F}, N, F, s, false);
 }
 
 // ---- Cross-entropy of FP32 logits rows [N,V], one block per row:
@@ -1285,6 +1307,11 @@ struct Fp8Options {
     bool fused_casts = true;    // RMSNorm, SwiGLU and the RoPE backward cast their outputs for an FP8 linear themselves;
                                 // false: they write BF16 and a plain cast follows (the unfused path: the reference of
                                 // the fused casts' tests and the benchmark's baseline)
+    bool block_scaling = false; // --scaling block (fp8_kernels.cuh 3b): X and dY in 1x128 tiles, W in 128x128 blocks, each
+                                // scale from its tile's amax (recipe.margin; current scaling only), the casts fused as above;
+                                // false: one scale per tensor (recipe)
+    bool block_scale_pow2 = false;   // --block-scale-pow2: the tiles' scales rounded down to powers of two
+    Fp8Format dy_format = E5M2; // --dy-format: dY's format under block scaling (per-tensor scaling: E5M2 always)
 };
 
 // --smooth-quant, per FP8 linear of `in` input channels (section 5): s and 1/s [in], powers of two; the bits of the
@@ -1308,6 +1335,10 @@ struct ModelFp8 {
     int* delayed_ids = nullptr;       // device: meta indices of X (first n) then dY (next n) of the FP8 linears
     std::vector<SmoothQuantState> smooth;   // --smooth-quant: per linear (as `linears`; s == nullptr: none), else empty
     void* smooth_memory = nullptr;    // their one allocation
+    // block scaling: the scale tensors of the saved X8^T (per linear), of the scratch casts, and (in Fp8Linear) of W8 and W8^T
+    std::vector<float*> saved_x8_t_scales;
+    float *x8_scales = nullptr, *dy8_scales = nullptr, *dy8_t_scales = nullptr;
+    float* block_scales = nullptr;    // their one allocation (zeroed: the padding of the blocks' rows stays 0)
     int n_fp8_linears = 0;
     bool amax_from_optimizer = false; // the optimizer's update pass gathers W's amax (model_weight_amax_slots)
     bool training = false;            // in model_forward_backward: delayed scaling gathers amaxes for the step's record
@@ -1489,6 +1520,22 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
     o.record = m->fp8.training;
     return o;
 }
+// Block scaling: where the cast of FP8 linear `param`'s X (X8 and the saved X8^T) or dY (dY8 and dY8^T) goes, with the
+// scale tensors beside the codes, and its rule (E4M3 X; dY in --dy-format).
+inline Fp8BlockCastOut model_fp8_block_cast(Model* m, int param, bool dy) {
+    const Fp8Options& o = m->fp8_options;
+    ModelFp8& f = m->fp8;
+    const int i = model_linear_index(m, param);
+    if (dy) return Fp8BlockCastOut{f.dy8, f.dy8_scales, f.dy8_t, f.dy8_t_scales, FP8_TILES_1x128, {o.dy_format, o.recipe.margin, o.block_scale_pow2}};
+    return Fp8BlockCastOut{f.x8, f.x8_scales, f.saved_x8_t[i], f.saved_x8_t_scales[i], FP8_TILES_1x128, {E4M3, o.recipe.margin, o.block_scale_pow2}};
+}
+// cast(o) with o where FP8 linear `param`'s X (dy: its dY) goes under the model's scaling: model_fp8_block_cast's
+// Fp8BlockCastOut under block scaling, else model_fp8_cast's Fp8CastOut.
+template <class F>
+inline void model_fp8_cast_to(Model* m, int param, bool dy, const F& cast) {
+    if (m->fp8_options.block_scaling) cast(model_fp8_block_cast(m, param, dy));
+    else cast(model_fp8_cast(m, param, dy));
+}
 // Whether FP8 linear `param`'s X (dy: its dY) is cast by the kernel that produces it (section 6's producers:
 // RMSNorm makes the X of wqkv and w_gate_up, SwiGLU that of w_down, the SwiGLU backward the dY of w_gate_up, the
 // RoPE backward that of wqkv). The others (X of wo, attention's output; dY of wo and w_down, the residual
@@ -1504,6 +1551,15 @@ inline bool model_fp8_fused(Model* m, int param, bool dy) {
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p, int N) {
     const TensorSpec& w = m->params[p.index];
+    if (Fp8Linear* lin = model_fp8_linear(m, p.index); lin && m->fp8_options.block_scaling) {
+        const Fp8BlockCastOut x = model_fp8_block_cast(m, p.index, false);
+        if (!model_fp8_fused(m, p.index, false)) {   // else X8 and X8^T came from the producer of inp
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X (block scaling)");
+            fp8_block_cast_produced(x, CastPlain<bf16>{inp, w.cols}, N, w.cols, m->stream);
+        }
+        fp8_block_linear_forward(&m->matmul, out, x, lin, N, w.cols, w.rows, m->stream);
+        return;
+    }
     if (Fp8Linear* lin = model_fp8_linear(m, p.index)) {
         if (const SmoothQuantState* q = model_smooth(m, p.index)) {   // X' = X / s; the channels' amax for the next s
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast X / s (smooth-quant)");
@@ -1522,6 +1578,16 @@ inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p,
 // dout when its producer cast it).
 inline void linear_backward(Model* m, bf16* dinp, const bf16* dout, const bf16* inp, const Param& p, int N) {
     const TensorSpec& w = m->params[p.index];
+    if (Fp8Linear* lin = model_fp8_linear(m, p.index); lin && m->fp8_options.block_scaling) {
+        const Fp8BlockCastOut dy = model_fp8_block_cast(m, p.index, true);
+        if (!model_fp8_fused(m, p.index, true)) {   // else dY8 and dY8^T came from the producer of dout
+            ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY (block scaling)");
+            fp8_block_cast_produced(dy, CastPlain<bf16>{dout, w.rows}, N, w.rows, m->stream);
+        }
+        fp8_block_linear_backward(&m->matmul, dinp, p.grad, dy, model_fp8_block_cast(m, p.index, false), lin, N, w.cols, w.rows, m->stream,
+                                  m->accumulate_grads);
+        return;
+    }
     if (Fp8Linear* lin = model_fp8_linear(m, p.index)) {
         if (!model_fp8_fused(m, p.index, true)) {   // else dY8 and dY8^T came from the producer of dout
             ProfileRange range(PHASE_FP8_CAST, m->stream, "cast dY");
@@ -1550,22 +1616,23 @@ inline void model_rmsnorm_forward(Model* m, bf16* resid_out, bf16* y, float* rst
                                   const Param& norm, const Param& consumer, int N) {
     const ModelConfig& c = m->config;
     if (model_fp8_fused(m, consumer.index, false)) {
-        rmsnorm_forward_fp8(model_fp8_cast(m, consumer.index, false), resid_out, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps,
-                            m->stream);
+        model_fp8_cast_to(m, consumer.index, false, [&](const auto& o) {
+            rmsnorm_forward_fp8(o, resid_out, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps, m->stream);
+        });
         return;
     }
     rmsnorm_forward(resid_out, y, rstd, resid, branch, norm.w, N, c.dim, c.norm_eps, m->stream);
 }
 inline void model_swiglu_forward(Model* m, bf16* out, const bf16* gate_up, const Param& consumer, int N) {
     if (model_fp8_fused(m, consumer.index, false)) {
-        swiglu_forward_fp8(model_fp8_cast(m, consumer.index, false), gate_up, N, m->ffn_dim, m->stream);
+        model_fp8_cast_to(m, consumer.index, false, [&](const auto& o) { swiglu_forward_fp8(o, gate_up, N, m->ffn_dim, m->stream); });
         return;
     }
     swiglu_forward(out, gate_up, N, m->ffn_dim, m->stream);
 }
 inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, const bf16* gate_up, const Param& consumer, int N) {
     if (model_fp8_fused(m, consumer.index, true)) {
-        swiglu_backward_fp8(model_fp8_cast(m, consumer.index, true), dout, gate_up, N, m->ffn_dim, m->stream);
+        model_fp8_cast_to(m, consumer.index, true, [&](const auto& o) { swiglu_backward_fp8(o, dout, gate_up, N, m->ffn_dim, m->stream); });
         return;
     }
     swiglu_backward(dgate_up, dout, gate_up, N, m->ffn_dim, m->stream);
@@ -1573,7 +1640,9 @@ inline void model_swiglu_backward(Model* m, bf16* dgate_up, const bf16* dout, co
 inline void model_rope_backward(Model* m, bf16* dqkv, const Param& consumer, int B, int T) {
     const int HD = m->config.head_dim;
     if (model_fp8_fused(m, consumer.index, true)) {
-        rope_backward_fp8(model_fp8_cast(m, consumer.index, true), dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+        model_fp8_cast_to(m, consumer.index, true, [&](const auto& o) {
+            rope_backward_fp8(o, dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
+        });
         return;
     }
     rope_backward(dqkv, m->rope_cos, m->rope_sin, B, T, m->n_heads, m->n_kv_heads, HD, m->stream);
@@ -1593,6 +1662,11 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
         for (const Param* p : layer_linears(L))
             if (Fp8Linear* lin = model_fp8_linear(m, p->index)) {
                 const TensorSpec& w = m->params[p->index];
+                if (m->fp8_options.block_scaling) {   // each block's scale from its own amax: no amax from the optimizer
+                    const Fp8Options& o = m->fp8_options;
+                    fp8_block_weight_update(lin, p->w, w.rows, w.cols, Fp8BlockRule{E4M3, o.recipe.margin, o.block_scale_pow2}, m->stream);
+                    continue;
+                }
                 const SmoothQuantState* q = model_smooth(m, p->index);
                 if (q && after_step) smooth_quant_update(*q, p->w, w.rows, w.cols, m->fp8_options.smooth_quant, m->stream);
                 fp8_weight_update(lin, p->w, w.rows, w.cols, m->stream, after_step && !q, q ? q->s : nullptr);
@@ -1601,13 +1675,14 @@ inline void model_weights_changed(Model* m, bool after_step = false) {
 
 // Per parameter tensor (Model::params order): where the optimizer's update pass should gather the amax of the
 // new BF16 weights - W's Fp8Meta::amax_pending for the FP8 linears, nullptr for the others (all of them in the
-// BF16 build). Hand it to adamw_gather_weight_amax; then model_weights_changed(m, true) after each step.
+// BF16 build, and under block scaling, whose blocks take their own amaxes). Hand it to adamw_gather_weight_amax; then
+// model_weights_changed(m, true) after each step.
 inline std::vector<unsigned int*> model_weight_amax_slots(Model* m) {
     std::vector<unsigned int*> slots(m->params.size(), nullptr);
     for (const LayerParams& L : m->layers)
         for (const Param* p : layer_linears(L))
             if (Fp8Linear* lin = model_fp8_linear(m, p->index))   // --smooth-quant: W' s has an amax pass of its own
-                if (!model_smooth(m, p->index)) slots[p->index] = &lin->meta[FP8_W].amax_pending;
+                if (!model_smooth(m, p->index) && !m->fp8_options.block_scaling) slots[p->index] = &lin->meta[FP8_W].amax_pending;
     m->fp8.amax_from_optimizer = true;
     return slots;
 }
@@ -1691,6 +1766,38 @@ inline int model_ce_chunk(int N, int V) {
     return (int)std::min<long>(N, std::max<long>(16, fit));
 }
 
+// Block scaling: the scale tensors of each FP8 linear's W8, W8^T and saved X8^T, and of the scratch casts X8, dY8 and
+// dY8^T (max_in, max_out: the widest linear's), in one zeroed allocation.
+inline void model_fp8_block_scales_create(Model* m, int max_in, int max_out) {
+    ModelFp8& f = m->fp8;
+    const int N = m->B * m->T;
+    auto round4 = [](size_t n) { return (n + 3) / 4 * 4; };   // each tensor's start 16-byte aligned (cuBLASLt's rule)
+    auto for_each_fp8_linear = [&](const std::function<void(int, const TensorSpec&)>& fn) {
+        for (const LayerParams& layer : m->layers)
+            for (const Param* p : layer_linears(layer))
+                if (f.linears[model_linear_index(m, p->index)].w8) fn(model_linear_index(m, p->index), m->params[p->index]);
+    };
+    size_t total = round4(fp8_scale_count(FP8_TILES_1x128, N, max_in)) + round4(fp8_scale_count(FP8_TILES_1x128, N, max_out)) +
+                   round4(fp8_scale_count(FP8_TILES_1x128, max_out, N));
+    for_each_fp8_linear([&](int, const TensorSpec& w) {
+        total += round4(fp8_scale_count(FP8_BLOCKS_128x128, w.rows, w.cols)) + round4(fp8_scale_count(FP8_BLOCKS_128x128, w.cols, w.rows)) +
+                 round4(fp8_scale_count(FP8_TILES_1x128, w.cols, N));
+    });
+    cudaCheck(cudaMalloc(&f.block_scales, total * sizeof(float)));
+    cudaCheck(cudaMemset(f.block_scales, 0, total * sizeof(float)));
+    float* at = f.block_scales;
+    auto take = [&](size_t n) { float* p = at; at += round4(n); return p; };
+    f.x8_scales = take(fp8_scale_count(FP8_TILES_1x128, N, max_in));
+    f.dy8_scales = take(fp8_scale_count(FP8_TILES_1x128, N, max_out));
+    f.dy8_t_scales = take(fp8_scale_count(FP8_TILES_1x128, max_out, N));
+    f.saved_x8_t_scales.assign(f.linears.size(), nullptr);
+    for_each_fp8_linear([&](int i, const TensorSpec& w) {
+        f.linears[i].w8_scales = take(fp8_scale_count(FP8_BLOCKS_128x128, w.rows, w.cols));
+        f.linears[i].w8_t_scales = take(fp8_scale_count(FP8_BLOCKS_128x128, w.cols, w.rows));
+        f.saved_x8_t_scales[i] = take(fp8_scale_count(FP8_TILES_1x128, w.cols, N));
+    });
+}
+
 // FP8 state: W8 and W8^T of each FP8 linear, X8^T saved per FP8 linear, the scratch casts; Fp8Meta and
 // Fp8Health arrays for all linears.
 inline void model_fp8_create(Model* m) {
@@ -1740,6 +1847,7 @@ inline void model_fp8_create(Model* m) {
             f.saved_x8_t[i] = (fp8*)(base + f.weight_bytes + x_off[i]);
         }
     f.n_fp8_linears = (int)x_ids.size();
+    if (m->fp8_options.block_scaling && f.n_fp8_linears > 0) model_fp8_block_scales_create(m, (int)max_in, (int)max_out);
     if (m->fp8_options.smooth_quant > 0.0f) {   // s = 1 and no amax gathered yet: 4 words per input channel
         size_t words = 0;
         for (const LayerParams& layer : m->layers)
@@ -1838,6 +1946,12 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     if (c.qk_norm && tp && tp->size > 1)
         fail("model_create: --qk-norm under tensor parallelism (%d ranks): the replicated Q and K norm weights would get only "
              "each rank's heads' gradients; use --tp 1", tp->size);
+    if (fp8.block_scaling) {
+        const std::string problem = model_block_scaling_problem(c, tp ? tp->size : 1, (long)B * T);
+        if (!problem.empty()) fail("model_create: block scaling (--scaling block): %s", problem.c_str());
+    }
+    if (fp8.dy_format != E5M2 && !fp8.block_scaling)
+        fail("model_create: dY in %s needs block scaling (one scale per tensor casts dY to E5M2)", fp8_name(fp8.dy_format));
     if (fp8.attention && (!BUILD_FP8 || !attention_hopper_available))
         fail("model_create: FP8 attention (--fp8-attention) needs the FP8 build for GPU_ARCH=sm_90a (this one: %s%s)",
              BUILD_FP8 ? "FP8" : "PRECISION=BF16", attention_hopper_available ? ", sm_90a" : ", not sm_90a");
@@ -1905,6 +2019,9 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
         printf("model FP8: %d of %d decoder layers in FP8 (%s; attention forward %s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, "
                "scratch %.1f MiB\n", fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16",
                fp8.attention ? "FP8 too" : "BF16", m->fp8.weight_bytes / MiB, m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
+        if (fp8.block_scaling)
+            printf("model FP8 scales: one per 1x128 tile of X and dY (dY %s), per 128x128 block of W, %s\n", fp8_name(fp8.dy_format),
+                   fp8.block_scale_pow2 ? "powers of two" : "fmax / amax in FP32");
         printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
                (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);
     }
@@ -1919,6 +2036,7 @@ inline void model_destroy(Model* m) {
     cudaCheck(cudaFree(m->fp8.health));
     cudaCheck(cudaFree(m->fp8.delayed_ids));
     cudaCheck(cudaFree(m->fp8.smooth_memory));
+    cudaCheck(cudaFree(m->fp8.block_scales));
     cudaCheck(cudaFree(m->rope_cos));
     cudaCheck(cudaFree(m->act_memory));
     cudaCheck(cudaFree(m->grads));

@@ -5,7 +5,7 @@
 //   ./test_fp8 NAME...         only the tests whose names contain one of the NAMEs (a NAME that matches none is an error)
 //   ./test_fp8 --list          the tests' names, host or gpu beside each
 //   ./test_fp8 --fail-fast     stop at the first failing test;  --host-only: skip the GPU tests
-//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   the benchmark tables (GPU): all, or those named
+//   ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]   the benchmark tables (GPU): all, or those named
 // Sections, in the order of the source files after the spec; each holds its host references first, then its tests:
 //   1. test infrastructure    the harness (HOST_TEST / GPU_TEST, expect, error_stats), random inputs, device
 //                             buffers, temporary folders
@@ -13,8 +13,9 @@
 //                             model, checked by finite differences; every GPU kernel and the GPU model answer to it
 //   3. the two FP8 formats    fp8_kernels.cuh 1: the host codec, all 256 codes, ties, saturation; the device casts
 //   4. the scale rule         fp8_kernels.cuh 2: power-of-two scales, delayed scaling, the amax warm-up (host)
-//   5. FP8 kernels            fp8_kernels.cuh 3: amax, quantize, cast+transpose, dequantize, the scale records
-//   6. the matmul             fp8_kernels.cuh 4: the argument rules, the GEMM against float64, the plan cache
+//   5. FP8 kernels            fp8_kernels.cuh 3: amax, quantize, cast+transpose, dequantize, the scale records; block
+//                             scaling (3b): the float64 reference of tile and block casts, the casts bit for bit against it
+//   6. the matmul             fp8_kernels.cuh 4: the argument rules, the GEMM against float64, the plan cache; block-scaled GEMMs
 //   7. attention              attention.cuh: forward, backward, determinism, both kernel paths
 //   8. AdamW                  adamw_fp8.cuh: against a float64 AdamW and a host replay of its float32 arithmetic
 //   9. the model              llama2.cuh: config, layout, init; each layer's kernels; the whole model
@@ -1755,6 +1756,191 @@ GPU_TEST(fp8_amax_warmup_casts_current_then_delayed) {
            float_from_bits(got.amax_pending), host_amax(xs[2]));
 }
 
+// ---- Block scaling (fp8_kernels.cuh 3b): the float64 reference of tile and block quantization, from the definitions:
+// a tile's or block's amax (a non-finite value anywhere in it makes it non-finite), its scale, its codes through the host
+// codec of section 3, and the dequantizing factors placed where cuBLASLt reads them (VEC128_32F: factor (r, kb) at
+// kb * rows + r; BLK128x128_32F: factor (rb, kb) at rb * ld + kb, ld = the number of K-blocks rounded up to 4).
+
+// The scale of a tile or block of the given amax: fmax / amax rounded to FP32, or the largest power of two with
+// amax * scale <= fmax (pow2); divided by 2^margin; 1 for a non-finite amax.
+static double ref_block_scale(double amax, Fp8Format f, int margin, bool pow2) {
+    if (!std::isfinite(amax)) return 1.0;
+    if (pow2) return ref_fp8_scale(amax, f, margin);
+    const double fmax = f == E4M3 ? 448.0 : 57344.0;
+    // The FP32 quotient: the exact one rounded to double then to float is rounded once (a quotient of floats rounds
+    // innocuously through a format of 53 >= 2 * 24 + 2 bits).
+    return ldexp((double)(float)(fmax / std::max(amax, (double)AMAX_FLOOR)), -margin);
+}
+
+// One operand as a block-scaled GEMM reads it: codes [rows, K], its scale tensor (the padding of blocks' rows holds the
+// bits 0xFFFFFFFF, the poison a cast must leave), and each element's value as the GEMM takes it, decode(code) * factor.
+struct RefBlockOperand { std::vector<uint8_t> codes; std::vector<float> inv_scale; std::vector<double> values; };
+// The operand x [rows, cols] (row-major), or its transpose [cols, rows] (of_transpose), cast with a scale per 1x128 tile
+// along the operand's rows or per 128x128 block; rows and cols multiples of 128.
+template <class T>
+static RefBlockOperand ref_block_quantize(const std::vector<T>& x, int rows, int cols, bool of_transpose, Fp8Granularity g,
+                                          const Fp8BlockRule& rule) {
+    const int op_rows = of_transpose ? cols : rows, op_k = of_transpose ? rows : cols;
+    auto at = [&](int r, int k) { return to_float(of_transpose ? x[(size_t)k * cols + r] : x[(size_t)r * cols + k]); };
+    const int tile_rows = g == FP8_BLOCKS_128x128 ? 128 : 1, k_blocks = op_k / 128, ld = (k_blocks + 3) / 4 * 4;
+    RefBlockOperand op;
+    op.codes.resize((size_t)op_rows * op_k);
+    op.values.resize(op.codes.size());
+    op.inv_scale.assign(g == FP8_BLOCKS_128x128 ? (size_t)(op_rows / 128) * ld : (size_t)k_blocks * op_rows, float_from_bits(0xFFFFFFFFu));
+    for (int tr = 0; tr < op_rows / tile_rows; tr++)
+        for (int kb = 0; kb < k_blocks; kb++) {
+            double amax = 0.0;
+            for (int r = tr * tile_rows; r < (tr + 1) * tile_rows; r++)
+                for (int k = kb * 128; k < kb * 128 + 128; k++) amax = std::isfinite(amax) && std::isfinite(at(r, k)) ? std::max(amax, fabs((double)at(r, k))) : NAN;
+            const double scale = ref_block_scale(amax, rule.format, rule.margin, rule.pow2);
+            const float factor = (float)(1.0 / scale);   // one rounding, as scale's quotient above
+            op.inv_scale[g == FP8_BLOCKS_128x128 ? (size_t)tr * ld + kb : (size_t)kb * op_rows + tr] = factor;
+            for (int r = tr * tile_rows; r < (tr + 1) * tile_rows; r++)
+                for (int k = kb * 128; k < kb * 128 + 128; k++) {
+                    const size_t i = (size_t)r * op_k + k;
+                    op.codes[i] = fp8_encode_ref(at(r, k) * (float)scale, rule.format);
+                    op.values[i] = (double)fp8_decode_ref(op.codes[i], rule.format) * factor;
+                }
+        }
+    return op;
+}
+
+// Values whose tiles differ in magnitude along both dimensions: normal(0, 1) times 2^(row's e + column block's e + column's
+// e), each e in [-spread, spread], and an outlier (x 2^8) in one row of 13. specials: an all-zero 128 x 128 block, an inf
+// and a NaN (in other tiles).
+static std::vector<float> block_test_values(int rows, int cols, int spread, bool specials) {
+    std::uniform_int_distribution<int> e(-spread, spread);
+    std::vector<int> row_e(rows), col_e(cols), block_e(cols / 128);
+    for (auto& v : row_e) v = e(test_rng());
+    for (auto& v : col_e) v = e(test_rng());
+    for (auto& v : block_e) v = e(test_rng());
+    std::vector<float> x = random_normal((size_t)rows * cols, 1.0f);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) x[(size_t)r * cols + c] = ldexpf(x[(size_t)r * cols + c], row_e[r] + col_e[c] + block_e[c / 128]);
+    for (int r = 5; r < rows; r += 13) x[(size_t)r * cols + (r * 7) % cols] *= 256.0f;
+    if (specials) {
+        for (int r = 0; r < 128; r++)
+            for (int c = 0; c < 128; c++) x[(size_t)r * cols + c] = 0.0f;
+        x[(size_t)(rows - 1) * cols + 3] = INFINITY;
+        x[(size_t)(rows - 2) * cols + cols - 1] = NAN;
+    }
+    return x;
+}
+
+HOST_TEST(fp8_block_scale_rule) {
+    // fp8_block_scale (host and device) against the reference, bit for bit, over amaxes of every magnitude.
+    std::uniform_real_distribution<float> expo(-60.0f, 60.0f);
+    int bad = 0;
+    for (int i = 0; i < 20000; i++) {
+        const float amax = powf(2.0f, expo(test_rng())) * (i % 3 == 0 ? 1.0f : 1.0f + (float)(i % 997) / 997.0f);
+        for (Fp8Format f : {E4M3, E5M2})
+            for (int margin : {0, 1, 3})
+                for (bool pow2 : {false, true}) {
+                    const float got = fp8_block_scale(amax, f, margin, pow2);
+                    const double want = ref_block_scale(amax, f, margin, pow2);
+                    if (!same_bits(got, (float)want) && bad++ < 5)
+                        printf("    %s amax %.9g margin %d%s: scale %.9g, want %.9g\n", fp8_name(f), amax, margin, pow2 ? " pow2" : "", got, want);
+                }
+    }
+    expect(bad == 0, "%d scales differ from the reference", bad);
+    // By hand: the scale maps amax onto the format's max (exactly when amax divides it), or a power of two below.
+    expect(fp8_block_scale(448.0f, E4M3, 0, false) == 1.0f && fp8_block_scale(3.5f, E4M3, 0, false) == 128.0f, "E4M3 exact quotients");
+    expect(fp8_block_scale(3.0f, E4M3, 0, false) == 448.0f / 3.0f, "E4M3 amax 3: 448 / 3 in FP32");
+    expect(fp8_block_scale(3.0f, E4M3, 0, true) == 128.0f && fp8_block_scale(3.0f, E4M3, 1, true) == 64.0f, "E4M3 amax 3, pow2: 2^7, margin 1: 2^6");
+    expect(fp8_block_scale(3.0f, E5M2, 2, false) == 57344.0f / 3.0f / 4.0f, "E5M2 amax 3, margin 2");
+    // Specials: zero takes AMAX_FLOOR's scale, non-finite amaxes scale 1.
+    expect(fp8_block_scale(0.0f, E4M3, 0, false) == 448.0f / AMAX_FLOOR, "amax 0 -> 448 / AMAX_FLOOR");
+    expect(fp8_block_scale(INFINITY, E4M3, 0, false) == 1.0f && fp8_block_scale(NAN, E5M2, 0, true) == 1.0f, "non-finite amax -> scale 1");
+}
+
+HOST_TEST(fp8_block_scale_layouts) {
+    // The sizes of cuBLASLt's scale tensors (fp8_kernels.cuh 3b), by hand: a BLK128x128 row holds ceil(K / 128) rounded up to 4.
+    expect(block_scale_ld(128) == 4 && block_scale_ld(512) == 4 && block_scale_ld(640) == 8 && block_scale_ld(2048) == 16 &&
+               block_scale_ld(5632) == 44 && block_scale_ld(5760) == 48,
+           "block_scale_ld: %d %d %d %d %d %d", block_scale_ld(128), block_scale_ld(512), block_scale_ld(640), block_scale_ld(2048),
+           block_scale_ld(5632), block_scale_ld(5760));
+    expect(fp8_scale_count(FP8_TILES_1x128, 256, 384) == 3 * 256 && fp8_scale_count(FP8_BLOCKS_128x128, 256, 384) == 2 * 4 &&
+               fp8_scale_count(FP8_BLOCKS_128x128, 384, 2048) == 3 * 16 && fp8_scale_count(FP8_PER_TENSOR, 256, 384) == 1,
+           "fp8_scale_count");
+}
+
+HOST_TEST(fp8_block_reference_is_sharp) {
+    // The reference cast holds each value to the format's rounding, relative to its tile: |decoded - x| <= half a step of
+    // x's binade (2^-4 of it for E4M3, 2^-3 for E5M2), or half the smallest subnormal step over the scale; and each
+    // finite tile's largest value lands at the format's max (not pow2: amax * scale = fmax up to one FP32 rounding).
+    const int rows = 256, cols = 384;
+    std::vector<float> x = block_test_values(rows, cols, 12, false);
+    for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+        for (Fp8Format f : {E4M3, E5M2})
+            for (bool t : {false, true}) {
+                const Fp8BlockRule rule{f, 0, false};
+                RefBlockOperand op = ref_block_quantize(x, rows, cols, t, g, rule);
+                const int op_rows = t ? cols : rows, op_k = t ? rows : cols;
+                const Fp8Bits b = fp8_bits(f);
+                int bad = 0, at_max = 0;
+                for (int r = 0; r < op_rows; r++)
+                    for (int k = 0; k < op_k; k++) {
+                        const double xv = t ? x[(size_t)k * cols + r] : x[(size_t)r * cols + k], got = op.values[(size_t)r * op_k + k];
+                        const size_t s = g == FP8_BLOCKS_128x128 ? (size_t)(r / 128) * ((op_k / 128 + 3) / 4 * 4) + k / 128
+                                                                 : (size_t)(k / 128) * op_rows + r;
+                        const double factor = op.inv_scale[s];
+                        const double tol = std::max(fabs(xv) * ldexp(1.0, -b.man_bits - 1), factor * ldexp(1.0, -b.bias - b.man_bits)) * (1 + 1e-5);
+                        bad += !(fabs(got - xv) <= tol);
+                        at_max += (op.codes[(size_t)r * op_k + k] & 0x7F) == b.max_code;
+                    }
+                const int tiles = g == FP8_BLOCKS_128x128 ? (op_rows / 128) * (op_k / 128) : op_rows * (op_k / 128);
+                expect(bad == 0 && at_max >= tiles, "%s %s%s: %d values beyond half a step; %d codes at max for %d tiles", fp8_name(f),
+                       fp8_granularity_name(g), t ? " (transpose)" : "", bad, at_max, tiles);
+            }
+}
+
+// The GPU cast (fp8_block_cast_produced) against the reference: codes and scale tensors of both layouts, bit for bit
+// (the outputs poisoned first: an unwritten code or scale, or a written padding, shows).
+template <class T>
+static void check_block_cast(int rows, int cols, Fp8Granularity g, const Fp8BlockRule& rule) {
+    std::vector<T> x;
+    for (float v : block_test_values(rows, cols, 12, true)) x.push_back((T)v);
+    DeviceBuffer<T> dx(x);
+    const size_t n = (size_t)rows * cols;
+    DeviceBuffer<fp8> dq(n), dqt(n);
+    DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(g, cols, rows));
+    dq.poison();
+    dqt.poison();
+    ds.poison();
+    dst.poison();
+    fp8_block_cast_produced(Fp8BlockCastOut{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule}, CastPlain<T>{dx.ptr, cols}, rows, cols, 0);
+    const RefBlockOperand want = ref_block_quantize(x, rows, cols, false, g, rule), want_t = ref_block_quantize(x, rows, cols, true, g, rule);
+    const std::vector<fp8> q = dq.download(), qt = dqt.download();
+    const std::vector<float> s = ds.download(), st = dst.download();
+    char what[160];
+    snprintf(what, sizeof(what), "%s %s [%d,%d] %s margin %d%s", sizeof(T) == 4 ? "float" : "bf16", fp8_granularity_name(g), rows, cols,
+             fp8_name(rule.format), rule.margin, rule.pow2 ? " pow2" : "");
+    auto count = [&](const char* name, auto& got, auto& ref, int width) {
+        size_t bad = 0;
+        for (size_t i = 0; i < got.size(); i++) {
+            uint32_t gb = 0, rb = 0;
+            memcpy(&gb, &got[i], sizeof(got[i]));
+            memcpy(&rb, &ref[i], sizeof(ref[i]));
+            const int digits = 2 * (int)sizeof(got[i]);
+            if (gb != rb && bad++ < 3) printf("    %s %s[%zu] (row %zu, col %zu): 0x%0*x, want 0x%0*x\n", what, name, i, i / width, i % width, digits, gb, digits, rb);
+        }
+        return bad;
+    };
+    const size_t bad = count("q", q, want.codes, cols), bad_t = count("q_t", qt, want_t.codes, rows);
+    const size_t bad_s = count("scales", s, want.inv_scale, g == FP8_TILES_1x128 ? rows : block_scale_ld(cols)),
+                 bad_st = count("scales_t", st, want_t.inv_scale, g == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
+    expect(bad + bad_t + bad_s + bad_st == 0, "%s: codes %zu + %zu (of %zu each), scales %zu + %zu differ", what, bad, bad_t, n, bad_s, bad_st);
+}
+
+GPU_TEST(fp8_block_cast_bitexact) {
+    const int shapes[][2] = {{128, 128}, {256, 384}, {384, 256}, {1024, 640}};
+    const Fp8BlockRule rules[] = {{E4M3, 0, false}, {E4M3, 1, true}, {E5M2, 0, false}, {E5M2, 2, true}, {E4M3, 0, true}, {E5M2, 1, false}};
+    for (auto& sh : shapes)
+        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+            for (const Fp8BlockRule& rule : rules) check_block_cast<bf16>(sh[0], sh[1], g, rule);
+    for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128}) check_block_cast<float>(256, 384, g, Fp8BlockRule{E4M3, 0, false});
+}
+
 // ==============================================================================================
 // 6. The matmul (fp8_kernels.cuh 4): the argument rules on the host, then the GEMM on the GPU.
 
@@ -1811,6 +1997,34 @@ static HostOperand random_operand(DType t, size_t n, float inv_scale) {
     return op;
 }
 
+// The products a [M,K] b [N,K]^T of two operands' values, in float64.
+static std::vector<double> ref_matmul_values(const std::vector<double>& a, const std::vector<double>& b, int M, int N, int K) {
+    std::vector<double> ref((size_t)M * N);
+    ref_matmul(ref.data(), a.data(), b.data(), M, N, K);
+    return ref;
+}
+// D [M,N] of type td through a GEMM (run(D)) against ref, the float64 products: an accumulating GEMM starts from random
+// contents (added into ref as D's type holds them), any other from poison.
+static void matmul_expect_d(int M, int N, DType td, bool accumulate, std::vector<double> ref, const char* what, double tol, double max_tol,
+                            const std::function<void(void*)>& run) {
+    std::vector<float> d_init = random_normal((size_t)M * N, 100.0f);
+    DeviceBuffer<uint8_t> dd((size_t)M * N * dtype_size(td));
+    if (accumulate) {
+        std::vector<uint8_t> init(dd.n);
+        for (size_t i = 0; i < ref.size(); i++) {
+            if (td == DT_FP32) { memcpy(&init[i * 4], &d_init[i], 4); ref[i] += d_init[i]; }
+            else { bf16 v = __float2bfloat16(d_init[i]); memcpy(&init[i * 2], &v, 2); ref[i] += to_float(v); }
+        }
+        dd.upload(init);
+    } else {
+        dd.poison();
+    }
+    run(dd.ptr);
+    std::vector<uint8_t> out = dd.download();
+    if (td == DT_FP32) expect_close(what, reinterpret_cast<const float*>(out.data()), ref.data(), ref.size(), tol, max_tol);
+    else expect_close(what, reinterpret_cast<const bf16*>(out.data()), ref.data(), ref.size(), tol, max_tol);
+}
+
 static void check_matmul(MatmulContext* ctx, int M, int N, int K, DType ta, DType tb, DType td, bool a_t, bool b_t, bool accumulate,
                          bool fast_accum, double tol, double max_tol) {
     const float inv_a = 0.25f, inv_b = 2.0f;   // scales != 1: the GEMM must apply them
@@ -1826,33 +2040,13 @@ static void check_matmul(MatmulContext* ctx, int M, int N, int K, DType ta, DTyp
     };
     DeviceBuffer<uint8_t> da(stored(a, M, K, a_t, dtype_size(ta))), db(stored(b, N, K, b_t, dtype_size(tb)));
     DeviceBuffer<float> scales(std::vector<float>{inv_a, 0, 0, 0, inv_b});   // 16-byte aligned scale pointers
-    std::vector<double> ref((size_t)M * N, 0.0);
-    std::vector<float> d_init = random_normal((size_t)M * N, 100.0f);
-    DeviceBuffer<uint8_t> dd((size_t)M * N * dtype_size(td));
-    if (accumulate) {
-        std::vector<uint8_t> init(dd.n);
-        for (size_t i = 0; i < ref.size(); i++) {
-            if (td == DT_FP32) { memcpy(&init[i * 4], &d_init[i], 4); ref[i] = d_init[i]; }
-            else { bf16 v = __float2bfloat16(d_init[i]); memcpy(&init[i * 2], &v, 2); ref[i] = to_float(v); }
-        }
-        dd.upload(init);
-    } else {
-        dd.poison();
-    }
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            double s = 0;
-            for (int k = 0; k < K; k++) s += a.values[(size_t)i * K + k] * b.values[(size_t)j * K + k];
-            ref[(size_t)i * N + j] += s;
-        }
-    matmul(ctx, dd.ptr, td, MatmulOperand{da.ptr, ta, a_t, &scales.ptr[0]}, MatmulOperand{db.ptr, tb, b_t, &scales.ptr[4]}, M, N, K,
-           accumulate, fast_accum, 0);
-    std::vector<uint8_t> out = dd.download();
     char what[128];
     snprintf(what, sizeof(what), "%dx%dx%d %s%s x %s%s -> %s%s%s", M, N, K, dtype_name(ta), a_t ? "^T" : "", dtype_name(tb), b_t ? "^T" : "",
              dtype_name(td), accumulate ? " +=" : "", fast_accum ? " fast" : "");
-    if (td == DT_FP32) expect_close(what, reinterpret_cast<const float*>(out.data()), ref.data(), ref.size(), tol, max_tol);
-    else expect_close(what, reinterpret_cast<const bf16*>(out.data()), ref.data(), ref.size(), tol, max_tol);
+    matmul_expect_d(M, N, td, accumulate, ref_matmul_values(a.values, b.values, M, N, K), what, tol, max_tol, [&](void* d) {
+        matmul(ctx, d, td, MatmulOperand{da.ptr, ta, a_t, &scales.ptr[0]}, MatmulOperand{db.ptr, tb, b_t, &scales.ptr[4]}, M, N, K,
+               accumulate, fast_accum, 0);
+    });
 }
 
 GPU_TEST(matmul_vs_float64) {
@@ -1896,6 +2090,100 @@ GPU_TEST(matmul_plan_cache) {
     matmul(&ctx, d.ptr, DT_FP32, {a.ptr, DT_BF16}, {b.ptr, DT_BF16}, 256, 128, 256, true, false, 0);
     matmul(&ctx, d.ptr, DT_FP32, {a.ptr, DT_BF16}, {b.ptr, DT_BF16}, 256, 128, 256, true, false, 0);
     expect(ctx.heuristic_queries == 2, "after a second configuration twice: %ld queries, want 2", ctx.heuristic_queries);
+    cudaCheck(cudaDeviceSynchronize());
+    matmul_context_destroy(&ctx);
+}
+
+// ---- block-scaled GEMMs (fp8_kernels.cuh 3b, 4): the rules, then the GEMM against float64 of the dequantized operands
+
+HOST_TEST(matmul_block_argument_rules) {
+    // Each rule of a block-scaled call is a clear error naming the shape, the types and the granularities.
+    alignas(16) static uint8_t buf[64];
+    const float* s = reinterpret_cast<const float*>(buf);
+    const MatmulOperand tiles{buf, DT_E4M3, false, s, FP8_TILES_1x128}, blocks{buf, DT_E4M3, false, s, FP8_BLOCKS_128x128};
+    const MatmulOperand tensor{buf, DT_E4M3, false, s}, e5_tiles{buf, DT_E5M2, false, s, FP8_TILES_1x128};
+    struct Case { std::string err; const char* must_contain; };
+    std::vector<Case> cases = {
+        {matmul_check(buf, DT_BF16, tiles, tensor, 16, 16, 128, false), "both operands block-scaled"},
+        {matmul_check(buf, DT_BF16, tensor, blocks, 16, 16, 128, false), "both operands block-scaled"},
+        {matmul_check(buf, DT_BF16, blocks, blocks, 128, 128, 128, false), "128x128 blocks x 128x128 blocks"},
+        {matmul_check(buf, DT_BF16, tiles, blocks, 16, 16, 192, false), "K a multiple of 128"},
+        {matmul_check(buf, DT_BF16, tiles, tiles, 18, 16, 128, false), "M and N multiples of 4"},
+        {matmul_check(buf, DT_FP32, tiles, tiles, 16, 22, 128, false), "M and N multiples of 4"},
+        {matmul_check(buf, DT_BF16, tiles, blocks, 16, 16, 128, true), "fast accumulation"},
+        {matmul_check(buf, DT_BF16, MatmulOperand{buf, DT_E4M3, true, s, FP8_TILES_1x128}, tiles, 16, 16, 128, false), "K-contiguous"},
+        {matmul_check(buf, DT_BF16, MatmulOperand{buf, DT_E4M3, false, nullptr, FP8_TILES_1x128}, tiles, 16, 16, 128, false), "inv_scale"},
+        {matmul_check(buf, DT_BF16, e5_tiles, e5_tiles, 16, 16, 128, false), "E5M2 x E5M2"},
+        {matmul_check(buf, DT_BF16, MatmulOperand{buf, DT_BF16, false, nullptr, FP8_TILES_1x128}, MatmulOperand{buf, DT_BF16}, 16, 16, 128,
+                      false), "FP8-only"},
+    };
+    for (auto& c : cases)
+        expect(c.err.find(c.must_contain) != std::string::npos && c.err.find("M=") != std::string::npos,
+               "expected an error containing '%s', got '%s'", c.must_contain, c.err.c_str());
+    expect(cases[2].err.find("[128x128]") != std::string::npos && cases[0].err.find("[1x128]") != std::string::npos,
+           "the errors name the granularities: '%s', '%s'", cases[0].err.c_str(), cases[2].err.c_str());
+    expect(matmul_check(buf, DT_BF16, tiles, tiles, 16, 32, 128, false).empty(), "tiles x tiles -> BF16 is legal");
+    expect(matmul_check(buf, DT_FP32, tiles, blocks, 32, 16, 256, false).empty(), "tiles x blocks -> FP32 is legal");
+    expect(matmul_check(buf, DT_BF16, blocks, e5_tiles, 64, 48, 384, false).empty(), "blocks x E5M2 tiles is legal");
+    printf("    example: %s\n", cases[2].err.c_str());
+}
+
+// A block-scaled operand on the device: its codes and its scale tensor (the padding zeroed).
+struct DeviceBlockOperand {
+    DeviceBuffer<uint8_t> codes;
+    DeviceBuffer<float> inv_scale;
+    static std::vector<float> padding_zeroed(std::vector<float> s) {
+        for (float& v : s)
+            if (std::isnan(v)) v = 0.0f;
+        return s;
+    }
+    explicit DeviceBlockOperand(const RefBlockOperand& op) : codes(op.codes), inv_scale(padding_zeroed(op.inv_scale)) {}
+};
+
+GPU_TEST(matmul_block_scaled_vs_float64) {
+    // D = A B^T with A [M,K] and B [N,K] cast by the reference (magnitudes 2^-6..2^6 apart between rows, columns and
+    // K-blocks: a factor read from the wrong place shows), against float64 over the values the factors give.
+    // Tolerances (printed beside the measured figures): as matmul_vs_float64's FP8 ones, for the same arithmetic. Each
+    // 128-K block's partial sum of code products stays in the tensor core, about 14 bits kept (2^-14 = 6e-5 relative),
+    // then is multiplied by its two factors and added in FP32 (2^-24 each): rel_l2 2e-4, max_rel 8e-4. A BF16 D adds one
+    // rounding to 8 bits: rel_l2 3e-3, max_rel BF16_ROUNDING_MAX_TOL; accumulated into a BF16 D, two: 1e-2.
+    MatmulContext ctx;
+    matmul_context_create(&ctx);
+    const int shapes[][3] = {{128, 128, 128}, {256, 384, 512}, {384, 256, 1152}, {128, 2048, 640}};
+    const Fp8Granularity pairs[][2] = {{FP8_TILES_1x128, FP8_TILES_1x128}, {FP8_TILES_1x128, FP8_BLOCKS_128x128}, {FP8_BLOCKS_128x128, FP8_TILES_1x128}};
+    const DType types[][2] = {{DT_E4M3, DT_E4M3}, {DT_E5M2, DT_E4M3}, {DT_E4M3, DT_E5M2}};
+    for (auto& sh : shapes)
+        for (auto& pr : pairs)
+            for (auto& ty : types) {
+                const int M = sh[0], N = sh[1], K = sh[2];
+                const Fp8BlockRule rule_a{ty[0] == DT_E4M3 ? E4M3 : E5M2, 0, false}, rule_b{ty[1] == DT_E4M3 ? E4M3 : E5M2, 1, K == 512};
+                const RefBlockOperand a = ref_block_quantize(block_test_values(M, K, 6, false), M, K, false, pr[0], rule_a);
+                const RefBlockOperand b = ref_block_quantize(block_test_values(N, K, 6, false), N, K, false, pr[1], rule_b);
+                const DeviceBlockOperand da(a), db(b);
+                const std::vector<double> ref = ref_matmul_values(a.values, b.values, M, N, K);
+                for (DType td : {DT_BF16, DT_FP32})
+                    for (bool acc : {false, true}) {
+                        char what[128];
+                        snprintf(what, sizeof(what), "%dx%dx%d %s%s x %s%s -> %s%s", M, N, K, dtype_name(ty[0]), matmul_scaling_tag(pr[0]),
+                                 dtype_name(ty[1]), matmul_scaling_tag(pr[1]), dtype_name(td), acc ? " +=" : "");
+                        matmul_expect_d(M, N, td, acc, ref, what, td == DT_BF16 ? 3e-3 : 2e-4,
+                                        td == DT_BF16 ? (acc ? 1e-2 : BF16_ROUNDING_MAX_TOL) : 8e-4, [&](void* d) {
+                                            matmul(&ctx, d, td, MatmulOperand{da.codes.ptr, ty[0], false, da.inv_scale.ptr, pr[0]},
+                                                   MatmulOperand{db.codes.ptr, ty[1], false, db.inv_scale.ptr, pr[1]}, M, N, K, acc, false, 0);
+                                        });
+                    }
+            }
+    // The granularities are part of a plan's key: the same shape per-tensor is another plan.
+    const long queries = ctx.heuristic_queries;
+    DeviceBuffer<uint8_t> a(128 * 128), b(128 * 128), d(128 * 128 * 2);
+    DeviceBuffer<float> sa(std::vector<float>(128, 1.0f)), sb(std::vector<float>(4, 1.0f));
+    for (int rep = 0; rep < 2; rep++) {
+        matmul(&ctx, d.ptr, DT_BF16, {a.ptr, DT_E4M3, false, sa.ptr, FP8_TILES_1x128}, {b.ptr, DT_E4M3, false, sb.ptr, FP8_BLOCKS_128x128},
+               128, 128, 128, false, false, 0);
+        matmul(&ctx, d.ptr, DT_BF16, {a.ptr, DT_E4M3, false, sa.ptr}, {b.ptr, DT_E4M3, false, sb.ptr}, 128, 128, 128, false, false, 0);
+    }
+    expect(ctx.heuristic_queries == queries + 1, "a block-scaled and a per-tensor call of one known shape, twice: %ld new queries, want 1 (the per-tensor plan)",
+           ctx.heuristic_queries - queries);
     cudaCheck(cudaDeviceSynchronize());
     matmul_context_destroy(&ctx);
 }
@@ -4021,6 +4309,75 @@ GPU_TEST(fp8_linear_vs_host) {
     matmul_context_destroy(&mm);
 }
 
+// Block scaling (fp8_kernels.cuh 3b, 5): the FP8 linear's forward and backward with their casts (X and dY in 1x128 tiles along
+// in and out, W in 128x128 blocks, dW's operands dY^T and X^T tiled along the tokens) against float64 GEMMs of the reference
+// casts' values (ref_block_quantize), and against the exact layer. Tolerances: the GEMMs' (matmul_block_scaled_vs_float64):
+// BF16 outputs rel_l2 3e-3, max_rel BF16_ROUNDING_MAX_TOL; the FP32 dW 2e-4, 8e-4. Against the exact layer, the per-tensor
+// bounds of fp8_linear_vs_host (22.8 dB for Y, 18.9 dB for dX and dW): each tile uses the format's whole range, so no
+// element is rounded coarser than under one scale per tensor.
+GPU_TEST(fp8_block_linear_vs_host) {
+    MatmulContext mm;
+    matmul_context_create(&mm);
+    struct Case { int N, in, out; Fp8Format dy_format; bool pow2; };
+    for (const Case& k : {Case{256, 128, 384, E5M2, false}, Case{512, 768, 256, E4M3, true}, Case{256, 256, 128, E4M3, false}}) {
+        const int N = k.N, in = k.in, out = k.out;
+        const Fp8BlockRule rule_x{E4M3, 0, k.pow2}, rule_dy{k.dy_format, 0, k.pow2};
+        std::vector<bf16> x = to_bf16(block_test_values(N, in, 4, false)), w = to_bf16(random_normal((size_t)out * in, 0.02f));
+        std::vector<bf16> dy = to_bf16(block_test_values(N, out, 4, false));
+        std::vector<float> dw0 = random_normal((size_t)out * in, 1e-3f);   // dW accumulates onto this
+        DeviceBuffer<bf16> dx_in(x), dw_in(w), ddy(dy), y_out((size_t)N * out), ddx((size_t)N * in);
+        DeviceBuffer<float> ddw(dw0);
+        DeviceBuffer<fp8> w8((size_t)out * in), w8t((size_t)out * in), x8((size_t)N * in), x8t((size_t)N * in), dy8((size_t)N * out),
+            dy8t((size_t)N * out);
+        auto zeros = [](size_t n) { return std::vector<float>(n, 0.0f); };
+        DeviceBuffer<float> ws(zeros(fp8_scale_count(FP8_BLOCKS_128x128, out, in))), wts(zeros(fp8_scale_count(FP8_BLOCKS_128x128, in, out))),
+            xs(zeros(fp8_scale_count(FP8_TILES_1x128, N, in))), xts(zeros(fp8_scale_count(FP8_TILES_1x128, in, N))),
+            dys(zeros(fp8_scale_count(FP8_TILES_1x128, N, out))), dyts(zeros(fp8_scale_count(FP8_TILES_1x128, out, N)));
+        Fp8Linear lin{w8.ptr, w8t.ptr, nullptr, nullptr};
+        lin.w8_scales = ws.ptr;
+        lin.w8_t_scales = wts.ptr;
+        y_out.poison();
+        ddx.poison();
+        fp8_block_weight_update(&lin, dw_in.ptr, out, in, rule_x, 0);
+        const Fp8BlockCastOut xo{x8.ptr, xs.ptr, x8t.ptr, xts.ptr, FP8_TILES_1x128, rule_x};
+        const Fp8BlockCastOut dyo{dy8.ptr, dys.ptr, dy8t.ptr, dyts.ptr, FP8_TILES_1x128, rule_dy};
+        fp8_block_cast_produced(xo, CastPlain<bf16>{dx_in.ptr, in}, N, in, 0);
+        fp8_block_linear_forward(&mm, y_out.ptr, xo, &lin, N, in, out, 0);
+        fp8_block_cast_produced(dyo, CastPlain<bf16>{ddy.ptr, out}, N, out, 0);
+        fp8_block_linear_backward(&mm, ddx.ptr, ddw.ptr, dyo, xo, &lin, N, in, out, 0);
+
+        // host: the reference casts of both layouts, then float64 GEMMs; and the exact layer
+        const RefBlockOperand xq = ref_block_quantize(x, N, in, false, FP8_TILES_1x128, rule_x),
+                              xtq = ref_block_quantize(x, N, in, true, FP8_TILES_1x128, rule_x),
+                              wq = ref_block_quantize(w, out, in, false, FP8_BLOCKS_128x128, rule_x),
+                              wtq = ref_block_quantize(w, out, in, true, FP8_BLOCKS_128x128, rule_x),
+                              dyq = ref_block_quantize(dy, N, out, false, FP8_TILES_1x128, rule_dy),
+                              dytq = ref_block_quantize(dy, N, out, true, FP8_TILES_1x128, rule_dy);
+        const std::vector<double> xe = to_double(x), we = to_double(w), dye = to_double(dy);
+        const std::vector<double> y_q = ref_matmul_values(xq.values, wq.values, N, out, in), y_e = ref_matmul_values(xe, we, N, out, in);
+        const std::vector<double> dx_q = ref_matmul_values(dyq.values, wtq.values, N, in, out),
+                                  dx_e = ref_matmul_values(dye, host_transpose(we, out, in), N, in, out);
+        const std::vector<double> dw_q_only = ref_matmul_values(dytq.values, xtq.values, out, in, N),
+                                  dw_e_only = ref_matmul_values(host_transpose(dye, N, out), host_transpose(xe, N, in), out, in, N);
+        std::vector<double> dw_q(dw_q_only);
+        for (size_t i = 0; i < dw_q.size(); i++) dw_q[i] += dw0[i];
+
+        printf("    N=%d in=%d out=%d, dY %s%s\n", N, in, out, fp8_name(k.dy_format), k.pow2 ? ", power-of-two scales" : "");
+        const std::vector<bf16> y = y_out.download(), gdx = ddx.download();
+        const std::vector<float> gdw = ddw.download();
+        expect_close("Y vs dequantized operands", y.data(), y_q.data(), y_q.size(), 3e-3, BF16_ROUNDING_MAX_TOL);
+        expect_close("dX vs dequantized operands", gdx.data(), dx_q.data(), dx_q.size(), 3e-3, BF16_ROUNDING_MAX_TOL);
+        expect_close("dW vs dequantized operands", gdw.data(), dw_q.data(), dw_q.size(), 2e-4, 8e-4);
+        std::vector<float> gdw_only(gdw.size());   // dW's SQNR on the update alone (dw0 would hide the error)
+        for (size_t i = 0; i < gdw.size(); i++) gdw_only[i] = gdw[i] - dw0[i];
+        const double s_y = sqnr_db(y.data(), y_e.data(), y_e.size()), s_dx = sqnr_db(gdx.data(), dx_e.data(), dx_e.size()),
+                     s_dw = sqnr_db(gdw_only.data(), dw_e_only.data(), dw_e_only.size());
+        printf("    SQNR vs the exact layer: Y %.1f dB (min 22.8), dX %.1f dB (min 18.9), dW %.1f dB (min 18.9)\n", s_y, s_dx, s_dw);
+        expect(s_y >= 22.8 && s_dx >= 18.9 && s_dw >= 18.9, "SQNR below the bound");
+    }
+    matmul_context_destroy(&mm);
+}
+
 GPU_TEST(fp8_health_counts_saturation) {
     // A delayed scale that is too large saturates: the cast's counts must match the host exactly (ragged
     // edges: the scalar path counts too).
@@ -4273,7 +4630,7 @@ GPU_TEST(sqnr_on_device_matches_host) {
 // recipe's layers in FP8: tiny has only a first and a last layer, so it must equal the BF16 loss bit for bit; with
 // every layer FP8 it moves.
 GPU_TEST(probe_matches_host_reference) {
-    const int B = 2, T = 32, N = B * T;
+    const int B = 2, T = 64, N = B * T;   // 128 tokens: block scaling's columns too
     const ModelConfig c = model_config_preset("tiny", 256);
     const std::vector<float> weights = model_init_weights(c, TEST_SEED);
     const std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
@@ -4335,8 +4692,29 @@ GPU_TEST(probe_matches_host_reference) {
         printf("    layer %d %-9s Y %.4f dB (host %.4f), dX %.4f (%.4f), dW %.4f (%.4f)\n", row.layer, LINEAR_NAMES[row.linear], probe[0],
                host[0], probe[1], host[1], probe[2], host[2]);
         for (int g = 0; g < 3; g++) worst = std::max(worst, fabs(probe[g] - host[g]));
+        // block scaling's columns: the reference casts (fp8_kernels.cuh 3b) of both layouts, dY in E5M2 then E4M3
+        const Fp8BlockRule e4m3{E4M3}, e5m2{E5M2};
+        const RefBlockOperand xb = ref_block_quantize(k.x, N, k.in, false, FP8_TILES_1x128, e4m3),
+                              xtb = ref_block_quantize(k.x, N, k.in, true, FP8_TILES_1x128, e4m3),
+                              wb = ref_block_quantize(k.w, k.out, k.in, false, FP8_BLOCKS_128x128, e4m3),
+                              wtb = ref_block_quantize(k.w, k.out, k.in, true, FP8_BLOCKS_128x128, e4m3);
+        const double y_block = db(bf16_rounded(ref_matmul_values(xb.values, wb.values, N, k.out, k.in)), bf16_rounded(y16));
+        auto note = [&](double got, double want) { worst = std::isnan(got) ? INFINITY : std::max(worst, fabs(got - want)); };
+        printf("    %25s block Y %.4f dB (host %.4f)", "", row.y_db_block, y_block);
+        note(row.y_db_block, y_block);
+        for (int f = 0; f < 2; f++) {
+            const RefBlockOperand dyb = ref_block_quantize(k.dy, N, k.out, false, FP8_TILES_1x128, f ? e4m3 : e5m2),
+                                  dytb = ref_block_quantize(k.dy, N, k.out, true, FP8_TILES_1x128, f ? e4m3 : e5m2);
+            const double dx_block = db(bf16_rounded(ref_matmul_values(dyb.values, wtb.values, N, k.in, k.out)), bf16_rounded(dx16)),
+                         dw_block = db(ref_matmul_values(dytb.values, xtb.values, k.out, k.in, N), dw16);
+            printf(", %s dY: dX %.4f (%.4f), dW %.4f (%.4f)", f ? "E4M3" : "E5M2", row.dx_db_block[f], dx_block, row.dw_db_block[f], dw_block);
+            note(row.dx_db_block[f], dx_block);
+            note(row.dw_db_block[f], dw_block);
+        }
+        printf("\n");
     }
-    // the GPU's FP32 (forward: FP8 fast) accumulation and BF16 rounding against float64: measured up to 0.0052 dB
+    // the GPU's FP32 (forward: FP8 fast) accumulation and BF16 rounding against float64: measured up to 0.0052 dB (per-tensor
+    // scaling, 64 tokens); a block column not computed (NaN) fails
     expect(worst < 0.012, "the probe's SQNRs differ from the host's by up to %.4f dB", worst);
 }
 
@@ -4347,8 +4725,9 @@ GPU_TEST(probe_matches_host_reference) {
 // less). The loss of a freshly initialised model is ~log(V) and moves little with FP8 noise: relative error
 // bound 1e-2. (The wiring that FP8 does not touch, RoPE and GQA at sharp attention, is model_matches_reference's.)
 static const double FP8_MODEL_GRAD_SQNR_DB = 14.0;
-static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* what) {
-    const int B = 2, T = 32, N = B * T;
+// Returns the second step's gradients.
+static std::vector<float> check_fp8_model(int n_layers, const Fp8Options& fp8, const char* what, int T = 32) {
+    const int B = 2, N = B * T;
     Model m;
     std::vector<float> w;
     model_test_setup(&m, B, T, &w, n_layers, fp8);
@@ -4402,6 +4781,7 @@ static void check_fp8_model(int n_layers, const Fp8Options& fp8, const char* wha
     printf("    worst gradient SQNR %.1f dB (%s), bound %.0f dB\n", worst, worst_name.c_str(), FP8_MODEL_GRAD_SQNR_DB);
     expect(worst >= FP8_MODEL_GRAD_SQNR_DB, "gradient %s SQNR %.1f dB < %.0f", worst_name.c_str(), worst, FP8_MODEL_GRAD_SQNR_DB);
     model_destroy(&m);
+    return grads2;
 }
 
 // Two scale records alike: scale, inverse, counts and the whole history.
@@ -4414,8 +4794,8 @@ static bool same_meta(const Fp8Meta& a, const Fp8Meta& b) {
 // and plain casts, the code before the fusion): two training steps (the second with the scales the first
 // recorded) and an evaluation, bit for bit: losses, every gradient, every scale record. Current and delayed
 // scaling; every layer FP8, and the recipe's first and last layers BF16 (a BF16 layer's norm feeding an FP8 one).
-static void check_fused_model(int n_layers, Fp8Options fp8, const char* what) {
-    const int B = 2, T = 32, N = B * T;
+static void check_fused_model(int n_layers, Fp8Options fp8, const char* what, int T = 32) {
+    const int B = 2, N = B * T;
     struct Run { std::vector<float> losses, grads; std::vector<Fp8Meta> metas; };
     std::vector<int> inputs = model_test_tokens(N, 256), targets = model_test_tokens(N, 256);
     DeviceBuffer<int> d_inputs(inputs), d_targets(targets);
@@ -4458,6 +4838,20 @@ GPU_TEST(fp8_model_fused_casts_match_unfused) {
     check_fused_model(2, delayed, "all layers FP8, delayed scaling (history 4)");
 }
 
+// Block scaling's casts in their producers (RMSNorm, SwiGLU forward, the SwiGLU backward's two outputs, the RoPE backward)
+// against the unfused path (BF16 outputs, plain block casts), bit for bit: T 64, B*T = 128 tokens, whole tiles.
+GPU_TEST(fp8_model_fused_block_casts_match_unfused) {
+    Fp8Options block;
+    block.all_layers = true;
+    block.block_scaling = true;
+    check_fused_model(2, block, "all layers FP8, block scaling", 64);
+    block.dy_format = E4M3;
+    block.block_scale_pow2 = true;
+    check_fused_model(2, block, "all layers FP8, block scaling, E4M3 dY, power-of-two scales", 64);
+    block.all_layers = false;
+    check_fused_model(4, block, "block scaling, the recipe (first and last layers BF16)", 64);
+}
+
 GPU_TEST(fp8_model_vs_reference) {
     Fp8Options all;
     all.all_layers = true;
@@ -4474,6 +4868,23 @@ GPU_TEST(fp8_model_vs_reference) {
     Fp8Options smooth = all;
     smooth.smooth_quant = 0.5f;
     check_fp8_model(2, smooth, "all layers FP8, smooth-quant 0.5");
+}
+
+// --scaling block: the whole FP8 model against the float64 reference as check_fp8_model checks it (T 64: B*T = 128 tokens, whole
+// tiles), with E5M2 and E4M3 dY, FP32 and power-of-two scales, every layer FP8 and the recipe's BF16 first and last layers. The
+// dY format reaches the casts: the two formats' gradients differ.
+GPU_TEST(fp8_model_block_scaling_vs_reference) {
+    Fp8Options block;
+    block.all_layers = true;
+    block.block_scaling = true;
+    const std::vector<float> e5m2 = check_fp8_model(2, block, "all layers FP8, block scaling, E5M2 dY", 64);
+    block.dy_format = E4M3;
+    const std::vector<float> e4m3 = check_fp8_model(2, block, "all layers FP8, block scaling, E4M3 dY", 64);
+    expect(!model_test_same_bits(e5m2, e4m3), "E4M3 and E5M2 dY gave the same gradients: the dY format does not reach the casts");
+    block.block_scale_pow2 = true;
+    check_fp8_model(2, block, "all layers FP8, block scaling, E4M3 dY, power-of-two scales", 64);
+    block.all_layers = false;
+    check_fp8_model(4, block, "block scaling, the recipe: first and last layers BF16", 64);
 }
 
 // --smooth-quant's arithmetic: s against float64 (2^round(alpha log2 amax_X - (1 - alpha) log2 amax_W), the guards),
@@ -5035,6 +5446,9 @@ HOST_TEST(recipe_defaults_are_the_readmes_numbers) {
            f.attention, f.smooth_quant);
     expect(fp8_tensor_format(FP8_X) == E4M3 && fp8_tensor_format(FP8_W) == E4M3 && fp8_tensor_format(FP8_DY) == E5M2,
            "formats: X, W E4M3 and dY E5M2");
+    expect(o.scaling == "tensor" && !f.block_scaling && !f.block_scale_pow2 && f.dy_format == E5M2,
+           "scale granularity %s (block %d, pow2 %d), dY %s: want tensor, E5M2", o.scaling.c_str(), f.block_scaling, f.block_scale_pow2,
+           fp8_name(f.dy_format));
     expect(o.fp8_stats == (BUILD_FP8 ? 50 : 0) && o.fp8_warn_saturated == 1e-3 && o.fp8_warn_flushed == 5e-2 && o.fp8_warn_after == 3,
            "the doctor: every %d steps, saturated %g, flushed %g, %d in a row: want 50, 1e-3, 5e-2, 3", o.fp8_stats,
            o.fp8_warn_saturated, o.fp8_warn_flushed, o.fp8_warn_after);
@@ -5074,6 +5488,9 @@ static std::vector<std::string> config_fields_changed(const TrainOptions& o) {
     check("fp8.fast_accum", f.fast_accum != fd.fast_accum);
     check("fp8.tp_amax_sync", f.tp_amax_sync != fd.tp_amax_sync);
     check("fp8.smooth_quant", f.smooth_quant != fd.smooth_quant);
+    check("fp8.block_scaling", f.block_scaling != fd.block_scaling);
+    check("fp8.block_scale_pow2", f.block_scale_pow2 != fd.block_scale_pow2);
+    check("fp8.dy_format", f.dy_format != fd.dy_format);
     check("model.dim", c.dim != cd.dim);
     check("model.n_layers", c.n_layers != cd.n_layers);
     check("model.n_heads", c.n_heads != cd.n_heads);
@@ -5109,6 +5526,9 @@ HOST_TEST(train_flags_set_their_own_fields) {
             {{"--fp8-fast-accum", "0"}, {"fp8.fast_accum"}},
             {{"--tp-amax-sync"}, {"fp8.tp_amax_sync"}},
             {{"--smooth-quant", "0.3"}, {"fp8.smooth_quant"}},
+            {{"--scaling", "block"}, {"fp8.block_scaling"}},
+            {{"--scaling", "block", "--block-scale-pow2"}, {"fp8.block_scaling", "fp8.block_scale_pow2"}},
+            {{"--scaling", "block", "--dy-format", "e4m3"}, {"fp8.block_scaling", "fp8.dy_format"}},
         });
     if (BUILD_FP8 && attention_hopper_available) cases.push_back({{"--fp8-attention"}, {"fp8.attention"}});
     for (const Case& k : cases) {
@@ -5149,10 +5569,23 @@ HOST_TEST(train_parse_warns_when_nothing_is_saved) {
     }
 }
 
+// Each command line refused, the message holding each of its pieces (the flags and values at fault).
+struct ParseRefusal { std::vector<std::string> args; std::vector<std::string> pieces; };
+static void expect_parse_refusals(const std::vector<ParseRefusal>& cases) {
+    for (const ParseRefusal& c : cases) {
+        TrainOptions o;
+        std::string err = parse_list(c.args, &o), line;
+        for (const std::string& a : c.args) line += a + " ";
+        bool ok = !err.empty();
+        for (const std::string& p : c.pieces) ok = ok && err.find(p) != std::string::npos;
+        printf("    %-44s -> %s\n", line.c_str(), err.empty() ? "(accepted)" : err.c_str());
+        expect(ok, "'%s' should be rejected with a message naming %s", line.c_str(), c.pieces[0].c_str());
+    }
+}
+
 HOST_TEST(train_parse_rejects_bad_values) {
     // each: the arguments, and the pieces the message must contain (the flag and the value)
-    struct Case { std::vector<std::string> args; std::vector<std::string> pieces; };
-    std::vector<Case> cases = {
+    std::vector<ParseRefusal> cases = {
         {{"--batch", "0"}, {"--batch", "0"}},
         {{"--batch", "x"}, {"--batch", "x", "integer"}},
         {{"--batch", "1.5"}, {"--batch", "1.5"}},
@@ -5231,14 +5664,41 @@ HOST_TEST(train_parse_rejects_bad_values) {
                                    {{"--smooth-quant", "0.5"}, {"--smooth-quant", "BF16"}},
                                    {{"--fp8-warn-after", "5"}, {"--fp8-warn-*", "BF16"}},
                                    {{"probe", "--model", "tiny"}, {"probe", "FP8 build"}}});
-    for (const Case& c : cases) {
+    expect_parse_refusals(cases);
+}
+
+// --scaling block, --block-scale-pow2 and --dy-format: their values, the flags they exclude, the shapes they need, each refusal
+// naming the flags; accepted, block scaling turns --fp8-stats off (its casts count nothing).
+HOST_TEST(train_block_scaling_flags) {
+    std::vector<ParseRefusal> cases = {{{"--scaling", "tiles"}, {"--scaling tiles", "tensor or block"}},
+                               {{"--dy-format", "e3m4"}, {"--dy-format e3m4", "e5m2 or e4m3"}}};
+    if constexpr (BUILD_FP8)
+        cases.insert(cases.end(), {
+            {{"--block-scale-pow2"}, {"--block-scale-pow2", "--scaling block"}},
+            {{"--dy-format", "e4m3"}, {"--dy-format e4m3", "--scaling block"}},
+            {{"--scaling", "block", "--amax-history", "16"}, {"--scaling block", "--amax-history", "own amax"}},
+            {{"--scaling", "block", "--quant-interval", "4"}, {"--scaling block", "--quant-interval"}},
+            {{"--scaling", "block", "--smooth-quant", "0.5"}, {"--scaling block", "--smooth-quant"}},
+            {{"--scaling", "block", "--tp-amax-sync"}, {"--scaling block", "--tp-amax-sync"}},
+            {{"--scaling", "block", "--fp8-fast-accum", "1"}, {"--scaling block", "--fp8-fast-accum 1"}},
+            {{"--scaling", "block", "--fp8-stats", "10"}, {"--scaling block", "--fp8-stats 10"}},
+            {{"--scaling", "block", "--model", "tiny", "--batch", "1", "--seq", "64"}, {"--scaling block", "B*T = 64", "multiple of 128"}},
+            {{"--scaling", "block", "--model", "tiny", "--dim", "192", "--heads", "3", "--kv-heads", "3", "--batch", "2", "--seq", "64"},
+             {"--scaling block", "[576, 192]", "multiples of 128"}},
+            {{"--scaling", "block", "--model", "tiny", "--ffn", "320", "--batch", "2", "--seq", "64"}, {"--scaling block", "w_down is [128, 320]"}},
+            {{"--scaling", "block", "--model", "tiny", "--ffn", "256", "--tp", "2", "--kv-heads", "2", "--batch", "2", "--seq", "64"},
+             {"--scaling block", "on each rank"}},
+            {{"probe", "--scaling", "block"}, {"probe takes", "not --scaling"}},
+        });
+    else
+        cases.insert(cases.end(), {{{"--scaling", "block"}, {"--scaling", "PRECISION=BF16"}},
+                                   {{"--dy-format", "e4m3"}, {"--dy-format", "PRECISION=BF16"}}});
+    expect_parse_refusals(cases);
+    if constexpr (BUILD_FP8) {
         TrainOptions o;
-        std::string err = parse_list(c.args, &o), line;
-        for (const std::string& a : c.args) line += a + " ";
-        bool ok = !err.empty();
-        for (const std::string& p : c.pieces) ok = ok && err.find(p) != std::string::npos;
-        printf("    %-44s -> %s\n", line.c_str(), err.empty() ? "(accepted)" : err.c_str());
-        expect(ok, "'%s' should be rejected with a message naming %s", line.c_str(), c.pieces[0].c_str());
+        const std::string err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--block-scale-pow2",
+                                            "--dy-format", "e4m3", "--fp8-fast-accum", "0"}, &o);
+        expect(err.empty() && o.fp8_stats == 0, "the tiny model under block scaling: refused (%s), or --fp8-stats %d left on", err.c_str(), o.fp8_stats);
     }
 }
 
@@ -5298,6 +5758,21 @@ HOST_TEST(train_checkpoint_header) {
     expect(parse_list({"--model", "tiny", "--batch", "4", "--seq", "32", "--adam-atan2"}, &update_rule).empty(), "--adam-atan2");
     u = checkpoint_header_for(c, update_rule);
     expect(u.update_clip == 0 && u.adam_atan2 == 1, "--adam-atan2: header update_clip %d, adam_atan2 %d", u.update_clip, u.adam_atan2);
+    expect(want.block_scaling == 0 && want.block_scale_pow2 == 0 && want.dy_e4m3 == 0, "the default scaling's header: block %d, pow2 %d, dY E4M3 %d",
+           want.block_scaling, want.block_scale_pow2, want.dy_e4m3);
+    if constexpr (BUILD_FP8) {   // the block-scaling flags reach the header, each its own field
+        struct BlockCase { const char* flag; int block, pow2, e4m3; };
+        for (const BlockCase& k : {BlockCase{nullptr, 1, 0, 0}, BlockCase{"--block-scale-pow2", 1, 1, 0}, BlockCase{"--dy-format", 1, 0, 1}}) {
+            TrainOptions bo;
+            std::vector<std::string> args = {"--model", "tiny", "--batch", "4", "--seq", "32", "--scaling", "block"};
+            if (k.flag) args.push_back(k.flag);
+            if (k.e4m3) args.push_back("e4m3");
+            expect(parse_list(args, &bo).empty(), "--scaling block %s", k.flag ? k.flag : "");
+            u = checkpoint_header_for(c, bo);
+            expect(u.block_scaling == k.block && u.block_scale_pow2 == k.pow2 && u.dy_e4m3 == k.e4m3,
+                   "--scaling block %s: header block %d, pow2 %d, dY E4M3 %d", k.flag ? k.flag : "", u.block_scaling, u.block_scale_pow2, u.dy_e4m3);
+        }
+    }
 
     // each mismatch with the run refused, the reason naming it (the format's own checks: train_checkpoint_verify_*)
     struct Case { const char* what; std::function<void(CheckpointHeader*)> poke; std::vector<std::string> pieces; };
@@ -5334,6 +5809,9 @@ HOST_TEST(train_checkpoint_header) {
         {"norm eps", [](CheckpointHeader* x) { x->norm_eps = 1e-6f; }, {"norm_eps"}},
         {"update clip", [](CheckpointHeader* x) { x->update_clip = 1; }, {"--update-clip", "= 1"}},
         {"adam-atan2", [](CheckpointHeader* x) { x->adam_atan2 = 1; }, {"--adam-atan2", "= 1"}},
+        {"block scaling", [](CheckpointHeader* x) { x->block_scaling = 1; }, {"--scaling block", "= 1"}},
+        {"pow2 blocks", [](CheckpointHeader* x) { x->block_scale_pow2 = 1; }, {"--block-scale-pow2", "= 1"}},
+        {"dY format", [](CheckpointHeader* x) { x->dy_e4m3 = 1; }, {"--dy-format e4m3", "= 1"}},
     };
     for (const Case& k : cases) {
         CheckpointHeader bad = want;
@@ -7728,6 +8206,42 @@ GPU_TEST(train_resume_is_bit_identical) {
            "validation losses at steps 0, 3, 6: the resumed run's at step 6 should equal the straight run's");
 }
 
+// --scaling block in whole runs (B*T = 128 tokens): 4 steps straight against 2, a checkpoint, and a resume for steps 3 and 4:
+// the same losses bit for bit and the same final checkpoint byte for byte (W8's block scales come back from the master
+// weights, the casts keep no state). Resumes whose flags differ in block scaling or the dY format are refused by the program,
+// naming the flag.
+GPU_TEST(train_block_scaling_resume_is_bit_identical) {
+    if constexpr (!BUILD_FP8) { skip_test("block scaling is an FP8 option"); return; }
+    TempDir data, straight_dir, split_dir;
+    write_synthetic_corpus(data);
+    const std::vector<std::string> common = {"--steps", "4", "--warmup", "2", "--lr", "3e-3", "--checkpoint-every", "2", "--fp8-all-layers"};
+    const std::vector<std::string> block = {"--scaling", "block", "--dy-format", "e4m3"};
+    std::vector<std::string> a = common, b = common, c = common;
+    a.insert(a.end(), {"--out", straight_dir.path});
+    b.insert(b.end(), {"--out", split_dir.path, "--stop-after", "2"});
+    c.insert(c.end(), {"--resume", split_dir.path});
+    for (std::vector<std::string>* args : {&a, &b, &c}) args->insert(args->end(), block.begin(), block.end());
+    const TrainResult straight = train(tiny_run_options(data, a)), first = train(tiny_run_options(data, b)),
+                      second = train(tiny_run_options(data, c));
+    expect(straight.losses.size() == 4 && first.losses.size() == 2 && second.losses.size() == 2 && second.first_step == 3,
+           "steps run: %zu, %zu, %zu (resume started at %d)", straight.losses.size(), first.losses.size(), second.losses.size(),
+           second.first_step);
+    if (straight.losses.size() != 4 || first.losses.size() != 2 || second.losses.size() != 2) return;
+    for (int s = 0; s < 4; s++) {
+        const float loss = (s < 2 ? first : second).losses[s % 2];
+        printf("    step %d: loss %.9g / %.9g\n", s + 1, straight.losses[s], loss);
+        expect(same_bits(loss, straight.losses[s]), "step %d differs between the straight and the resumed run", s + 1);
+    }
+    const std::vector<char> ckpt_straight = read_whole_file(latest_checkpoint(straight_dir.path)), ckpt_split = read_whole_file(latest_checkpoint(split_dir.path));
+    expect(!ckpt_straight.empty() && ckpt_straight == ckpt_split, "the final checkpoints differ (%zu and %zu bytes)", ckpt_straight.size(),
+           ckpt_split.size());
+    std::vector<std::string> no_block = common, tensor_dy = common;
+    no_block.insert(no_block.end(), {"--resume", split_dir.path});
+    tensor_dy.insert(tensor_dy.end(), {"--resume", split_dir.path, "--scaling", "block"});
+    expect_train_fp8_refuses("resume, per-tensor", tiny_run_args(data, no_block), {"--scaling block", "= 1"}, data.file("stderr.txt"));
+    expect_train_fp8_refuses("resume, E5M2 dY", tiny_run_args(data, tensor_dy), {"--dy-format e4m3", "= 1"}, data.file("stderr.txt"));
+}
+
 // SIGINT and SIGTERM on a real run (./train_fp8 in a child process): the run finishes its step, writes its checkpoint,
 // says how to resume and exits 128 + the signal; resumed from that checkpoint it equals an uninterrupted run bit for bit
 // (the final checkpoints byte for byte). Two SIGINTs in a row, on a run checkpointing every step: whatever the second
@@ -8689,34 +9203,61 @@ static void fill_random_device(void* p, size_t bytes, DType t) {
 
 // The casts fused into their producers against the producer's BF16 kernel then a plain cast, on the 1B shapes
 // at 16384 tokens (D 2048, F 5632, QKV 2560): median ms of each way, both scalings, in one run.
-static void bench_fused_casts(double copy_gbs) {
-    const int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
-    const size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
+// The cast benchmarks' inputs on the 1B shapes at 16384 tokens (D 2048, F 5632, QKV 2560), random BF16: a (resid, gate_up
+// [N, 2F]), b (branch, the SwiGLU's output gradient [N, F]), c (a copy of a: the unfused path's BF16 outputs; dqkv), the norm
+// weight w [D], resid_out and rstd, the RoPE tables; the FP8 outputs q and q_t [N, 2F], one Fp8Meta, and room for block
+// scaling's scale tensors of q and q_t (s_q, s_qt).
+struct BenchCastInputs {
+    static constexpr int N = 16384, D = 2048, F = 5632, NH = 32, NKV = 4, HD = 64, T = 2048, QKV = (NH + 2 * NKV) * HD;
+    static constexpr size_t big = (size_t)N * 2 * F;   // the largest tensor (gate_up, dgate_up), elements
     bf16 *a, *b, *c, *w, *resid_out;
     fp8 *q, *qt;
-    float *rstd, *tables;
+    float *rstd, *tables, *s_q, *s_qt;
+    const float *d_cos, *d_sin;
     Fp8Meta* meta;
-    cudaCheck(cudaMalloc(&a, big * 2));               // resid / gate_up
-    cudaCheck(cudaMalloc(&b, (size_t)N * F * 2));     // branch / the SwiGLU's output gradient
-    cudaCheck(cudaMalloc(&c, big * 2));               // BF16 outputs of the unfused path; dqkv
-    cudaCheck(cudaMalloc(&w, D * 2));
-    cudaCheck(cudaMalloc(&resid_out, (size_t)N * D * 2));
-    cudaCheck(cudaMalloc(&q, big));
-    cudaCheck(cudaMalloc(&qt, big));
-    cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
-    cudaCheck(cudaMalloc(&meta, sizeof(Fp8Meta)));
-    fill_random_device(a, big * 2, DT_BF16);
-    fill_random_device(b, (size_t)N * F * 2, DT_BF16);
-    fill_random_device(w, D * 2, DT_BF16);
-    cudaCheck(cudaMemcpy(c, a, big * 2, cudaMemcpyDeviceToDevice));
-    std::vector<float> cos_t, sin_t;
-    rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
-    cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
-    cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-    cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
-    const float *d_cos = tables, *d_sin = tables + cos_t.size();
-    Fp8Meta m0 = fp8_meta_initial();
-    cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
+    BenchCastInputs() {
+        cudaCheck(cudaMalloc(&a, big * 2));
+        cudaCheck(cudaMalloc(&b, (size_t)N * F * 2));
+        cudaCheck(cudaMalloc(&c, big * 2));
+        cudaCheck(cudaMalloc(&w, D * 2));
+        cudaCheck(cudaMalloc(&resid_out, (size_t)N * D * 2));
+        cudaCheck(cudaMalloc(&q, big));
+        cudaCheck(cudaMalloc(&qt, big));
+        cudaCheck(cudaMalloc(&rstd, N * sizeof(float)));
+        cudaCheck(cudaMalloc(&s_q, big / SCALE_BLOCK * sizeof(float)));
+        cudaCheck(cudaMalloc(&s_qt, big / SCALE_BLOCK * sizeof(float)));
+        cudaCheck(cudaMalloc(&meta, sizeof(Fp8Meta)));
+        fill_random_device(a, big * 2, DT_BF16);
+        fill_random_device(b, (size_t)N * F * 2, DT_BF16);
+        fill_random_device(w, D * 2, DT_BF16);
+        cudaCheck(cudaMemcpy(c, a, big * 2, cudaMemcpyDeviceToDevice));
+        std::vector<float> cos_t, sin_t;
+        rope_tables(&cos_t, &sin_t, T, HD, 10000.0);
+        cudaCheck(cudaMalloc(&tables, 2 * cos_t.size() * sizeof(float)));
+        cudaCheck(cudaMemcpy(tables, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(tables + cos_t.size(), sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice));
+        d_cos = tables;
+        d_sin = tables + cos_t.size();
+        const Fp8Meta m0 = fp8_meta_initial();
+        cudaCheck(cudaMemcpy(meta, &m0, sizeof(m0), cudaMemcpyHostToDevice));
+    }
+    ~BenchCastInputs() {
+        for (void* p : {(void*)a, (void*)b, (void*)c, (void*)w, (void*)resid_out, (void*)q, (void*)qt, (void*)rstd, (void*)tables, (void*)s_q,
+                        (void*)s_qt, (void*)meta})
+            cudaCheck(cudaFree(p));
+    }
+    BenchCastInputs(const BenchCastInputs&) = delete;
+    BenchCastInputs& operator=(const BenchCastInputs&) = delete;
+};
+
+static void bench_fused_casts(double copy_gbs) {
+    const BenchCastInputs in;
+    const int N = in.N, D = in.D, F = in.F, NH = in.NH, NKV = in.NKV, HD = in.HD, T = in.T, QKV = in.QKV;
+    bf16 *a = in.a, *b = in.b, *c = in.c, *w = in.w, *resid_out = in.resid_out;
+    fp8 *q = in.q, *qt = in.qt;
+    float* rstd = in.rstd;
+    const float *d_cos = in.d_cos, *d_sin = in.d_sin;
+    Fp8Meta* meta = in.meta;
     printf("\nFP8 casts fused into their producers (1B shapes, %d tokens): the BF16 kernel then a plain cast+transpose, "
            "against the fused kernels; median ms. floor: the bytes the fused kernels must move (current scaling reads\n"
            "its inputs twice: the amax pass, then the cast) at the copy's %.0f GB/s\n", N, copy_gbs);
@@ -8762,8 +9303,6 @@ static void bench_fused_casts(double copy_gbs) {
             fp8_cast_transpose(q, qt, c, N, QKV, E5M2, meta, r, 0);
         }, [&] { rope_backward_fp8(dy_out, c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0); });
     }
-    for (void* p : {(void*)a, (void*)b, (void*)c, (void*)w, (void*)resid_out, (void*)q, (void*)qt, (void*)rstd, (void*)tables, (void*)meta})
-        cudaCheck(cudaFree(p));
 }
 
 // rmsnorm_backward (the one-pass kernel and the dw reduction) at 16384 tokens on the presets' widths: d12 (768),
@@ -9183,7 +9722,97 @@ static void bench_attention() {
     }
 }
 
-// ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention]: all the tables, or the ones named.
+// ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]: all the tables, or the ones named.
+// ---- Block scaling against per-tensor scaling (--bench block), in one run: the GEMMs of the 1B shapes at 16384 tokens with
+// each scaling's operands (block: X and dY in 1x128 tiles, W in 128x128 blocks, dW's operands tiled along the tokens; no
+// fast accumulation), and the casts they need: per-tensor current scaling's (amax pass + cast+transpose, or the producer
+// gathering the amax) against block scaling's one pass, plain and fused into their producers. The recipe's per-tensor
+// GEMMs use fast accumulation forward and split backward: "block / recipe" compares with those.
+static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
+    const int tokens = BenchCastInputs::N, D = BenchCastInputs::D, F = BenchCastInputs::F, NH = BenchCastInputs::NH,
+              NKV = BenchCastInputs::NKV, HD = BenchCastInputs::HD, T = BenchCastInputs::T, QKV = BenchCastInputs::QKV;
+    struct Shape { const char* name; int M, N, K; bool backward; Fp8Granularity a, b; };
+    const Fp8Granularity TL = FP8_TILES_1x128, BL = FP8_BLOCKS_128x128;
+    const std::vector<Shape> shapes = {
+        {"1b qkv fwd", tokens, QKV, D, false, TL, BL},       {"1b qkv dX", tokens, D, QKV, true, TL, BL},
+        {"1b qkv dW", QKV, D, tokens, true, TL, TL},         {"1b wo fwd", tokens, D, D, false, TL, BL},
+        {"1b wo dX", tokens, D, D, true, TL, BL},            {"1b wo dW", D, D, tokens, true, TL, TL},
+        {"1b gate_up fwd", tokens, 2 * F, D, false, TL, BL}, {"1b gate_up dX", tokens, D, 2 * F, true, TL, BL},
+        {"1b gate_up dW", 2 * F, D, tokens, true, TL, TL},   {"1b down fwd", tokens, D, F, false, TL, BL},
+        {"1b down dX", tokens, F, D, true, TL, BL},          {"1b down dW", D, F, tokens, true, TL, TL},
+    };
+    size_t max_a = 0, max_b = 0, max_d = 0, max_sa = 0, max_sb = 0;
+    for (const Shape& s : shapes) {
+        max_a = std::max(max_a, (size_t)s.M * s.K);
+        max_b = std::max(max_b, (size_t)s.N * s.K);
+        max_d = std::max(max_d, (size_t)s.M * s.N * 2);
+        max_sa = std::max(max_sa, fp8_scale_count(s.a, s.M, s.K));
+        max_sb = std::max(max_sb, fp8_scale_count(s.b, s.N, s.K));
+    }
+    void *a8, *b8, *d;
+    cudaCheck(cudaMalloc(&a8, max_a));
+    cudaCheck(cudaMalloc(&b8, max_b));
+    cudaCheck(cudaMalloc(&d, max_d));
+    fill_random_device(a8, max_a, DT_E4M3);
+    fill_random_device(b8, max_b, DT_E4M3);
+    DeviceBuffer<float> scales(std::vector<float>{1.0f / 64, 0, 0, 0, 1.0f / 64}), sa(std::vector<float>(max_sa, 1.0f / 64)),
+        sb(std::vector<float>(max_sb, 1.0f / 64));
+    printf("\nBlock-scaled GEMMs against per-tensor ones, TFLOP/s (BF16 output; E4M3 x E4M3 forward, E5M2 x E4M3 backward; block: A %s or "
+           "%s as each GEMM of the recipe reads it)\n", fp8_granularity_name(TL), fp8_granularity_name(BL));
+    printf("%-16s %6s %6s %6s | %8s %8s %8s | %11s %11s\n", "shape", "M", "N", "K", "tensor", "t. fast", "block", "block/split",
+           "block/recipe");
+    for (const Shape& s : shapes) {
+        const double flops = 2.0 * s.M * s.N * s.K;
+        const DType ta = s.backward ? DT_E5M2 : DT_E4M3;
+        auto tensor = [&](bool fast) {
+            return bench_median_ms([&] {
+                matmul(ctx, d, DT_BF16, {a8, ta, false, &scales.ptr[0]}, {b8, DT_E4M3, false, &scales.ptr[4]}, s.M, s.N, s.K, false, fast, 0);
+            });
+        };
+        const float t_split = tensor(false), t_fast = tensor(true), t_block = bench_median_ms([&] {
+            matmul(ctx, d, DT_BF16, {a8, ta, false, sa.ptr, s.a}, {b8, DT_E4M3, false, sb.ptr, s.b}, s.M, s.N, s.K, false, false, 0);
+        });
+        const float t_recipe = s.backward ? t_split : t_fast;
+        printf("%-16s %6d %6d %6d | %8.1f %8.1f %8.1f | %10.2fx %10.2fx\n", s.name, s.M, s.N, s.K, flops / t_split / 1e9, flops / t_fast / 1e9,
+               flops / t_block / 1e9, t_split / t_block, t_recipe / t_block);
+    }
+    cudaCheck(cudaFree(a8));
+    cudaCheck(cudaFree(b8));
+    cudaCheck(cudaFree(d));
+
+    // The casts: per-tensor current scaling against block scaling, plain and fused (llama2.cuh's producers).
+    const BenchCastInputs in;
+    bf16 *a = in.a, *b = in.b, *c = in.c, *w = in.w, *resid_out = in.resid_out;
+    fp8 *q = in.q, *qt = in.qt;
+    float *rstd = in.rstd, *s_q = in.s_q, *s_qt = in.s_qt;
+    const float *d_cos = in.d_cos, *d_sin = in.d_sin;
+    Fp8Meta* meta = in.meta;
+    const Fp8CastOut x_tensor{q, qt, E4M3, meta, Fp8Recipe()}, dy_tensor{q, qt, E5M2, meta, Fp8Recipe()};
+    const Fp8BlockCastOut x_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E4M3, 0, false}}, dy_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E5M2, 0, false}};
+    const Fp8BlockCastOut w_block{q, s_q, qt, s_qt, FP8_BLOCKS_128x128, {E4M3, 0, false}};
+    printf("\nCasts, per-tensor current scaling against block scaling (1B shapes, %d tokens), median ms; GB/s of the plain casts: BF16 "
+           "read once + both FP8 layouts written, against the copy's %.0f GB/s\n", tokens, copy_gbs);
+    printf("%-30s %10s %10s %9s %10s\n", "producer -> FP8 tensor", "tensor ms", "block ms", "speed-up", "block GB/s");
+    auto row = [&](const char* name, double elements, const std::function<void()>& tensor_cast, const std::function<void()>& block_cast) {
+        const float t_tensor = bench_median_ms(tensor_cast), t_block = bench_median_ms(block_cast);
+        printf("%-30s %10.3f %10.3f %8.2fx ", name, t_tensor, t_block, t_tensor / t_block);
+        if (elements > 0) printf("%10.0f\n", 4.0 * elements / t_block / 1e6);
+        else printf("%10s\n", "-");
+    };
+    const double nd = (double)tokens * D;
+    row("plain cast+transpose -> X", nd, [&] { fp8_cast_transpose(q, qt, c, tokens, D, E4M3, meta, Fp8Recipe(), 0); },
+        [&] { fp8_block_cast_produced(x_block, CastPlain<bf16>{c, D}, tokens, D, 0); });
+    row("W [5632, 2048] -> W8, W8^T", (double)F * D, [&] { fp8_cast_transpose(q, qt, c, F, D, E4M3, meta, Fp8Recipe(), 0); },
+        [&] { fp8_block_cast_produced(w_block, CastPlain<bf16>{c, D}, F, D, 0); });
+    row("rmsnorm (+ add) -> X", 0, [&] { rmsnorm_forward_fp8(x_tensor, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); },
+        [&] { rmsnorm_forward_fp8(x_block, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); });
+    row("swiglu -> X", 0, [&] { swiglu_forward_fp8(x_tensor, a, tokens, F, 0); }, [&] { swiglu_forward_fp8(x_block, a, tokens, F, 0); });
+    row("swiglu backward -> dY", 0, [&] { swiglu_backward_fp8(dy_tensor, b, a, tokens, F, 0); },
+        [&] { swiglu_backward_fp8(dy_block, b, a, tokens, F, 0); });
+    row("rope backward -> dY", 0, [&] { rope_backward_fp8(dy_tensor, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); },
+        [&] { rope_backward_fp8(dy_block, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); });
+}
+
 static void run_benchmarks(const std::vector<std::string>& which) {
     auto want = [&](const char* name) { return which.empty() || std::find(which.begin(), which.end(), name) != which.end(); };
     MatmulContext ctx;
@@ -9207,6 +9836,7 @@ static void run_benchmarks(const std::vector<std::string>& which) {
         bench_optimizer("1b", 32000, copy_gbs);
     }
     if (want("attention")) bench_attention();
+    if (want("block")) bench_block_scaling(&ctx, bench_copy_gbs());
     matmul_context_destroy(&ctx);
 }
 
@@ -9234,17 +9864,17 @@ int main(int argc, char** argv) {
                    "         --fail-fast   stop after the first failing test\n"
                    "         --host-only   skip the GPU tests even where there is a GPU\n"
                    "       %s --list [NAME...]   the tests' names (host or gpu beside each), in the order they run\n"
-                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention]   benchmark tables (GPU): all, or those named\n",
+                   "       %s --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]   benchmark tables (GPU): all, or those named\n",
                    argv[0], argv[0], argv[0]);
             return 0;
         } else if (a.size() > 1 && a[0] == '-') return usage_error(argv[0], "unknown option '" + a + "'");
         else filters.push_back(a);
     }
     if (bench) {
-        const char* tables[] = {"gemm", "cast", "model", "tp", "optimizer", "attention"};
+        const char* tables[] = {"gemm", "cast", "model", "tp", "optimizer", "attention", "block"};
         for (const std::string& f : filters)
             if (std::find(std::begin(tables), std::end(tables), f) == std::end(tables))
-                return usage_error(argv[0], "--bench " + f + ": no such table; the tables are gemm, cast, model, tp, optimizer, attention");
+                return usage_error(argv[0], "--bench " + f + ": no such table; the tables are gemm, cast, model, tp, optimizer, attention, block");
     } else {
         for (const std::string& f : filters) {
             bool matched = false;

@@ -97,6 +97,10 @@ struct TrainOptions {
     int amax_history = 1;                    // 1 = current scaling; more: delayed scaling from this many amaxes
     int quant_interval = 1;                  // delayed scaling: recompute the scales every this many steps
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
+    std::string scaling = "tensor";          // FP8 scales: tensor (one per tensor, current or delayed) or block (1x128 tiles
+                                             // of X and dY, 128x128 blocks of W: fp8_kernels.cuh 3b)
+    bool block_scale_pow2 = false;           // --scaling block: the tiles' scales rounded down to powers of two
+    std::string dy_format = "e5m2";          // dY's FP8 format: e5m2, or e4m3 (--scaling block only)
     int fp8_stats = BUILD_FP8 ? 50 : 0;      // every this many steps: the FP8 tensors' health, to DIR/fp8_stats.csv and the
                                              // warnings below; 0 = off
     double fp8_warn_saturated = FP8_WARN_SATURATED;   // warn when a tensor's saturated fraction is above this ...
@@ -196,6 +200,9 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
+        flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation, no --fp8-stats; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
+        flag_switch("--block-scale-pow2", "--scaling block: each tile's and block's scale rounded down to a power of two (default: 448 or 57344 / amax in FP32; FP8 build)", &o->block_scale_pow2),
+        flag_string("--dy-format", "e5m2|e4m3", "FP8 format of the output gradients dY: e5m2, or e4m3 (one more mantissa bit, the range of a tile being narrow; --scaling block only; FP8 build)", &o->dy_format),
         flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_double("--fp8-warn-saturated", "F", "warn when an FP8 tensor's saturated fraction is above F at --fp8-warn-after --fp8-stats steps in a row (FP8 build)", &o->fp8_warn_saturated, 0, 1),
         flag_double("--fp8-warn-flushed", "F", "warn when an FP8 tensor's fraction of non-zero values flushed to zero is above F, likewise (FP8 build)", &o->fp8_warn_flushed, 0, 1),
@@ -252,7 +259,8 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
     if (o.probe) {
         printf("usage: %s probe [CKPT] [flags]\n"
                "  one batch (the first of --val-data) through the model in BF16; each linear's X, W and dY from that pass through\n"
-               "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax) and its BF16 GEMMs: the SQNR of FP8\n"
+               "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax; and block scaling's, 1x128 tiles and 128x128\n"
+               "  blocks with dY in E5M2 and in E4M3, where the widths and B x T are multiples of 128) and its BF16 GEMMs: the SQNR of FP8\n"
                "  against BF16 in dB for Y, dX and dW of every linear of every layer (a table; DIR/probe.csv with --out DIR,\n"
                "  drawn by scripts/plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
                "  CKPT: a checkpoint file or a run's folder (its newest); none: the weights of --init and --seed\n", argv0);
@@ -410,6 +418,33 @@ inline std::string probe_args_problem(const TrainOptions& o, const std::vector<s
     return "";
 }
 
+// --scaling block against the other FP8 flags, and its shapes: "" or what is wrong. A tile's scale comes from the tile's own
+// amax at every cast: no amax history (--amax-history, --quant-interval, --amax-warmup), no tensor amax to share over a TP
+// group, no SmoothQuant (its channel scales are per-tensor casts'), no fast accumulation (cuBLASLt's block-scaled GEMMs have
+// none); the block casts count no --fp8-stats, which is off under it. --block-scale-pow2 and --dy-format e4m3 need it.
+inline std::string train_block_scaling_problem(TrainOptions* o, const std::vector<std::string>& given) {
+    if (o->scaling != "block") {
+        if (o->block_scale_pow2) return "--block-scale-pow2 rounds the scales of --scaling block's tiles: add --scaling block";
+        if (o->dy_format != "e5m2")
+            return strprintf("--dy-format %s needs --scaling block (one scale for a whole dY needs E5M2's range)", o->dy_format.c_str());
+        return "";
+    }
+    auto was_given = [&](const char* name) { return std::find(given.begin(), given.end(), name) != given.end(); };
+    if (o->amax_history > 1 || o->quant_interval > 1 || o->amax_warmup > 0)
+        return "--scaling block with --amax-history, --quant-interval or --amax-warmup: block scaling takes each tile's scale from "
+               "the tile's own amax at every cast, there is no history; drop those flags";
+    if (o->smooth_quant > 0.0f) return "--scaling block with --smooth-quant: SmoothQuant's channel scales go with per-tensor scaling; drop one";
+    if (o->tp_amax_sync) return "--scaling block with --tp-amax-sync: a tile's scale needs no amax from the other GPUs; drop --tp-amax-sync";
+    if (was_given("--fp8-fast-accum") && o->fp8_fast_accum == 1)
+        return "--scaling block with --fp8-fast-accum 1: cuBLASLt's block-scaled GEMMs accumulate split only; drop --fp8-fast-accum";
+    if (was_given("--fp8-stats") && o->fp8_stats > 0)
+        return strprintf("--scaling block with --fp8-stats %d: the block casts count no saturated or flushed values; drop --fp8-stats",
+                         o->fp8_stats);
+    o->fp8_stats = 0;
+    const std::string problem = model_block_scaling_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp), (long)o->batch * o->seq);
+    return problem.empty() ? "" : "--scaling block: " + problem;
+}
+
 inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     *o = TrainOptions();
     o->command.assign(argv, argv + argc);
@@ -518,6 +553,10 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
                        o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f))
         return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --fp8-warn-*, --tp-amax-sync, "
                "--amax-warmup and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+    if (o->scaling != "tensor" && o->scaling != "block") return strprintf("--scaling %s: tensor or block", o->scaling.c_str());
+    if (o->dy_format != "e5m2" && o->dy_format != "e4m3") return strprintf("--dy-format %s: e5m2 or e4m3", o->dy_format.c_str());
+    if (!BUILD_FP8 && (o->scaling != defaults.scaling || o->block_scale_pow2 || o->dy_format != defaults.dy_format))
+        return "--scaling, --block-scale-pow2 and --dy-format are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
     if (init_kind_from_name(o->init) < 0)
         return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
     if (o->init == "torch-default" && std::find(given.begin(), given.end(), "--init-std") != given.end())
@@ -553,6 +592,8 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     problem = model_tp_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp));
     if (!problem.empty()) return strprintf("--tp %d: %s", o->tp, problem.c_str());
     problem = train_size_problem(*o, model_config_from_options(*o, BYTE_VOCAB));
+    if (!problem.empty()) return problem;
+    problem = train_block_scaling_problem(o, given);
     if (!problem.empty()) return problem;
     if (o->tp > 1 && o->update_clip)
         return strprintf("--update-clip with --tp %d: update clipping divides by each tensor's update RMS, which a rank "
@@ -712,6 +753,9 @@ inline Fp8Options fp8_options_from_options(const TrainOptions& o, int first_step
     fp8.tp_amax_sync = o.tp_amax_sync;
     fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling
     fp8.smooth_quant = o.smooth_quant;
+    fp8.block_scaling = o.scaling == "block";
+    fp8.block_scale_pow2 = o.block_scale_pow2;
+    fp8.dy_format = o.dy_format == "e4m3" ? E4M3 : E5M2;
     return fp8;
 }
 
@@ -1732,11 +1776,15 @@ inline TrainResult train(const TrainOptions& o) {
 // from the layers below. The loss of the FP8 forward (the recipe's layers) against the BF16 one on the batch says
 // what they add up to. A freshly initialised model measures about 28 dB forward (two E4M3 operands) and 24.5 dB
 // backward (E5M2 dY, 2 mantissa bits): the formats' own precision. A GEMM well below that has outliers that set its scale.
+// The same operands also go through block scaling's GEMMs (fp8_kernels.cuh 3b: 1x128 tiles, 128x128 blocks; FP32 scales),
+// with dY in E5M2 and then in E4M3, where the linear's widths and the batch's tokens are multiples of 128.
 
 struct ProbeRow {
     int layer, linear;           // linear: LINEAR_NAMES' index
     double y_db, dx_db, dw_db;   // SQNR of the FP8 GEMM against the BF16 one
     bool fp8_in_recipe;          // the FP8 loss ran this layer in FP8 (Fp8Options: all but the first and last)
+    // block scaling's: Y, then dX and dW with dY in E5M2 ([0]) and in E4M3 ([1]); NaN where the shapes do not tile
+    double y_db_block = NAN, dx_db_block[2] = {NAN, NAN}, dw_db_block[2] = {NAN, NAN};
 };
 struct ProbeResult {
     std::vector<ProbeRow> rows;   // by layer, then linear
@@ -1748,6 +1796,7 @@ struct ProbeBuffers {
     bf16 *y8 = nullptr, *y16 = nullptr, *dx8 = nullptr, *dx16 = nullptr;
     float *dw8 = nullptr, *dw16 = nullptr;
     fp8 *x8 = nullptr, *x8_t = nullptr, *w8 = nullptr, *w8_t = nullptr, *dy8 = nullptr, *dy8_t = nullptr;
+    float *x8_s = nullptr, *x8_t_s = nullptr, *w8_s = nullptr, *w8_t_s = nullptr, *dy8_s = nullptr, *dy8_t_s = nullptr;   // block scales
     Fp8Meta* metas = nullptr;   // [3]: X, W, dY
     double* sums = nullptr;     // [2]: sqnr_db_on_device's
 };
@@ -1760,13 +1809,22 @@ inline ProbeBuffers probe_buffers_create(const ModelConfig& c, int N) {
     for (fp8** p : {&b.x8, &b.x8_t}) cudaCheck(cudaMalloc(p, N * in));
     for (fp8** p : {&b.dy8, &b.dy8_t}) cudaCheck(cudaMalloc(p, N * out));
     for (fp8** p : {&b.w8, &b.w8_t}) cudaCheck(cudaMalloc(p, out * in));
+    const std::pair<float**, size_t> scales[] = {
+        {&b.x8_s, fp8_scale_count(FP8_TILES_1x128, N, (int)in)},        {&b.x8_t_s, fp8_scale_count(FP8_TILES_1x128, (int)in, N)},
+        {&b.dy8_s, fp8_scale_count(FP8_TILES_1x128, N, (int)out)},      {&b.dy8_t_s, fp8_scale_count(FP8_TILES_1x128, (int)out, N)},
+        {&b.w8_s, fp8_scale_count(FP8_BLOCKS_128x128, (int)out, (int)in)}, {&b.w8_t_s, fp8_scale_count(FP8_BLOCKS_128x128, (int)in, (int)out)}};
+    for (const auto& sc : scales) {
+        cudaCheck(cudaMalloc(sc.first, sc.second * sizeof(float)));
+        cudaCheck(cudaMemset(*sc.first, 0, sc.second * sizeof(float)));   // the padding of the blocks' rows
+    }
     cudaCheck(cudaMalloc(&b.metas, 3 * sizeof(Fp8Meta)));
     cudaCheck(cudaMalloc(&b.sums, 2 * sizeof(double)));
     return b;
 }
 inline void probe_buffers_destroy(ProbeBuffers* b) {
     for (void* p : std::initializer_list<void*>{b->y8, b->y16, b->dx8, b->dx16, b->dw8, b->dw16, b->x8, b->x8_t, b->w8, b->w8_t,
-                                                b->dy8, b->dy8_t, b->metas, b->sums})
+                                                b->dy8, b->dy8_t, b->x8_s, b->x8_t_s, b->w8_s, b->w8_t_s, b->dy8_s, b->dy8_t_s, b->metas,
+                                                b->sums})
         cudaCheck(cudaFree(p));
     *b = ProbeBuffers();
 }
@@ -1788,6 +1846,21 @@ inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, 
     row.y_db = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
     row.dx_db = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
     row.dw_db = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
+    if (in % SCALE_BLOCK == 0 && out % SCALE_BLOCK == 0 && N % SCALE_BLOCK == 0) {   // block scaling, the same operands
+        Fp8Linear blin{b->w8, b->w8_t, nullptr, nullptr, b->w8_s, b->w8_t_s};
+        fp8_block_weight_update(&blin, w, out, in, Fp8BlockRule{E4M3}, s);
+        const Fp8BlockCastOut xo{b->x8, b->x8_s, b->x8_t, b->x8_t_s, FP8_TILES_1x128, {E4M3}};
+        fp8_block_cast_produced(xo, CastPlain<bf16>{x, in}, N, in, s);
+        fp8_block_linear_forward(mm, b->y8, xo, &blin, N, in, out, s);
+        row.y_db_block = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
+        for (int f = 0; f < 2; f++) {
+            const Fp8BlockCastOut dyo{b->dy8, b->dy8_s, b->dy8_t, b->dy8_t_s, FP8_TILES_1x128, {f == 0 ? E5M2 : E4M3}};
+            fp8_block_cast_produced(dyo, CastPlain<bf16>{dy, out}, N, out, s);
+            fp8_block_linear_backward(mm, b->dx8, b->dw8, dyo, xo, &blin, N, in, out, s, false);
+            row.dx_db_block[f] = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
+            row.dw_db_block[f] = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
+        }
+    }
     return row;
 }
 
@@ -1878,22 +1951,34 @@ inline ProbeResult probe_main(const TrainOptions& o) {
     ProbeResult r = probe_model(c, weights, fp8, o.batch, o.seq, val.inputs, val.targets);
     dataloader_free(&val);
 
-    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better):\n");
-    printf("%5s  %-9s  %7s  %7s  %7s\n", "layer", "linear", "Y", "dX", "dW");
+    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better): per-tensor scaling (E5M2 dY), "
+           "block scaling with dY in E5M2, and with dY in E4M3 (- where the shapes do not tile by 128):\n");
+    printf("%5s  %-9s  %7s  %7s  %7s | %7s  %7s  %7s | %7s  %7s\n", "layer", "linear", "Y", "dX", "dW", "Y", "dX", "dW", "dX", "dW");
+    auto db = [](double v) { return std::isnan(v) ? std::string("-") : strprintf("%.2f", v); };
     for (const ProbeRow& row : r.rows)
-        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db, row.dw_db,
-               row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
-    std::vector<std::pair<double, std::string>> gemms;
-    for (const ProbeRow& row : r.rows) {
-        const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
-        gemms.push_back({row.y_db, at + " Y"});
-        gemms.push_back({row.dx_db, at + " dX"});
-        gemms.push_back({row.dw_db, at + " dW"});
-    }
-    std::sort(gemms.begin(), gemms.end());
-    printf("lowest:");
-    for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
-    printf("\nloss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
+        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f | %7s  %7s  %7s | %7s  %7s%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db,
+               row.dw_db, db(row.y_db_block).c_str(), db(row.dx_db_block[0]).c_str(), db(row.dw_db_block[0]).c_str(),
+               db(row.dx_db_block[1]).c_str(), db(row.dw_db_block[1]).c_str(), row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
+    // the five weakest GEMMs of a scaling (dy: the block columns' dY format)
+    auto lowest = [&](const char* what, bool block, int dy) {
+        std::vector<std::pair<double, std::string>> gemms;
+        for (const ProbeRow& row : r.rows) {
+            const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
+            gemms.push_back({block ? row.y_db_block : row.y_db, at + " Y"});
+            gemms.push_back({block ? row.dx_db_block[dy] : row.dx_db, at + " dX"});
+            gemms.push_back({block ? row.dw_db_block[dy] : row.dw_db, at + " dW"});
+        }
+        gemms.erase(std::remove_if(gemms.begin(), gemms.end(), [](const auto& g) { return std::isnan(g.first); }), gemms.end());
+        if (gemms.empty()) return;
+        std::sort(gemms.begin(), gemms.end());
+        printf("lowest%s:", what);
+        for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
+        printf("\n");
+    };
+    lowest("", false, 0);
+    lowest(" under block scaling, E5M2 dY", true, 0);
+    lowest(" under block scaling, E4M3 dY", true, 1);
+    printf("loss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
            r.loss_fp8 - r.loss_bf16, 100.0 * (r.loss_fp8 - r.loss_bf16) / r.loss_bf16);
     if (!o.out.empty()) {
         std::string csv = "layer,linear,gemm,sqnr_db\n";
