@@ -376,8 +376,12 @@ static void ref_attention_forward(double* out, const double* q, const double* k,
 // dq, dk, dv overwritten. With dp_j = dout.v_j: dv_j += p_j dout; the softmax backward
 // ds_j = p_j (dp_j - sum_i p_i dp_i); then dq += scale ds_j k_j and dk_j += scale ds_j q.
 // KV heads shared by several query heads sum their gradients.
+// out and lse (if given: the forward's output [B,T,NH,HD] and log-sum-exp [B,NH,T]) make it the flash kernels'
+// backward, which takes p_j = exp(s_j - lse) and sum_i p_i dp_i = dout.out from them: the same from the exact forward's,
+// the backward the GPU runs after another forward (--fp8-attention's).
 static void ref_attention_backward(double* dq, double* dk, double* dv, const double* dout, const double* q,
-                                   const double* k, const double* v, int B, int T, int NH, int NKV, int HD) {
+                                   const double* k, const double* v, int B, int T, int NH, int NKV, int HD,
+                                   const double* out = nullptr, const double* lse = nullptr) {
     ref_attention_check(NH, NKV);
     std::fill(dq, dq + (size_t)B * T * NH * HD, 0.0);
     std::fill(dk, dk + (size_t)B * T * NKV * HD, 0.0);
@@ -387,9 +391,11 @@ static void ref_attention_backward(double* dq, double* dk, double* dv, const dou
     for (int b = 0; b < B; b++) {
         for (int t = 0; t < T; t++) {
             for (int h = 0; h < NH; h++) {
-                ref_attention_probs(p.data(), q, k, b, t, h, T, NH, NKV, HD);
+                const double lse_bth = ref_attention_probs(p.data(), q, k, b, t, h, T, NH, NKV, HD);
                 int kvh = h / (NH / NKV);
                 size_t qo = (((size_t)b * T + t) * NH + h) * HD;
+                if (lse)   // p_j = exp(s_j - lse) = p_j exp(lse_bth - lse) (lse_bth: this row's own)
+                    for (int j = 0; j <= t; j++) p[j] *= exp(lse_bth - lse[((size_t)b * NH + h) * T + t]);
                 double pdp = 0;
                 for (int j = 0; j <= t; j++) {
                     size_t ko = (((size_t)b * T + j) * NKV + kvh) * HD;
@@ -399,6 +405,10 @@ static void ref_attention_backward(double* dq, double* dk, double* dv, const dou
                         dv[ko + d] += p[j] * dout[qo + d];
                     }
                     pdp += p[j] * dp[j];
+                }
+                if (out) {
+                    pdp = 0;
+                    for (int d = 0; d < HD; d++) pdp += dout[qo + d] * out[qo + d];
                 }
                 for (int j = 0; j <= t; j++) {
                     size_t ko = (((size_t)b * T + j) * NKV + kvh) * HD;
@@ -840,6 +850,9 @@ static std::vector<float> ref_tensors_to_flat(const RefConfig& c, const RefTenso
 // or in an FP8 layer their FP8 casts (section 10: X / s and W s under --smooth-quant).
 struct RefLinearOperands { std::vector<double> x, w; };
 static bool ref_fp8_layer(const RefConfig& c, int l);
+static bool ref_fp8_attention(const RefConfig& c, int l);
+static void ref_fp8_attention_forward(double* out, double* lse, const std::vector<double>& q, const std::vector<double>& k,
+                                      const std::vector<double>& v, int B, int T, int NH, int NKV, int HD);
 static void ref_fp8_linear_forward(const RefConfig& c, int l, int k, RefLinearOperands* kept, double* y, const double* x,
                                    const double* w, int N, int out, int in);
 static void ref_fp8_linear_backward(const RefConfig& c, int l, int k, const RefLinearOperands& kept, double* dx, double* dw,
@@ -869,6 +882,7 @@ struct RefLayerActs {
     std::vector<double> q_pre, k_pre;   // [N,NH*HD], [N,NKV*HD] q and k before the QK norm (--qk-norm only)
     std::vector<double> q, k, v;  // [N,NH*HD], [N,NKV*HD] x2: split from qkv (clipped, q and k normed), RoPE applied to q and k
     std::vector<double> att;      // [N,NH*HD] attention output
+    std::vector<double> lse;      // [B,NH,T] the FP8 attention forward's log-sum-exp (--fp8-attention's layers), else empty
     std::vector<double> x_mid;    // [N,D] x_in + att wo^T
     std::vector<double> xn2;      // [N,D] ffn_norm(x_mid)
     std::vector<double> gate_up;  // [N,2F]
@@ -952,7 +966,12 @@ static double ref_model_forward_backward(const RefConfig& c, const RefTensors& p
             R(a.k);
         }
         a.att.resize((size_t)N * QD);
-        ref_attention_forward(a.att.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HD);
+        if (ref_fp8_attention(c, l)) {
+            a.lse.resize((size_t)B * NH * T);
+            ref_fp8_attention_forward(a.att.data(), a.lse.data(), a.q, a.k, a.v, B, T, NH, NKV, HD);
+        } else {
+            ref_attention_forward(a.att.data(), a.q.data(), a.k.data(), a.v.data(), B, T, NH, NKV, HD);
+        }
         R(a.att);
         ref_linear_forward(c, l, 1, &a.lin[1], proj.data(), a.att.data(), P(p + "wo"), N, D, QD);
         R(proj);
@@ -1015,7 +1034,7 @@ static double ref_model_forward_backward(const RefConfig& c, const RefTensors& p
         ref_linear_backward(c, l, 1, a.lin[1], datt.data(), G(p + "wo"), dx.data(), N, D, QD);
         R(datt);
         ref_attention_backward(dq.data(), dk.data(), dv.data(), datt.data(), a.q.data(), a.k.data(), a.v.data(), B,
-                               T, NH, NKV, HD);
+                               T, NH, NKV, HD, a.lse.empty() ? nullptr : a.att.data(), a.lse.empty() ? nullptr : a.lse.data());
         R(dq);
         R(dk);
         R(dv);
@@ -2249,16 +2268,15 @@ struct AttentionFp8Host {   // the host's view of the FP8 inputs: scales, codes,
     std::vector<double> q, k, v;                    // [B,T,NH,HD], [B,T,NKV,HD], [B,T,NKV,HD]: decode(code) / scale
     std::vector<uint8_t> q8, k8, vt8;
 };
-static AttentionFp8Host attention_fp8_host(const AttentionRun& run) {
-    const AttentionShape& sh = run.sh;
-    const int Tp = (sh.T + 127) / 128 * 128;
+static AttentionFp8Host attention_fp8_host(const std::vector<bf16>& qkv, const AttentionShape& sh) {
+    const int Tp = (sh.T + 127) / 128 * 128, C3 = (sh.NH + 2 * sh.NKV) * sh.HD;
     AttentionFp8Host h;
     const int heads[3] = {sh.NH, sh.NKV, sh.NKV}, rows[3] = {64, 128, 128};
     std::vector<float>* scales[3] = {&h.q_scale, &h.k_scale, &h.v_scale};
     std::vector<double>* decoded[3] = {&h.q, &h.k, &h.v};
     std::vector<uint8_t> codes[3];
     for (int part = 0, head0 = 0; part < 3; head0 += heads[part], part++) {
-        const std::vector<bf16> x = attention_columns(run.qkv, sh.B * sh.T, run.C3, head0 * sh.HD, heads[part] * sh.HD);
+        const std::vector<bf16> x = attention_columns(qkv, sh.B * sh.T, C3, head0 * sh.HD, heads[part] * sh.HD);
         const int n = heads[part], R = rows[part];
         scales[part]->assign((size_t)sh.B * n * (Tp / R), 0.0f);
         decoded[part]->resize(x.size());
@@ -2303,7 +2321,7 @@ GPU_TEST(attention_fp8_cast_matches_host) {
     for (const AttentionShape& sh : {attention_test_shapes[1], attention_test_shapes[4], attention_test_shapes[7]}) {
         printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
         const AttentionRun run = attention_fp8_run(sh);
-        const AttentionFp8Host h = attention_fp8_host(run);
+        const AttentionFp8Host h = attention_fp8_host(run.qkv, run.sh);
         DeviceBuffer<bf16> d_qkv(run.qkv);
         DeviceBuffer<uint8_t> scratch(attention_fp8_scratch_bytes(sh.B, sh.T, sh.NH, sh.NKV, sh.HD));
         scratch.poison();
@@ -2402,7 +2420,7 @@ GPU_TEST(attention_fp8_forward_matches_reference) {
     for (const AttentionShape& sh : shapes) {
         printf("  B=%d T=%d NH=%d NKV=%d HD=%d\n", sh.B, sh.T, sh.NH, sh.NKV, sh.HD);
         const AttentionRun run = attention_fp8_run(sh);
-        const AttentionFp8Host h = attention_fp8_host(run);
+        const AttentionFp8Host h = attention_fp8_host(run.qkv, run.sh);
         const size_t N = (size_t)sh.B * sh.T;
         std::vector<double> emu_out(N * sh.NH * sh.HD), emu_lse((size_t)sh.B * sh.NH * sh.T);
         ref_attention_fp8_forward(emu_out.data(), emu_lse.data(), h, sh);
@@ -4112,6 +4130,8 @@ struct RefFp8 {
     Fp8Recipe recipe;                     // X's and dY's scaling (recipe.warmup: the --amax-warmup steps)
     Fp8Format x_format = E4M3, w_format = E4M3, dy_format = E5M2;   // the recipe's (a test changes one to see it shows)
     float smooth_alpha = 0.0f;            // --smooth-quant ALPHA; 0 = off
+    bool attention = false;               // --fp8-attention: the FP8 layers' attention forward in FP8 (attention_fp8_host's casts,
+                                          // ref_attention_fp8_forward's arithmetic); its backward from that forward's O and lse
     bool training = false;                // the pass under way is a training pass (ref_fp8_begin_pass)
     std::vector<RefFp8Linear> linears;    // [4 l + k], k: wqkv, wo, w_gate_up, w_down
 };
@@ -4121,6 +4141,7 @@ static RefFp8 ref_fp8_of(const RefConfig& c, const Fp8Options& o) {
     for (int l = 0; l < c.n_layers; l++) f.layer.push_back(o.enabled && (o.all_layers || (l != 0 && l != c.n_layers - 1)));
     f.recipe = o.recipe;
     f.smooth_alpha = o.smooth_quant;
+    f.attention = o.attention;
     const int in[4] = {c.dim, c.dim, c.dim, c.ffn_dim};   // wo's input is the heads' output, dim wide
     f.linears.resize(4 * (size_t)c.n_layers);
     for (size_t i = 0; i < f.linears.size(); i++)
@@ -4131,6 +4152,20 @@ static RefFp8 ref_fp8_of(const RefConfig& c, const Fp8Options& o) {
     return f;
 }
 static bool ref_fp8_layer(const RefConfig& c, int l) { return c.fp8 && c.fp8->layer.at(l); }
+static bool ref_fp8_attention(const RefConfig& c, int l) { return ref_fp8_layer(c, l) && c.fp8->attention; }
+// q [B,T,NH,HD], k and v [B,T,NKV,HD] (after RoPE) as qkv rows in BF16, cast per tile and multiplied as the FP8 forward does.
+static void ref_fp8_attention_forward(double* out, double* lse, const std::vector<double>& q, const std::vector<double>& k,
+                                      const std::vector<double>& v, int B, int T, int NH, int NKV, int HD) {
+    const int QD = NH * HD, KVD = NKV * HD, C3 = QD + 2 * KVD;
+    std::vector<bf16> qkv((size_t)B * T * C3);
+    for (size_t n = 0; n < (size_t)B * T; n++)
+        for (int i = 0; i < C3; i++) {
+            const double x = i < QD ? q[n * QD + i] : i < QD + KVD ? k[n * KVD + i - QD] : v[n * KVD + i - QD - KVD];
+            qkv[n * C3 + i] = __float2bfloat16((float)x);
+        }
+    const AttentionShape sh{B, T, NH, NKV, HD};
+    ref_attention_fp8_forward(out, lse, attention_fp8_host(qkv, sh), sh);
+}
 static void ref_fp8_begin_pass(const RefConfig& c, bool training) { c.fp8->training = training; }
 
 // x [n] cast by the recipe r with the scale record `log`: q gets the values the GEMM multiplies (code / scale). A training
@@ -4418,9 +4453,10 @@ HOST_TEST(ref_fp8_model_sees_the_recipe) {
     Fp8Options all;
     all.all_layers = true;
     all.fast_accum = false;
-    Fp8Options delayed = all, smooth = all;
+    Fp8Options delayed = all, smooth = all, attention = all;
     delayed.recipe.history_len = 4;
     smooth.smooth_quant = 0.7f;
+    attention.attention = true;
     auto formats = [](bool seen) {
         return std::vector<Bug>{{"X cast to E5M2", [](RefFp8* f) { f->x_format = E5M2; }, -1, seen},
                                 {"W cast to E5M2", [](RefFp8* f) { f->w_format = E5M2; }, -1, seen},
@@ -4428,7 +4464,10 @@ HOST_TEST(ref_fp8_model_sees_the_recipe) {
                                 {"dY cast to E4M3", [](RefFp8* f) { f->dy_format = E4M3; }, -1, false}};
     };
     std::vector<Bug> all_bugs = formats(true), recipe_bugs = formats(false), delayed_bugs = formats(true), warmup_bugs = formats(true),
-                     smooth_bugs = formats(true);
+                     smooth_bugs = formats(true), attention_bugs = formats(true);
+    // (with one key the FP8 attention's output is V on the E4M3 grid of a power-of-two scale, which wo's cast of X, on
+    // the same grid at another power of two, leaves as it was: only its lse, in the backward, tells it apart)
+    attention_bugs.push_back({"the attention forward in BF16", [](RefFp8* f) { f->attention = false; }, -1, false});
     recipe_bugs.push_back({"layer 0 in FP8 too", [](RefFp8* f) { f->layer[0] = true; }, -1, false});
     recipe_bugs.push_back({"layer 1 in BF16", [](RefFp8* f) { f->layer[1] = false; }, -1, false});
     delayed_bugs.push_back({"current scaling instead of delayed", [](RefFp8* f) { f->recipe.history_len = 1; }, -1, false});
@@ -4441,7 +4480,8 @@ HOST_TEST(ref_fp8_model_sees_the_recipe) {
                           {"the recipe: first and last layers BF16", 4, recipe4, 0, recipe_bugs},
                           {"delayed scaling (history 4)", 2, delayed, 0, delayed_bugs},
                           {"delayed scaling, --amax-warmup 1", 2, delayed, 1, warmup_bugs},
-                          {"smooth-quant 0.7", 2, smooth, 0, smooth_bugs}};
+                          {"smooth-quant 0.7", 2, smooth, 0, smooth_bugs},
+                          {"--fp8-attention", 2, attention, 0, attention_bugs}};
     for (const Case& cs : cases) {
         const Fp8Case k = fp8_case(cs.n_layers);
         const Fp8CaseRef base = fp8_case_ref(k, &cs.o, cs.amax_warmup), twin = fp8_case_ref(k, &cs.o, cs.amax_warmup, FP8_ARITH_JITTER);
@@ -5026,6 +5066,13 @@ GPU_TEST(fp8_model_vs_reference) {
     Fp8Options smooth = all;
     smooth.smooth_quant = 0.7f;
     check_fp8_model(2, smooth, 0, "all layers FP8, smooth-quant 0.7");
+    // --fp8-attention: with one key the FP8 forward's output is V cast to E4M3 (its tile's scale), and the backward runs
+    // from that output and its lse
+    if (attention_hopper_available) {
+        Fp8Options attention = all;
+        attention.attention = true;
+        check_fp8_model(2, attention, 0, "all layers FP8, --fp8-attention");
+    }
 }
 
 // --smooth-quant's arithmetic: s against float64 (2^round(alpha log2 amax_X - (1 - alpha) log2 amax_W), the guards),
