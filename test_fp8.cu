@@ -4664,6 +4664,7 @@ static size_t fp8_smooth_s_differ(const SmoothScales& a, const SmoothScales& b, 
     }
     return differ;
 }
+#if defined(PRECISION_FP8)   // fp8_model_vs_reference's alone
 // Each FP8 linear's s, the GPU model's.
 static SmoothScales model_smooth_scales(const Model* m) {
     SmoothScales s;
@@ -4675,8 +4676,10 @@ static SmoothScales model_smooth_scales(const Model* m) {
         }
     return s;
 }
+#endif
 // The bound on that count: FP8_TOL_FACTOR times the twin's, and at least 1% of the channels.
 static double fp8_smooth_s_bound(size_t twin_differ, size_t channels) { return std::max(FP8_TOL_FACTOR * twin_differ, 0.01 * channels); }
+#if defined(PRECISION_FP8)   // fp8_model_vs_reference's alone
 // The GPU's s within the bound of the reference's (what: which s, against whose).
 static void expect_smooth_s_close(const char* what, const SmoothScales& gpu, const SmoothScales& ref, const SmoothScales& twin) {
     size_t channels = 0;
@@ -4685,6 +4688,7 @@ static void expect_smooth_s_close(const char* what, const SmoothScales& gpu, con
     printf("    smooth-quant s %s: %zu of %zu channels differ (the twin's: %zu; bound %.1f)\n", what, gpu_s, channels, twin_s, bound);
     expect(gpu_s <= bound, "smooth-quant: %zu channels' s %s differ (bound %.1f)", gpu_s, what, bound);
 }
+#endif
 // How far outside its tolerance got lies: the largest of its three measures' ratios to theirs (<= 1 passes).
 static double fp8_outside(const double* got, const double* ref, size_t n, const Fp8Tol& t) {
     const ErrorStats e = error_stats(got, ref, n);
@@ -4711,6 +4715,7 @@ static void expect_far_outside(const char* what, const char* bug, bool seen, con
     printf("      %-44s %6.1fx its tolerance (%s)%s\n", bug, worst, where.c_str(), seen ? "" : " (not within this comparison's reach)");
     expect(!seen || worst >= 3.0, "%s: %s lies only %.1fx outside the tolerances: the comparison would not see it", what, bug, worst);
 }
+#if defined(PRECISION_FP8)   // fp8_model_vs_reference's alone
 // The GPU's run (got) within the tolerances of each quantity `each` hands, against its reference (named by `against`); then
 // the largest ratio to its tolerance over all of them, the figure that says how much room the tolerances leave.
 static void expect_within_tolerances(const char* against, const std::function<void(const QuantityFn&)>& each,
@@ -4725,6 +4730,7 @@ static void expect_within_tolerances(const char* against, const std::function<vo
     });
     printf("    the largest error: %.2f of its tolerance (%s)\n", worst, where.c_str());
 }
+#endif
 // Every quantity of a case (each step's loss and gradient tensors, the evaluation's logits), got's and ref's.
 static void fp8_case_each(const Fp8Case& k, const Fp8CaseRef& got, const Fp8CaseRef& ref, const QuantityFn& fn) {
     for (int s = 0; s < FP8_CASE_STEPS; s++) {
