@@ -94,6 +94,20 @@ def run_cells(rounds):
             spread([r["tflops"] for r in v], lambda x: f"{x:.0f}"), spread([r["gib"] for r in v], lambda x: f"{x:.1f}")]
 
 
+def run_rows(runs, specs, baseline, why):
+    """The rows of a speed table: each (prefix, label) of specs with its cells and its ratio to baseline round by round,
+    or, where it has no runs, "not run" and why(prefix) (None: no reason known)."""
+    rows = []
+    for prefix, label in specs:
+        if prefix in runs:
+            r = ratio(runs, prefix, baseline) if prefix != baseline else None
+            rows.append([label] + run_cells(runs[prefix]) + [r or "-"])
+        else:
+            why_not = why(prefix)
+            rows.append([label, "0", f"not run{': ' + why_not if why_not else ''}", "-", "-", "-", "-"])
+    return rows
+
+
 def table(header, rows):
     out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -130,14 +144,8 @@ def step_section(runs, skipped, reasons):
               "warm-up steps, FP32 master weights, BF16 autocast, fused AdamW. ms/step, tokens/s and model TFLOP/s "
               "(6 x matmul parameters + 6 x L x D x T causal attention, a token): median over the rounds (min-max). "
               "GPU memory: in use on the device (the CUDA context and, for PyTorch, its allocator's reserve included).", ""]
-    rows = []
-    for prefix, label in STEP_ROWS:
-        if prefix in runs:
-            r = ratio(runs, prefix, "step-bf16") if prefix != "step-bf16" else None
-            rows.append([label] + run_cells(runs[prefix]) + [r or "-"])
-        else:
-            why = reasons.get(prefix) or (reasons.get("torch-round") if prefix.startswith("torch") else None)
-            rows.append([label, "0", f"not run{': ' + why if why else ''}", "-", "-", "-", "-"])
+    rows = run_rows(runs, STEP_ROWS, "step-bf16",
+                    lambda p: reasons.get(p) or (reasons.get("torch-round") if p.startswith("torch") else None))
     lines.append(table(["run", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "vs ours BF16"], rows))
     lines.append("")
     for other in ("torch-compile", "torch-float8-tensorwise", "torch-float8-rowwise"):
@@ -272,13 +280,7 @@ def block_section(runs, raw, skipped):
     lines += ["The 1.1B step as above (B 8, T 2048, the FP8 build, the recipe's first and last layers BF16) under "
               "per-tensor current scaling and under block scaling (a scale per 1x128 tile of X and dY, per 128x128 block "
               "of W), interleaved; the ratio is to per-tensor scaling, round by round.", ""]
-    rows = []
-    for prefix, label in BLOCK_ROWS:
-        if prefix in runs:
-            r = ratio(runs, prefix, "block-tensor") if prefix != "block-tensor" else None
-            rows.append([label] + run_cells(runs[prefix]) + [r or "-"])
-        else:
-            rows.append([label, "0", "not run: no summary line (the raw output says why)", "-", "-", "-", "-"])
+    rows = run_rows(runs, BLOCK_ROWS, "block-tensor", lambda p: "no summary line (the raw output says why)")
     lines.append(table(["run", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "vs per-tensor"], rows))
     prof = {}
     for prefix in ("block-tensor", "block-block"):
