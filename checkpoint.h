@@ -50,7 +50,8 @@
 //   224  i32  --scaling block (0 = tensor, 1 = block)  228  i32  --block-scale-pow2 (0/1)
 //   232  i32  --dy-format e4m3 (0 = E5M2, 1 = E4M3)
 //   (files from before these three flags hold zeros in 224..235: per-tensor scaling, E5M2 dY)
-//   236..247  zero
+//   236  i32  --bf16-linears (0/1; files from before it hold zero: FP8 linears)
+//   240..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -107,7 +108,8 @@ struct CheckpointHeader {
     int32_t fp8_attention;
     int32_t update_clip, adam_atan2;
     int32_t block_scaling, block_scale_pow2, dy_e4m3;
-    uint8_t reserved[12];
+    int32_t bf16_linears;
+    uint8_t reserved[8];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -124,7 +126,7 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, fp8_attention) == 212 && offsetof(CheckpointHeader, update_clip) == 216 &&
               offsetof(CheckpointHeader, adam_atan2) == 220 && offsetof(CheckpointHeader, block_scaling) == 224 &&
               offsetof(CheckpointHeader, block_scale_pow2) == 228 && offsetof(CheckpointHeader, dy_e4m3) == 232 &&
-              offsetof(CheckpointHeader, reserved) == 236 &&
+              offsetof(CheckpointHeader, bf16_linears) == 236 && offsetof(CheckpointHeader, reserved) == 240 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -240,6 +242,7 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.block_scaling = o.scaling == "block" ? 1 : 0;
     h.block_scale_pow2 = o.block_scale_pow2 ? 1 : 0;
     h.dy_e4m3 = o.dy_format == "e4m3" ? 1 : 0;
+    h.bf16_linears = o.bf16_linears ? 1 : 0;
     return h;
 }
 
@@ -274,6 +277,7 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"FP8 block scaling (--scaling block)", got.block_scaling, want.block_scaling},
         {"FP8 power-of-two block scales (--block-scale-pow2)", got.block_scale_pow2, want.block_scale_pow2},
         {"FP8 E4M3 output gradients (--dy-format e4m3)", got.dy_e4m3, want.dy_e4m3},
+        {"every linear in BF16 (--bf16-linears)", got.bf16_linears, want.bf16_linears},
         {"weight decay at the peak LR (--wd-constant-lr)", got.wd_constant_lr, want.wd_constant_lr},
         {"update clipping (--update-clip)", got.update_clip, want.update_clip},
         {"the Adam-atan2 update (--adam-atan2)", got.adam_atan2, want.adam_atan2},

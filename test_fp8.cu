@@ -6149,6 +6149,7 @@ static std::vector<std::string> config_fields_changed(const TrainOptions& o) {
     check("fp8.history_len", f.recipe.history_len != fd.recipe.history_len);
     check("fp8.interval", f.recipe.interval != fd.recipe.interval);
     check("fp8.warmup", f.recipe.warmup != fd.recipe.warmup);
+    check("fp8.enabled", f.enabled != fd.enabled);
     check("fp8.all_layers", f.all_layers != fd.all_layers);
     check("fp8.attention", f.attention != fd.attention);
     check("fp8.fast_accum", f.fast_accum != fd.fast_accum);
@@ -6195,6 +6196,7 @@ HOST_TEST(train_flags_set_their_own_fields) {
             {{"--scaling", "block"}, {"fp8.block_scaling"}},
             {{"--scaling", "block", "--block-scale-pow2"}, {"fp8.block_scaling", "fp8.block_scale_pow2"}},
             {{"--scaling", "block", "--dy-format", "e4m3"}, {"fp8.block_scaling", "fp8.dy_format"}},
+            {{"--bf16-linears"}, {"fp8.enabled"}},
         });
     if (BUILD_FP8 && attention_hopper_available) cases.push_back({{"--fp8-attention"}, {"fp8.attention"}});
     for (const Case& k : cases) {
@@ -6321,9 +6323,13 @@ HOST_TEST(train_parse_rejects_bad_values) {
                                    {{"probe", "--steps", "3"}, {"probe takes", "not --steps"}},
                                    {{"probe", "run/ckpt.bin", "--model", "tiny"}, {"probe run/ckpt.bin --model", "checkpoint fixes"}},
                                    {{"probe", "run", "--fp8-fast-accum", "0"}, {"--fp8-fast-accum", "checkpoint fixes"}},
-                                   {{"probe", "--dry-run"}, {"--dry-run", "unknown"}}});
+                                   {{"probe", "--dry-run"}, {"--dry-run", "unknown"}},
+                                   {{"--bf16-linears", "--fp8-all-layers"}, {"--bf16-linears", "--fp8-all-layers", "drop one"}},
+                                   {{"--bf16-linears", "--scaling", "block"}, {"--bf16-linears", "--scaling"}},
+                                   {{"--bf16-linears", "--fp8-stats", "5"}, {"--bf16-linears", "--fp8-stats 5"}}});
     else   // the FP8 recipe's flags, refused by the BF16 build
         cases.insert(cases.end(), {{{"--fp8-all-layers"}, {"--fp8-all-layers", "BF16"}},
+                                   {{"--bf16-linears"}, {"--bf16-linears", "BF16"}},
                                    {{"--fp8-attention"}, {"--fp8-attention", "PRECISION=BF16"}},
                                    {{"--amax-history", "16"}, {"--amax-history", "BF16"}},
                                    {{"--amax-warmup", "5", "--amax-history", "16"}, {"--amax-warmup", "BF16"}},
@@ -6438,6 +6444,11 @@ HOST_TEST(train_checkpoint_header) {
             expect(u.block_scaling == k.block && u.block_scale_pow2 == k.pow2 && u.dy_e4m3 == k.e4m3,
                    "--scaling block %s: header block %d, pow2 %d, dY E4M3 %d", k.flag ? k.flag : "", u.block_scaling, u.block_scale_pow2, u.dy_e4m3);
         }
+        TrainOptions lo;
+        expect(parse_list({"--model", "tiny", "--batch", "4", "--seq", "32", "--bf16-linears"}, &lo).empty(), "--bf16-linears");
+        u = checkpoint_header_for(c, lo);
+        expect(u.bf16_linears == 1 && want.bf16_linears == 0 && u.block_scaling == 0, "--bf16-linears: header %d (default %d)",
+               u.bf16_linears, want.bf16_linears);
     }
 
     // each mismatch with the run refused, the reason naming it (the format's own checks: train_checkpoint_verify_*)
@@ -6478,6 +6489,7 @@ HOST_TEST(train_checkpoint_header) {
         {"block scaling", [](CheckpointHeader* x) { x->block_scaling = 1; }, {"--scaling block", "= 1"}},
         {"pow2 blocks", [](CheckpointHeader* x) { x->block_scale_pow2 = 1; }, {"--block-scale-pow2", "= 1"}},
         {"dY format", [](CheckpointHeader* x) { x->dy_e4m3 = 1; }, {"--dy-format e4m3", "= 1"}},
+        {"BF16 linears", [](CheckpointHeader* x) { x->bf16_linears = 1; }, {"--bf16-linears", "= 1"}},
     };
     for (const Case& k : cases) {
         CheckpointHeader bad = want;
@@ -9242,11 +9254,14 @@ HOST_TEST(train_ref_replay_sees_the_flags) {
 // BF16 noise of zero can step the other way (Adam's first step is lr sign(g)), an error up to twice its update
 // (measured max_rel 0.54, in the embedding's rarely seen rows; 0.13 elsewhere): 1.1, which a wrong tensor, sign or
 // decay (errors of order 1 over the whole tensor, in rel_l2 too) still exceeds.
-GPU_TEST(train_tiny_follows_float64_reference) {
+// A BF16 run of `extra` flags (on the tiny preset) against the float64 trainer: loss every step, weights at the end.
+static void check_bf16_run_follows_float64(std::vector<std::string> extra) {
     TempDir data, out;
     write_synthetic_corpus(data);
-    TrainOptions o = tiny_run_options(data, {"--steps", "20", "--warmup", "5", "--lr", "3e-3", "--m-dtype", "fp32",
-                                             "--v-dtype", "fp32", "--out", out.path});
+    std::vector<std::string> args = {"--steps", "20", "--warmup", "5", "--lr", "3e-3", "--m-dtype", "fp32", "--v-dtype", "fp32",
+                                     "--out", out.path};
+    args.insert(args.end(), extra.begin(), extra.end());
+    TrainOptions o = tiny_run_options(data, args);
     TrainResult gpu = train(o);
     expect(gpu.losses.size() == 20, "the GPU run made %zu steps, not 20", gpu.losses.size());
     if (gpu.losses.size() != 20) return;
@@ -9302,6 +9317,11 @@ GPU_TEST(train_tiny_follows_float64_reference) {
         expect_close(("w_20 - w_0 " + s.name).c_str(), moved_gpu.data(), moved_ref.data(), s.numel, 7e-2, 1.1);
     }
 }
+GPU_TEST(train_tiny_follows_float64_reference) { check_bf16_run_follows_float64({}); }
+// --bf16-linears: a layer the FP8 build would run in FP8 (tiny's middle one of three) trains as BF16 does
+#if defined(PRECISION_FP8)
+GPU_TEST(train_bf16_linears_follow_float64_reference) { check_bf16_run_follows_float64({"--layers", "3", "--bf16-linears"}); }
+#endif
 
 // A step whose loss or gradient norm is not finite changes nothing of the optimizer (master weights, moments, their
 // scales, the update count) and is counted; the next finite step updates again and ends the run of bad steps. Through

@@ -94,6 +94,7 @@ struct TrainOptions {
     // the FP8 linear layers (llama2.cuh, Fp8Options; FP8 build only)
     bool fp8_all_layers = false;
     bool fp8_attention = false;              // attention's forward on FP8 tensor cores (attention.cuh; Hopper builds)
+    bool bf16_linears = false;               // FP8 build, every linear in BF16: the control of an ablation
     int amax_history = 1;                    // 1 = current scaling; more: delayed scaling from this many amaxes
     int quant_interval = 1;                  // delayed scaling: recompute the scales every this many steps
     int fp8_fast_accum = 1;                  // fast accumulation in the forward FP8 GEMMs (1) or split (0)
@@ -196,6 +197,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_switch("--update-clip", "AdamW update clipping: each tensor's update / max(1, its RMS)", &o->update_clip),
         flag_switch("--adam-atan2", "Adam-atan2 update: atan2(m, sqrt(v)), no eps", &o->adam_atan2),
         flag_switch("--fp8-all-layers", "FP8 in every decoder layer (default: first and last in BF16; FP8 build)", &o->fp8_all_layers),
+        flag_switch("--bf16-linears", "every linear layer in BF16, as the BF16 build runs them, the rest of the FP8 build kept (its optimizer's E4M3 first moment too): an ablation's control (FP8 build)", &o->bf16_linears),
         flag_switch("--fp8-attention", "attention's forward on FP8 tensor cores: Q, K, V and P in E4M3, in the layers whose linears are FP8 (the backward stays BF16; FP8 build for GPU_ARCH=sm_90a)", &o->fp8_attention),
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
@@ -550,8 +552,8 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (!BUILD_FP8 && (o->fp8_all_layers || o->amax_history != 1 || o->quant_interval != 1 || o->fp8_fast_accum != 1 ||
                        o->fp8_stats != 0 || o->fp8_warn_saturated != defaults.fp8_warn_saturated ||
                        o->fp8_warn_flushed != defaults.fp8_warn_flushed || o->fp8_warn_after != defaults.fp8_warn_after ||
-                       o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f))
-        return "--fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --fp8-warn-*, --tp-amax-sync, "
+                       o->tp_amax_sync || o->amax_warmup != 0 || o->smooth_quant != 0.0f || o->bf16_linears))
+        return "--bf16-linears, --fp8-all-layers, --amax-history, --quant-interval, --fp8-fast-accum, --fp8-stats, --fp8-warn-*, --tp-amax-sync, "
                "--amax-warmup and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
     if (o->scaling != "tensor" && o->scaling != "block") return strprintf("--scaling %s: tensor or block", o->scaling.c_str());
     if (o->dy_format != "e5m2" && o->dy_format != "e4m3") return strprintf("--dy-format %s: e5m2 or e4m3", o->dy_format.c_str());
@@ -595,6 +597,15 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
     if (!problem.empty()) return problem;
     problem = train_block_scaling_problem(o, given);
     if (!problem.empty()) return problem;
+    if (o->bf16_linears) {
+        if (o->fp8_all_layers || o->fp8_attention || o->amax_history > 1 || o->quant_interval > 1 || o->amax_warmup > 0 ||
+            o->smooth_quant > 0.0f || o->tp_amax_sync || o->scaling != "tensor" || was_given("--fp8-fast-accum"))
+            return "--bf16-linears with a flag of the FP8 linears (--fp8-all-layers, --fp8-attention, --amax-*, --quant-interval, "
+                   "--smooth-quant, --tp-amax-sync, --scaling, --fp8-fast-accum): no linear is FP8; drop one of the two";
+        if (was_given("--fp8-stats") && o->fp8_stats > 0)
+            return strprintf("--bf16-linears with --fp8-stats %d: no tensor is cast to FP8; drop --fp8-stats", o->fp8_stats);
+        o->fp8_stats = 0;
+    }
     if (o->tp > 1 && o->update_clip)
         return strprintf("--update-clip with --tp %d: update clipping divides by each tensor's update RMS, which a rank "
                          "sees only for its shard; drop one of the two", o->tp);
@@ -749,6 +760,7 @@ inline Fp8Options fp8_options_from_options(const TrainOptions& o, int first_step
     fp8.recipe.interval = o.quant_interval;
     fp8.all_layers = o.fp8_all_layers;
     fp8.attention = o.fp8_attention;
+    fp8.enabled = !o.bf16_linears;
     fp8.fast_accum = o.fp8_fast_accum == 1;
     fp8.tp_amax_sync = o.tp_amax_sync;
     fp8.recipe.warmup = first_step <= o.amax_warmup;   // --amax-warmup: steps 1..N cast at current scaling

@@ -348,12 +348,39 @@ def print_table(study_dir):
         print("\nRuns without a training time (they count for the losses, not for tokens/s and the time):")
         for name, r in untimed:
             print(f"- {name} seed {r.seed}: {r.time_problem} ({r.folder})")
+    paired = paired_lines(configs, by_name)
+    if paired:
+        print("\nFinal val loss against the run of the same seed (the same initial weights and data order), in % of its:")
+        for line in paired:
+            print(line)
     print("\nTargets (the FP8 recipe's claims):")
     recipe, m_fp32 = by_name.get(RECIPE), by_name.get(M_FP32)
     print(f"- FP8 recipe ({RECIPE}) vs BF16 build ({BASELINE}), final val loss: {target_recipe(recipe, baseline)}")
     print(f"- FP8 first moment ({RECIPE}) vs --m-dtype fp32 ({M_FP32}), final val loss: {target_moment(recipe, m_fp32)}")
     print(f"- FP8 recipe ({RECIPE}) reaches the target ({BASELINE}'s loss at 60% of its run) sooner in training time: "
           f"{target_time(recipe, baseline)}")
+
+
+def paired_lines(configs, by_name):
+    """Each configuration's final validation loss against the BF16 build's and the FP8 recipe's run of the same seed
+    (the same initial weights and data order), in % of theirs: an ablation's control shows its effect seed by seed,
+    below the spread over seeds."""
+    lines = []
+    for c in configs:
+        if c.name == BASELINE:
+            continue
+        parts = []
+        for r in c.ok:
+            cells = []
+            for other in (by_name.get(BASELINE), by_name.get(RECIPE)):
+                twin = next((o for o in other.ok if o.seed == r.seed), None) if other is not None and other is not c else None
+                if twin is not None:
+                    cells.append(f"{percent(r.final, twin.final):+.2f}% vs {other.name}")
+            if cells:
+                parts.append(f"seed {r.seed} " + ", ".join(cells))
+        if parts:
+            lines.append(f"- {c.name}: " + "; ".join(parts))
+    return lines
 
 
 def yes_no(ok):

@@ -24,7 +24,7 @@ and, named with --only (each takes minutes and measures quality, not speed):
               8192-piece tokenizers (data/kjv4096, data/kjv8192: prepared here if missing), 600 steps and 200,
               validated on the whole validation split: bits a byte over the run, and the last sample
   lab         the recipe lab (scripts/study.sh: 19 configurations x 3 seeds of a 27M model)
-  study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b --seeds 2)
+  study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b: bf16, fp8 2 seeds; its ablation rows 1 seed)
   block       the 1.1B step under per-tensor scaling against block scaling (--scaling block, with E5M2 and with
               E4M3 gradients), N rounds interleaved, the first profiled; ./test_fp8 --bench block
 Each train_fp8 run ends with its summary line (the timed steps' mean ms, tokens/s, model TFLOP/s, memory);
@@ -209,8 +209,10 @@ if section lab 330; then
     rm -rf "$RAW/lab"
 fi
 
-if section study1b 300; then
-    scripts/study.sh --preset 1b --seeds 2 --dir "$RAW/study1b" --deadline $(($(time_left) - 90)) > "$RAW/study1b.log" 2>&1
+if section study1b 480; then
+    scripts/study.sh --preset 1b --seeds 2 --only bf16,fp8 --dir "$RAW/study1b" --deadline $(($(time_left) - 90)) > "$RAW/study1b.log" 2>&1
+    scripts/study.sh --preset 1b --seeds 1 --only bf16-linears,m-fp32,fp8-all-layers --dir "$RAW/study1b" \
+        --deadline $(($(time_left) - 30)) >> "$RAW/study1b.log" 2>&1
     cp "$RAW/study1b/table.md" "$RAW/study1b-table.md" 2>/dev/null
     rm -rf "$RAW/study1b"
 fi

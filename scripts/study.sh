@@ -6,7 +6,8 @@
 # loss at 60% of its run (time to quality); and draws the curves (scripts/plot_loss.py).
 #
 #   scripts/study.sh [flags]       run the study (make study builds both binaries and the data first, then runs this)
-#   scripts/study.sh --preset 1b   BF16 against FP8 at 1.1B's shape, one run at a time: time to quality
+#   scripts/study.sh --preset 1b   BF16 against FP8 at 1.1B's shape, one run at a time: time to quality, and the
+#                                  ablation of a difference (--bf16-linears, --m-dtype fp32, --fp8-all-layers)
 #   scripts/study.sh table DIR     the table of a study folder (printed at the end of a study too)
 #   scripts/study.sh test          the table maker on fixed log.csv files (make test runs it; no GPU)
 #   scripts/study.sh --help        the flags
@@ -30,13 +31,16 @@
 # turns too: the table's times and tokens/s compare only runs that shared the GPU alike (the table warns).
 #
 # --preset 1b: quality per hour at scale. TinyLlama-1.1B's shape (dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632;
-# 0.97B parameters with 256 byte tokens instead of its 32000), B = 8, T = 2048, bf16 and fp8 only, 3 seeds, one run at
-# a time (--parallel 1), so that each step's time is its own. Peak LR 3e-4, half the default 6e-4 (chosen for the small
+# 0.97B parameters with 256 byte tokens instead of its 32000), B = 8, T = 2048, 3 seeds, one run at a time (--parallel 1), so that each step's time is its own. Peak LR 3e-4, half the default 6e-4 (chosen for the small
 # models): 1B-parameter LLaMA-style models train at 3e-4 to 4e-4, and 16384 tokens a step is a small, noisy batch for
 # them. Validation every 10 steps (the crossing of the BF16 loss is interpolated between two of them, 1.8-2.2 s of
 # training apart) on the first 4 of the 26 validation batches, so that the 25 evaluations of a run cost ~6 s: the
 # evaluation is left out of the measured time, but not out of the GPU's. About 7 minutes on one H100 (404 s: bf16 runs
 # ~75 s, fp8 ~59 s); --only bf16, then --only fp8 --skip-done into the same --dir, splits it into two invocations.
+# Its ablation rows (bf16-linears: the FP8 build with the BF16 build's linears and first moment, which must train as
+# the BF16 build; m-fp32; fp8-all-layers) compare seed by seed with the bf16 and fp8 runs of the same seed, so one
+# seed of each tells a cause from the spread over seeds: --only bf16,fp8 --seeds 2, then --only
+# bf16-linears,m-fp32,fp8-all-layers --seeds 1 (scripts/results.sh --only study1b does so).
 set -euo pipefail
 cd "$(dirname "$0")/.."   # the repository
 
@@ -50,8 +54,8 @@ usage: scripts/study.sh [flags]          run the study (binaries from make train
        scripts/study.sh table DIR        the table of study folder DIR
        scripts/study.sh test             test the table maker on fixed log.csv files (host only)
 flags (default in brackets; [X | Y]: X for --preset default, Y for --preset 1b):
-  --preset NAME        default: 21 configurations of a 27M model, 8 runs at a time; 1b: bf16 and fp8 at 1.1B's shape,
-                       one run at a time, for their time to quality [default]
+  --preset NAME        default: 21 configurations of a 27M model, 8 runs at a time; 1b: bf16 and fp8 at 1.1B's shape
+                       and three ablation rows, one run at a time, for their time to quality [default]
   --seeds N            seeds 1..N of every configuration [3]
   --parallel P         runs at a time on the GPU; more than 1 inflates the table's times and lowers its tokens/s [8 | 1]
   --steps N            optimizer steps of every run; warm-up N/10, validation every N/6 | N/24 steps [240: one epoch]
@@ -78,7 +82,16 @@ fail() { echo "error: $*" >&2; exit 1; }
 # The configurations: NAME BUILD FLAGS... (the README's "Recipe lab" says why each value).
 preset_configs() {
     if [[ $PRESET == 1b ]]; then
-        printf 'bf16 bf16\nfp8 fp8\n'
+        # the recipe against the BF16 build, and the ablation of a difference between them: the FP8 build with every
+        # linear and the first moment as the BF16 build has them (its control), the FP8 first moment alone, the
+        # first/last-layer rule
+        cat <<EOF
+bf16 bf16
+fp8 fp8
+bf16-linears fp8 --bf16-linears --m-dtype fp32
+m-fp32 fp8 --m-dtype fp32
+fp8-all-layers fp8 --fp8-all-layers
+EOF
         return
     fi
     cat <<EOF
@@ -172,6 +185,9 @@ run_test() {
     write_run "$s/qk-norm/seed-1" 0 320 - 5.5 1.70 1.60
     write_run "$s/qk-norm/seed-2" 1 320 - 5.5 1.70
     write_run "$s/qk-norm/seed-3" - 320 - 5.5 1.70
+    # paired by seed, in % of the twin's final: fp8 seed 1 (1.51 - 1.50) / 1.50 = +0.67%, seed 2 0.01 / 1.52 = +0.66%
+    # (seed 10 has no twin); m-fp32 seed 1 0.04 / 1.50 = +2.67% and 0.03 / 1.51 = +1.99%, seed 2 0.03 / 1.52 = +1.97%
+    # and 0.02 / 1.53 = +1.31%; qk-norm seed 1 0.10 / 1.50 = +6.67% and 0.09 / 1.51 = +5.96%
     # update-clip: its only run crashed
     write_run "$s/update-clip/seed-1" 139 320 1 5.5 1.70
     local expected actual
@@ -198,6 +214,11 @@ Runs not counted:
 - qk-norm seed 2: exit 1 ($s/qk-norm/seed-2)
 - qk-norm seed 3: not finished (no exit.txt: never ran to its end) ($s/qk-norm/seed-3)
 - update-clip seed 1: exit 139 ($s/update-clip/seed-1)
+
+Final val loss against the run of the same seed (the same initial weights and data order), in % of its:
+- fp8: seed 1 +0.67% vs bf16; seed 2 +0.66% vs bf16
+- m-fp32: seed 1 +2.67% vs bf16, +1.99% vs fp8; seed 2 +1.97% vs bf16, +1.31% vs fp8
+- qk-norm: seed 1 +6.67% vs bf16, +5.96% vs fp8
 
 Targets (the FP8 recipe's claims):
 - FP8 recipe (fp8) vs BF16 build (bf16), final val loss: +1.32% ± 1.57% (t +0.84), within 0.5%: NO, |t| < 2 (no difference found): yes
