@@ -2017,7 +2017,7 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
         const int fp8_layers = c.n_layers - model_num_bf16_layers(m);
         const size_t bf16_build = bytes + (size_t)std::max(0, fp8_layers - 1) * B * T * (2 * c.dim + m->ffn_dim) * sizeof(bf16);
         printf("model FP8: %d of %d decoder layers in FP8 (%s; attention forward %s), FP8 weights %.1f MiB, saved X8^T %.1f MiB, "
-               "scratch %.1f MiB\n", fp8_layers, c.n_layers, fp8.all_layers ? "all layers" : "first and last in BF16",
+               "scratch %.1f MiB\n", fp8_layers, c.n_layers, !fp8.enabled ? "--bf16-linears" : fp8.all_layers ? "all layers" : "first and last in BF16",
                fp8.attention ? "FP8 too" : "BF16", m->fp8.weight_bytes / MiB, m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
         if (fp8.block_scaling)
             printf("model FP8 scales: one per 1x128 tile of X and dY (dY %s), per 128x128 block of W, %s\n", fp8_name(fp8.dy_format),
