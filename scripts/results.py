@@ -343,6 +343,32 @@ def study_section(raw, name, title, command):
     return lines + [f"`{command}`, its table as it printed it:", "", read(path).strip(), ""]
 
 
+def doctor_section(raw, skipped, name):
+    lines = ["## The FP8 doctor and the probe", ""]
+    if "doctor" in skipped:
+        return lines + [f"Not measured: {skipped['doctor']}", ""]
+    train, probe = os.path.join(raw, "doctor-train.log"), os.path.join(raw, "doctor-probe.log")
+    if not os.path.exists(train):
+        return lines + ["Not measured: no doctor-train.log", ""]
+    log = read(train)
+    doctor = [l for l in log.splitlines() if re.match(r"step +\d+ \| fp8", l)]
+    summary = [l for l in log.splitlines() if l.startswith("summary")]
+    lines += [f"`{log.splitlines()[0]}`: a 1.1B run in the 1B study's setup, drawn by "
+              f"`scripts/plot_fp8_stats.py` into `{name}-fp8_stats.png`; its first and last doctor lines, its last "
+              f"warning if any, and its summary:", "", "```"]
+    warnings = [l for l in doctor if "warning" in l]
+    stats = [l for l in doctor if "warning" not in l]
+    lines += (stats[:1] + stats[-1:] if stats else ["(no doctor line: the raw output says why)"]) + warnings[-1:] + summary
+    lines += ["```", ""]
+    if os.path.exists(probe):
+        lines += [f"`./train_fp8 probe` on the run's last checkpoint (one validation batch of 8 x 2048), drawn into "
+                  f"`{name}-probe.png`, as it printed:", "", "```", read(probe).strip(), "```", ""]
+    plots = os.path.join(raw, "doctor-plots.log")
+    if os.path.exists(plots) and "no pictures" in read(plots):
+        lines += [read(plots).strip(), ""]
+    return lines
+
+
 def unpack_raw(raw_txt, into):
     """A results file's .raw.txt (results.sh: each program's output after a line `==== NAME`) back into the folder
     of files it was made from, so that the tables can be made again from what was measured."""
@@ -406,12 +432,16 @@ def make(raw, out):
         lines += kernels_section(raw)
     if "tokenizer" in sections:
         lines += tokenizer_section(raw, skipped)
+    if "doctor" in sections:
+        lines += doctor_section(raw, skipped, name[:-3])
     if "block" in sections:
         lines += block_section(runs, raw, skipped)
     if "lab" in sections:
         lines += study_section(raw, "lab", "Recipe lab", "scripts/study.sh")
     if "study1b" in sections:
-        lines += study_section(raw, "study1b", "Quality per hour at 1.1B", "scripts/study.sh --preset 1b --seeds 2")
+        lines += study_section(raw, "study1b", "Quality per hour at 1.1B",
+                               "scripts/study.sh --preset 1b --seeds 2 --only bf16,fp8`, then `--seeds 1 --only "
+                               "bf16-linears,m-fp32,fp8-all-layers")
     with open(out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"results.py: wrote {out}")
@@ -536,6 +566,20 @@ def self_test():
                "1.13x (1.11x-1.14x) |" in md_blk, "the block row: its ratio to per-tensor scaling round by round")
         expect("| FP8 casts alone, amax, scales | 10.0 | 9.0 | -1.0 |" in md_blk and "not run" in md_blk,
                f"the profiles side by side (per-tensor, block, block - per-tensor); the E4M3 row not run")
+        # a doctor run: the command, the first and last doctor lines, the last warning, the summary, the probe as printed
+        doc_raw = os.path.join(tmp, "doc")
+        os.mkdir(doc_raw)
+        open(os.path.join(doc_raw, "env.txt"), "w").write("gpu: NVIDIA Test GPU\ncommit: abc1234\nsections: doctor\n")
+        open(os.path.join(doc_raw, "doctor-train.log"), "w").write(
+            "./train_fp8 --model 1b --fp8-stats 5\nstep     5 | fp8: first\nstep    10 | fp8: middle\n"
+            "step    10 | fp8 warning: layer 3 w_down dY flushed\nstep    15 | fp8: last\n" +
+            summ.format(ms=180.0, tok=91022, tf=615.3, gib=35.5))
+        open(os.path.join(doc_raw, "doctor-probe.log"), "w").write("probe: a table\nlowest: layer 1 wqkv dX 24.10 dB\n")
+        make(doc_raw, os.path.join(tmp, "Test-GPU-doctor.md"))
+        md_doc = read(os.path.join(tmp, "Test-GPU-doctor.md"))
+        expect("`./train_fp8 --model 1b --fp8-stats 5`" in md_doc and "step     5 | fp8: first\nstep    15 | fp8: last\nstep    10 | "
+               "fp8 warning" in md_doc and "middle" not in md_doc and "lowest: layer 1 wqkv dX 24.10 dB" in md_doc and
+               "Test-GPU-doctor-probe.png" in md_doc, "the doctor section: command, first and last lines, last warning, probe")
         # the tables made again from the .raw.txt that results.sh writes (each file after a line ==== NAME)
         with open(os.path.join(tmp, "tok.raw.txt"), "w") as f:
             for name in sorted(os.listdir(tok_raw)):

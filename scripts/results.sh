@@ -23,8 +23,10 @@ and, named with --only (each takes minutes and measures quality, not speed):
   tokenizer   the default run (d12, 32 x 512 tokens a step) on the Bible as bytes and with trained 4096- and
               8192-piece tokenizers (data/kjv4096, data/kjv8192: prepared here if missing), 600 steps and 200,
               validated on the whole validation split: bits a byte over the run, and the last sample
-  lab         the recipe lab (scripts/study.sh: 19 configurations x 3 seeds of a 27M model)
+  lab         the recipe lab (scripts/study.sh: 21 configurations x 3 seeds of a 27M model)
   study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b: bf16, fp8 2 seeds; its ablation rows 1 seed)
+  doctor      the FP8 doctor (--fp8-stats 5) over a 1.1B run in the 1B study's setup and the probe on its last
+              checkpoint, drawn into OUT/NAME-fp8_stats.png and OUT/NAME-probe.png (needs matplotlib)
   block       the 1.1B step under per-tensor scaling against block scaling (--scaling block, with E5M2 and with
               E4M3 gradients), N rounds interleaved, the first profiled; ./test_fp8 --bench block
 Each train_fp8 run ends with its summary line (the timed steps' mean ms, tokens/s, model TFLOP/s, memory);
@@ -55,8 +57,8 @@ done
 [[ $REPS =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --reps $REPS: want a whole number, 1 or more" >&2; exit 2; }
 [[ $BUDGET =~ ^[1-9][0-9]*$ ]] || { echo "results.sh: --budget $BUDGET: want seconds, 1 or more" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
-    [[ ,$DEFAULT_SECTIONS,tokenizer,lab,study1b,block, == *",$s,"* ]] ||
-        { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b, tokenizer, lab, study1b, block)" >&2; exit 2; }
+    [[ ,$DEFAULT_SECTIONS,tokenizer,lab,study1b,doctor,block, == *",$s,"* ]] ||
+        { echo "results.sh: --only: no section '$s' (step, attention, kernels, long, 7b, tokenizer, lab, study1b, doctor, block)" >&2; exit 2; }
 done
 wants() { [[ ,$ONLY, == *",$1,"* ]]; }
 command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1 ||
@@ -78,6 +80,8 @@ section() {
 
 # ---- the software and the commit
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+NAME=$(echo "$GPU" | sed 's/^NVIDIA //; s/[^A-Za-z0-9.]\+/-/g; s/-$//')   # the files: $OUT/$NAME.md, .raw.txt, pictures
+[[ $ONLY == "$DEFAULT_SECTIONS" ]] || NAME="$NAME-${ONLY//,/-}"
 if [[ -n ${RESULTS_COMMIT:-} ]]; then   # a copy of the tree whose .git, if any, is not the commit's
     COMMIT=$RESULTS_COMMIT
 elif git rev-parse --git-dir > /dev/null 2>&1; then
@@ -217,6 +221,25 @@ if section study1b 480; then
     rm -rf "$RAW/study1b"
 fi
 
+if section doctor 150; then
+    # the FP8 doctor on a 1.1B run in the 1B study's setup, the probe on its last checkpoint, both drawn
+    DOCTOR=(--model 1b --batch 8 --seq 2048 --steps 240 --warmup 24 --lr 3e-4 --data data/kjv_train.bin
+            --val-data data/kjv_val.bin --eval-every 40 --eval-batches 4 --sample-every 0 --fp8-stats 5)
+    echo "./train_fp8 ${DOCTOR[*]}" > "$RAW/doctor-train.log"
+    ./train_fp8 "${DOCTOR[@]}" --out "$RAW/doctor-run" >> "$RAW/doctor-train.log" 2>&1
+    ./train_fp8 probe "$RAW/doctor-run" --batch 8 --seq 2048 --val-data data/kjv_val.bin --out "$RAW/doctor-probe" \
+        > "$RAW/doctor-probe.log" 2>&1
+    mkdir -p "$OUT"
+    if python3 -c 'import matplotlib, numpy' 2> /dev/null; then
+        python3 scripts/plot_fp8_stats.py "$RAW/doctor-run" -o "$OUT/$NAME-fp8_stats.png" > "$RAW/doctor-plots.log" 2>&1
+        python3 scripts/plot_fp8_stats.py probe "$RAW/doctor-probe/probe.csv" -o "$OUT/$NAME-probe.png" >> "$RAW/doctor-plots.log" 2>&1
+    else
+        echo "no pictures: matplotlib or numpy is missing (pip install matplotlib)" > "$RAW/doctor-plots.log"
+    fi
+    cp "$RAW/doctor-probe/probe.csv" "$RAW/doctor-probe.csv" 2> /dev/null
+    rm -rf "$RAW/doctor-run" "$RAW/doctor-probe"
+fi
+
 if section block $((REPS * 75 + 60)); then
     for r in $(seq "$REPS"); do
         P=(); [[ $r == 1 ]] && P=(--profile 5)
@@ -228,8 +251,6 @@ if section block $((REPS * 75 + 60)); then
 fi
 
 mkdir -p "$OUT"
-NAME=$(echo "$GPU" | sed 's/^NVIDIA //; s/[^A-Za-z0-9.]\+/-/g; s/-$//')
-[[ $ONLY == "$DEFAULT_SECTIONS" ]] || NAME="$NAME-${ONLY//,/-}"
 python3 scripts/results.py make "$RAW" "$OUT/$NAME.md" || exit 1
 # each file after a line "==== NAME" (results.py make reads the tables back from it), ending in a newline
 for f in "$RAW"/*; do echo "==== $(basename "$f")"; cat "$f"; [[ -z $(tail -c 1 "$f") ]] || echo; done > "$OUT/$NAME.raw.txt"
