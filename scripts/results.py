@@ -352,13 +352,12 @@ def doctor_section(raw, skipped, name):
         return lines + ["Not measured: no doctor-train.log", ""]
     log = read(train)
     doctor = [l for l in log.splitlines() if re.match(r"step +\d+ \| fp8", l)]
-    summary = [l for l in log.splitlines() if l.startswith("summary")]
     lines += [f"`{log.splitlines()[0]}`: a 1.1B run in the 1B study's setup, drawn by "
-              f"`scripts/plot_fp8_stats.py` into `{name}-fp8_stats.png`; its first and last doctor lines, its last "
-              f"warning if any, and its summary:", "", "```"]
+              f"`scripts/plot_fp8_stats.py` into `{name}-fp8_stats.png`; its first and last doctor lines and its last "
+              f"warning if any:", "", "```"]
     warnings = [l for l in doctor if "warning" in l]
     stats = [l for l in doctor if "warning" not in l]
-    lines += (stats[:1] + stats[-1:] if stats else ["(no doctor line: the raw output says why)"]) + warnings[-1:] + summary
+    lines += (stats[:1] + stats[-1:] if stats else ["(no doctor line: the raw output says why)"]) + warnings[-1:]
     lines += ["```", ""]
     if os.path.exists(probe):
         lines += [f"`./train_fp8 probe` on the run's last checkpoint (one validation batch of 8 x 2048), drawn into "
