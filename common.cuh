@@ -1,7 +1,8 @@
 // common.cuh: what every file of the project shares; nothing here is FP8 (that is fp8_kernels.cuh).
 //   1. error checks           cudaCheck / cublasCheck / ncclCheck, with file, line, call and message; fail
 //   2. types and packed loads bf16, 16-byte vectors, ceil_div, TensorSpec, TpGroup, device attributes
-//   3. the step profile       NVTX ranges, and the CUDA-event timing of a step's phases (--profile)
+//   3. the step profile       NVTX ranges, and the CUDA-event timing of a step's phases (--profile); the GPU timer of
+//                             the benchmarks
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -14,7 +15,9 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+#include <algorithm>
 #include <atomic>
+#include <functional>
 
 // ----------------------------------------------------------------------------------------------
 // 1. Error checks: every CUDA, cuBLASLt and NCCL call goes through one of these.
@@ -262,3 +265,48 @@ inline void profile_print(const ProfileReport& r, const char* title) {
     printf("  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
 }
 
+// The median of `reps` runs of fn on the current GPU's default stream after `warmup` runs, each timed by events around
+// it: the benchmarks' timer (test_fp8 --bench).
+inline float bench_median_ms(const std::function<void()>& fn, int reps = 20, int warmup = 3) {
+    for (int i = 0; i < warmup; i++) fn();
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    std::vector<float> ms(reps);
+    for (int i = 0; i < reps; i++) {
+        cudaCheck(cudaEventRecord(start));
+        fn();
+        cudaCheck(cudaEventRecord(stop));
+        cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    std::sort(ms.begin(), ms.end());
+    return ms[reps / 2];
+}
+
+// The bandwidth of a device-to-device copy of 1 GiB in GB/s (bytes read + written): the floor of any pass over memory.
+inline double bench_copy_gbs() {
+    const size_t bytes = 1ull << 30;
+    void *a, *b;
+    cudaCheck(cudaMalloc(&a, bytes));
+    cudaCheck(cudaMalloc(&b, bytes));
+    cudaCheck(cudaMemset(a, 1, bytes));
+    const float ms = bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    cudaCheck(cudaFree(a));
+    cudaCheck(cudaFree(b));
+    return 2.0 * bytes / ms / 1e6;
+}
+
+// Values for timing only: uniform in [-amplitude, amplitude) from a hash of the index (no host init of 1B numbers).
+template <class T>
+__global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 31;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 29;
+        x[i] = (T)(((h >> 40) / 16777216.0f - 0.5f) * 2.0f * amplitude);
+    }
+}

@@ -10005,27 +10005,8 @@ GPU_TEST(tp2_training_matches_tp1) {
 }
 
 // ==============================================================================================
-// 16. Benchmarks (./test_fp8 --bench): ratios measured in one run. Never part of the tests.
-
-// Median time in ms of `reps` runs of fn, after warm-up, timed with events around each run.
-static float bench_median_ms(const std::function<void()>& fn, int reps = 20, int warmup = 3) {
-    for (int i = 0; i < warmup; i++) fn();
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    std::vector<float> ms(reps);
-    for (int i = 0; i < reps; i++) {
-        cudaCheck(cudaEventRecord(start));
-        fn();
-        cudaCheck(cudaEventRecord(stop));
-        cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    std::sort(ms.begin(), ms.end());
-    return ms[reps / 2];
-}
+// 16. Benchmarks (./test_fp8 --bench): ratios measured in one run. Never part of the tests. Their timer (bench_median_ms),
+// the fill of their inputs (bench_fill_kernel) and the copy's bandwidth (bench_copy_gbs) are common.cuh's.
 
 // Device buffer of random bytes that decode to finite, non-zero values in every format used here: BF16 N(0, 1),
 // else FP8 codes. Drawn on all host cores, a 4 MB chunk at a time from the chunk's own stream
@@ -10278,18 +10259,6 @@ static void bench_casts() {
     cudaCheck(cudaFree(meta));
 }
 
-// Values for timing only: uniform in [-amplitude, amplitude) from a hash of the index (no host init of 1B numbers).
-template <class T>
-__global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
-        h ^= h >> 31;
-        h *= 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 29;
-        x[i] = (T)(((h >> 40) / 16777216.0f - 0.5f) * 2.0f * amplitude);
-    }
-}
-
 // One training micro-step (forward + backward) of a preset: ms, tokens/s and model TFLOP/s, for the
 // model as built (FP8 linears in the FP8 build) and, in the FP8 build, with every layer BF16, with the casts
 // not fused into their producers, and with delayed scaling (one run).
@@ -10339,20 +10308,8 @@ static void bench_model(const char* preset, int B, int T) {
 // ---- The optimizer step (adamw_fp8.cuh) on a preset's parameter table: the gradient norm, norm + step without
 // and with clipping, and in the FP8 build the W8/W8^T rebuild after a step; for the FP8 build's moments
 // (m E4M3 + v BF16) and FP32 moments (the BF16 build's), in one run. Bytes per parameter as adamw_fp8.cuh
-// section 3 counts them (the W8 rows per parameter of the FP8 layers); GB/s against a device-to-device copy,
-// the floor of any pass. The norm includes its device-to-host read of the sum (a synchronization).
-static double bench_copy_gbs() {
-    const size_t bytes = 1ull << 30;
-    void *a, *b;
-    cudaCheck(cudaMalloc(&a, bytes));
-    cudaCheck(cudaMalloc(&b, bytes));
-    cudaCheck(cudaMemset(a, 1, bytes));
-    float ms = bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    cudaCheck(cudaFree(a));
-    cudaCheck(cudaFree(b));
-    return 2.0 * bytes / ms / 1e6;   // read + written
-}
-
+// section 3 counts them (the W8 rows per parameter of the FP8 layers); GB/s against a device-to-device copy
+// (bench_copy_gbs), the floor of any pass. The norm includes its device-to-host read of the sum (a synchronization).
 static void bench_optimizer(const char* preset, int vocab, double copy_gbs) {
     ModelConfig c = model_config_preset(preset, vocab);
     Model m;
