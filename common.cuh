@@ -1,7 +1,8 @@
 // common.cuh: what every file of the project shares; nothing here is FP8 (that is fp8_kernels.cuh).
 //   1. error checks           cudaCheck / cublasCheck / ncclCheck, with file, line, call and message; fail
 //   2. types and packed loads bf16, 16-byte vectors, ceil_div, TensorSpec, TpGroup, device attributes
-//   3. the step profile       NVTX ranges, and the CUDA-event timing of a step's phases (--profile)
+//   3. the step profile       NVTX ranges, the CUDA-event timing of a step's phases (--profile) and its table beside
+//                             each phase's floor; the GPU timer of the benchmarks and of the floors' rates
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -14,7 +15,9 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
+#include <algorithm>
 #include <atomic>
+#include <functional>
 
 // ----------------------------------------------------------------------------------------------
 // 1. Error checks: every CUDA, cuBLASLt and NCCL call goes through one of these.
@@ -225,11 +228,18 @@ inline void profile_destroy(StepProfile* p) {
     *p = StepProfile();
 }
 
-// The recorded step, per phase: milliseconds and number of ranges; span: step_begin to step_end.
+// A phase's floor: the least time its work can take on this GPU (train_fp8.cu, phase_floor), and how it was reckoned
+// ("6.40 TFLOP at 1502 TFLOP/s (FP8)"); ms < 0: none (the basis says why).
+struct PhaseFloor {
+    double ms = -1;
+    std::string basis;
+};
+// The recorded step, per phase: milliseconds and number of ranges; span: step_begin to step_end. floors: set by the caller.
 struct ProfileReport {
     double ms[PHASE_COUNT] = {};
     int ranges[PHASE_COUNT] = {};
     double span_ms = 0, busy_ms = 0;
+    PhaseFloor floors[PHASE_COUNT];
     double idle_ms() const { return span_ms - busy_ms; }
 };
 // Waits for the step's events.
@@ -249,16 +259,82 @@ inline ProfileReport profile_report(const StepProfile* p) {
     }
     return r;
 }
-inline void profile_print(const ProfileReport& r, const char* title) {
-    printf("%s\n", title);
-    printf("  %-42s %9s %7s %7s\n", "phase", "ms", "%", "ranges");
+// The table of a recorded step: per phase with ranges its ms, share of the span, ranges, floor ms (or -), ms over the floor
+// (or -: no floor, or none to divide by) and the floor's basis; then the idle time, and the span beside the sum of the
+// phases' floors. scripts/results.py reads it.
+inline std::string profile_table(const ProfileReport& r, const std::string& title) {
+    std::string out = title + "\n";
+    char line[512];
+    auto floor_cells = [&](double ms, double floor_ms, const std::string& basis) {
+        char f[32] = "-", x[32] = "-";
+        if (floor_ms >= 0) snprintf(f, sizeof f, "%.3f", floor_ms);
+        if (floor_ms > 0) snprintf(x, sizeof x, "%.2fx", ms / floor_ms);
+        snprintf(line, sizeof line, " %9s %8s  %s\n", f, x, basis.c_str());
+        out += line;
+    };
+    snprintf(line, sizeof line, "  %-42s %9s %7s %7s %9s %8s  %s\n", "phase", "ms", "%", "ranges", "floor ms", "x floor", "floor basis");
+    out += line;
+    double floor_sum = 0;
     for (int p = 0; p < PHASE_COUNT; p++) {
         if (r.ranges[p] == 0) continue;
-        printf("  %-42s %9.3f %6.1f%% %7d\n", profile_phase_name((ProfilePhase)p), r.ms[p], 100.0 * r.ms[p] / r.span_ms, r.ranges[p]);
+        snprintf(line, sizeof line, "  %-42s %9.3f %6.1f%% %7d", profile_phase_name((ProfilePhase)p), r.ms[p], 100.0 * r.ms[p] / r.span_ms,
+                 r.ranges[p]);
+        out += line;
+        floor_cells(r.ms[p], r.floors[p].ms, r.floors[p].basis.empty() ? "-" : r.floors[p].basis);
+        floor_sum += std::max(0.0, r.floors[p].ms);
     }
-    printf("  %-42s %9.3f %6.1f%%\n", "idle (GPU span - all ranges)", r.idle_ms(), 100.0 * r.idle_ms() / r.span_ms);
-    printf("  %-42s %9.3f %6.1f%%\n", "GPU span of the step", r.span_ms, 100.0);
+    snprintf(line, sizeof line, "  %-42s %9.3f %6.1f%%\n", "idle (GPU span - all ranges)", r.idle_ms(), 100.0 * r.idle_ms() / r.span_ms);
+    out += line;
+    snprintf(line, sizeof line, "  %-42s %9.3f %6.1f%% %7s", "GPU span of the step", r.span_ms, 100.0, "");
+    out += line;
+    floor_cells(r.span_ms, floor_sum, "the floors above, summed");
     const double gemm_attn = r.ms[PHASE_GEMM_FWD] + r.ms[PHASE_GEMM_BWD] + r.ms[PHASE_LM_HEAD] + r.ms[PHASE_ATTN_FWD] + r.ms[PHASE_ATTN_BWD];
-    printf("  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
+    snprintf(line, sizeof line, "  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
+    return out + line;
 }
 
+// The median of `reps` runs of fn on the current GPU's default stream after `warmup` runs, each timed by events around
+// it: the benchmarks' timer (test_fp8 --bench) and that of the floors' rates (train_fp8 --profile).
+inline float bench_median_ms(const std::function<void()>& fn, int reps = 20, int warmup = 3) {
+    for (int i = 0; i < warmup; i++) fn();
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    std::vector<float> ms(reps);
+    for (int i = 0; i < reps; i++) {
+        cudaCheck(cudaEventRecord(start));
+        fn();
+        cudaCheck(cudaEventRecord(stop));
+        cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    std::sort(ms.begin(), ms.end());
+    return ms[reps / 2];
+}
+
+// The bandwidth of a device-to-device copy of 1 GiB in GB/s (bytes read + written): the floor of any pass over memory.
+inline double bench_copy_gbs() {
+    const size_t bytes = 1ull << 30;
+    void *a, *b;
+    cudaCheck(cudaMalloc(&a, bytes));
+    cudaCheck(cudaMalloc(&b, bytes));
+    cudaCheck(cudaMemset(a, 1, bytes));
+    const float ms = bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+    cudaCheck(cudaFree(a));
+    cudaCheck(cudaFree(b));
+    return 2.0 * bytes / ms / 1e6;
+}
+
+// Values for timing only: uniform in [-amplitude, amplitude) from a hash of the index (no host init of 1B numbers).
+template <class T>
+__global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 31;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 29;
+        x[i] = (T)(((h >> 40) / 16777216.0f - 0.5f) * 2.0f * amplitude);
+    }
+}

@@ -1469,11 +1469,12 @@ inline void smooth_quant_update(const SmoothQuantState& q, const bf16* w, int ou
     cudaCheckLaunch();
 }
 
-// Whether decoder layer l runs its linears in FP8: never in the BF16 build; in the FP8 build all layers
-// but the first and last, or all of them with Fp8Options::all_layers.
-inline bool model_layer_fp8(const Model* m, int l) {
-    return BUILD_FP8 && m->fp8_options.enabled && (m->fp8_options.all_layers || (l != 0 && l != m->config.n_layers - 1));
+// Whether decoder layer l of n_layers runs its linears in FP8 under o: never in the BF16 build; in the FP8 build all
+// layers but the first and last, or all of them with Fp8Options::all_layers.
+inline bool layer_fp8(const Fp8Options& o, int n_layers, int l) {
+    return BUILD_FP8 && o.enabled && (o.all_layers || (l != 0 && l != n_layers - 1));
 }
+inline bool model_layer_fp8(const Model* m, int l) { return layer_fp8(m->fp8_options, m->config.n_layers, l); }
 
 // Where linear parameter `param` sits in ModelFp8's per-linear tables: 4 l + k, k its place in layer_linears
 // (the one list of a layer's linears and their order).
@@ -1536,17 +1537,20 @@ inline void model_fp8_cast_to(Model* m, int param, bool dy, const F& cast) {
     if (m->fp8_options.block_scaling) cast(model_fp8_block_cast(m, param, dy));
     else cast(model_fp8_cast(m, param, dy));
 }
-// Whether FP8 linear `param`'s X (dy: its dY) is cast by the kernel that produces it (section 6's producers:
-// RMSNorm makes the X of wqkv and w_gate_up, SwiGLU that of w_down, the SwiGLU backward the dY of w_gate_up, the
-// RoPE backward that of wqkv). The others (X of wo, attention's output; dY of wo and w_down, the residual
-// stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
-inline bool model_fp8_fused(Model* m, int param, bool dy) {
-    if (!m->fp8_options.fused_casts || !model_fp8_linear(m, param)) return false;
-    if (!dy && model_smooth(m, param)) return false;   // X / s: linear_forward casts it (and gathers its channel amaxes)
-    const LayerParam kind = param_place(m->config, param).kind;
+// Whether an FP8 linear of kind `kind` has its X (dy: its dY) cast by the kernel that produces it (section 6's
+// producers: RMSNorm makes the X of wqkv and w_gate_up, SwiGLU that of w_down, the SwiGLU backward the dY of
+// w_gate_up, the RoPE backward that of wqkv). The others (X of wo, attention's output; dY of wo and w_down, the
+// residual stream's gradient) are cast by linear_forward / linear_backward from their BF16 tensors.
+inline bool fp8_cast_fused(const Fp8Options& o, const ModelConfig& c, LayerParam kind, bool dy) {
+    if (!o.fused_casts) return false;
+    if (!dy && o.smooth_quant > 0.0f) return false;   // X / s: linear_forward casts it (and gathers its channel amaxes)
     // the QK norm's and the QKV clip's backward come between RoPE's backward and wqkv's dY: no fused cast there
-    if (dy && kind == WQKV && (m->config.qk_norm || m->config.qkv_clip > 0.0f)) return false;
+    if (dy && kind == WQKV && (c.qk_norm || c.qkv_clip > 0.0f)) return false;
     return dy ? (kind == WQKV || kind == W_GATE_UP) : kind != WO;
+}
+// fp8_cast_fused for linear `param` of the model; false for a BF16 linear.
+inline bool model_fp8_fused(Model* m, int param, bool dy) {
+    return model_fp8_linear(m, param) && fp8_cast_fused(m->fp8_options, m->config, param_place(m->config, param).kind, dy);
 }
 
 inline void linear_forward(Model* m, bf16* out, const bf16* inp, const Param& p, int N) {

@@ -6531,6 +6531,113 @@ HOST_TEST(train_gpu_peak_table) {
     }
 }
 
+// The floors' work model (step_work) of the 1b preset at B 8, T 2048, one micro-batch on one GPU, the build's recipe, against
+// sums done by hand. N = 16384 tokens; D 2048, 22 layers, 32 heads and 4 KV heads of 64 (qkv 2560 columns, Q and K 2304),
+// FFN 5632, V 32000. FLOPs: a layer's linears hold 2048 x (2560 + 2048 + 11264 + 5632) = 44040192 weights, their forward
+// 2 N x that = 1443109011456; the FP8 build runs layers 1-20 in FP8 (28862180229120) and 0, 21 in BF16 (2886218022912), the
+// BF16 build all 22 in BF16 (31748398252032); the backward twice that. Attention 2 x 8 x 32 x 2048^2 x 64 = 137438953472 a
+// layer, 3023656976384 in all, the backward 2.5x: 7559142440960; lm_head 6 N V D = 6442450944000. Bytes: RMSNorm (45 norms,
+// 44 with the add) 44 x 8 N D + 4 N D + 45 x 4 N forward, 45 x (8 N D + 4 N) backward = 24030871552; RoPE 22 x 4 N 2304 =
+// 3321888768 forward, backward 4 N 2304 = 150994944 in place or 4 N 2560 = 167772160 with wqkv's cast (the FP8 layers):
+// 6979321856 (FP8 build) or 6643777536 (BF16 build) in all; SwiGLU 22 x 16 N F = 32480690176; the casts alone (FP8 build)
+// wo's X and the dY of wo and w_down, 4 N 2048 each in 20 layers = 8053063680; embedding 8 N + 6 N D = 201457664;
+// cross-entropy N (6 V + 12) = 3145924608; dresid zeroed 2 N D = 67108864. A step: the embedding's gradient zeroed 4 V D =
+// 262144000, and 1100048384 parameters x (g read for the norm 4 + g, master, m, v read 8 + m + v + master, weight, m, v
+// written 6 + m + v): 24 bytes a parameter with E4M3 m and BF16 v (26663305216), 34 with FP32 moments (37663789056); the W8
+// rebuild 4 bytes a weight of the FP8 layers, 20 x 44040192 x 4 = 3523215360. Then every layer FP8 with FP8 attention (FP8
+// build): all GEMM FLOPs FP8, the attention forward's too, RoPE's forward 22 x N (2 x 2560 + 2 x 2304 + 2560) = 4429185024
+// and its backward 22 x 167772160 = 3690987520.
+HOST_TEST(train_step_work_1b) {
+    const ModelConfig c = model_config_preset("1b", 32000);
+    const std::vector<PhaseWork> w = step_work(c, 8, 2048, 1, 1, Fp8Options(), AdamWConfig());
+    // each phase's FP8 FLOPs, BF16 FLOPs and bytes in the FP8 build, then in the BF16 build
+    const struct { ProfilePhase phase; double fp8_build[3], bf16_build[3]; } wants[] = {
+        {PHASE_GEMM_FWD, {28862180229120.0, 2886218022912.0, 0}, {0, 31748398252032.0, 0}},
+        {PHASE_GEMM_BWD, {57724360458240.0, 5772436045824.0, 0}, {0, 63496796504064.0, 0}},
+        {PHASE_FP8_CAST, {0, 0, 8053063680.0}, {0, 0, 0}},
+        {PHASE_ATTN_FWD, {0, 3023656976384.0, 0}, {0, 3023656976384.0, 0}},
+        {PHASE_ATTN_BWD, {0, 7559142440960.0, 0}, {0, 7559142440960.0, 0}},
+        {PHASE_NORM, {0, 0, 24030871552.0}, {0, 0, 24030871552.0}},
+        {PHASE_ROPE, {0, 0, 6979321856.0}, {0, 0, 6643777536.0}},
+        {PHASE_SWIGLU, {0, 0, 32480690176.0}, {0, 0, 32480690176.0}},
+        {PHASE_EMBEDDING, {0, 0, 201457664.0}, {0, 0, 201457664.0}},
+        {PHASE_LM_HEAD, {0, 6442450944000.0, 0}, {0, 6442450944000.0, 0}},
+        {PHASE_LOSS, {0, 0, 3145924608.0}, {0, 0, 3145924608.0}},
+        {PHASE_OPTIMIZER, {0, 0, 26663305216.0}, {0, 0, 37663789056.0}},
+        {PHASE_WEIGHT_QUANT, {0, 0, 3523215360.0}, {0, 0, 0}},
+        {PHASE_OTHER, {0, 0, 67108864.0}, {0, 0, 67108864.0}},
+    };
+    for (const auto& x : wants) {
+        const PhaseWork& p = w[x.phase];
+        const double* v = BUILD_FP8 ? x.fp8_build : x.bf16_build;
+        printf("    %-42s %.0f FP8 FLOPs, %.0f BF16 FLOPs, %.0f bytes\n", profile_phase_name(x.phase), p.fp8_flops, p.bf16_flops, p.bytes);
+        expect(p.fp8_flops == v[0] && p.bf16_flops == v[1] && p.bytes == v[2] && !p.unmodeled, "%s: want %.0f FP8 FLOPs, %.0f BF16 FLOPs, "
+               "%.0f bytes", profile_phase_name(x.phase), v[0], v[1], v[2]);
+    }
+    const double param_bytes = (w[PHASE_OPTIMIZER].bytes - 262144000.0) / 1100048384.0, want_param_bytes = BUILD_FP8 ? 24 : 34;
+    expect(param_bytes == want_param_bytes, "AdamW with the build's moments (%s m, %s v): %.3f bytes a parameter, want %.0f",
+           dtype_name(AdamWConfig().m_dtype), dtype_name(AdamWConfig().v_dtype), param_bytes, want_param_bytes);
+    expect(w[PHASE_TP_COMM].unmodeled && w[PHASE_DATA].unmodeled, "the all-reduces and the input copies should have no floor");
+    const std::vector<PhaseWork> two = step_work(c, 8, 2048, 2, 1, Fp8Options(), AdamWConfig());
+    expect(two[PHASE_NORM].bytes == 2 * w[PHASE_NORM].bytes && two[PHASE_OPTIMIZER].bytes == w[PHASE_OPTIMIZER].bytes,
+           "two micro-batches: the norms' bytes twice (%.0f), the optimizer's once (%.0f)", two[PHASE_NORM].bytes, two[PHASE_OPTIMIZER].bytes);
+    if constexpr (BUILD_FP8) {
+        Fp8Options all;
+        all.all_layers = true;
+        all.attention = true;
+        const std::vector<PhaseWork> a = step_work(c, 8, 2048, 1, 1, all, AdamWConfig());
+        expect(a[PHASE_GEMM_FWD].fp8_flops == 31748398252032.0 && a[PHASE_GEMM_FWD].bf16_flops == 0 &&
+               a[PHASE_ATTN_FWD].fp8_flops == 3023656976384.0 && a[PHASE_ATTN_BWD].bf16_flops == 7559142440960.0 &&
+               a[PHASE_ROPE].bytes == 4429185024.0 + 3690987520.0, "every layer FP8 with FP8 attention: GEMM %.0f + %.0f, attention "
+               "%.0f / %.0f, RoPE %.0f bytes", a[PHASE_GEMM_FWD].fp8_flops, a[PHASE_GEMM_FWD].bf16_flops, a[PHASE_ATTN_FWD].fp8_flops,
+               a[PHASE_ATTN_BWD].bf16_flops, a[PHASE_ROPE].bytes);
+    }
+}
+
+// A floor from its work and the rates (phase_floor), the rates' line (gpu_rates_line) and the profile's table (profile_table)
+// line by line: scripts/results.py parses these lines (its self-test holds the same ones).
+HOST_TEST(train_profile_table_format) {
+    const GpuRates rates{1500.0, 800.0, 3000.0};
+    PhaseWork gemm, norm, none;
+    gemm.fp8_flops = 15e12;   // 10 ms at 1500 TFLOP/s
+    gemm.bf16_flops = 4e12;   // 5 ms at 800
+    norm.bytes = 6e9;         // 2 ms at 3000 GB/s
+    const PhaseFloor fg = phase_floor(gemm, rates), fn = phase_floor(norm, rates), f0 = phase_floor(none, rates);
+    expect(fg.ms == 15.0 && fg.basis == "15.00 TFLOP at 1500 TFLOP/s (FP8) + 4.00 TFLOP at 800 TFLOP/s (BF16)", "GEMM floor %.6f ms, '%s'",
+           fg.ms, fg.basis.c_str());
+    expect(fn.ms == 2.0 && fn.basis == "6.00 GB at 3.00 TB/s", "norm floor %.6f ms, '%s'", fn.ms, fn.basis.c_str());
+    expect(f0.ms == 0.0 && f0.basis == "no work", "a phase without work: floor %.6f ms, '%s'", f0.ms, f0.basis.c_str());
+    const std::string rates_line = gpu_rates_line(rates);
+    expect(rates_line == std::string("profile floors at the rates measured now: GEMM 8192^3") +
+                             (BUILD_FP8 ? " FP8 (E4M3, fast accumulation) 1500.0 TFLOP/s," : "") +
+                             " BF16 800.0 TFLOP/s; copy 3000 GB/s (1 GiB device to device, read + written)",
+           "the rates' line: '%s'", rates_line.c_str());
+    ProfileReport r;
+    r.span_ms = 40.0;
+    r.busy_ms = 39.0;
+    r.ms[PHASE_GEMM_FWD] = 30.0, r.ranges[PHASE_GEMM_FWD] = 88, r.floors[PHASE_GEMM_FWD] = fg;
+    r.ms[PHASE_NORM] = 5.0, r.ranges[PHASE_NORM] = 130, r.floors[PHASE_NORM] = fn;
+    r.ms[PHASE_TP_COMM] = 1.0, r.ranges[PHASE_TP_COMM] = 88, r.floors[PHASE_TP_COMM] = {-1, "not modeled (NCCL's links)"};
+    r.ms[PHASE_WEIGHT_QUANT] = 3.0, r.ranges[PHASE_WEIGHT_QUANT] = 1, r.floors[PHASE_WEIGHT_QUANT] = f0;
+    const std::string table = profile_table(r, "profile of step 5 (test)");
+    printf("%s", table.c_str());
+    const char* lines[] = {
+        "profile of step 5 (test)\n",
+        "  phase                                             ms       %  ranges  floor ms  x floor  floor basis\n",
+        "  forward GEMMs (decoder linears)               30.000   75.0%      88    15.000    2.00x  15.00 TFLOP at 1500 TFLOP/s (FP8) + 4.00 "
+        "TFLOP at 800 TFLOP/s (BF16)\n",
+        "  RMSNorm (+ residual add, + fused cast)         5.000   12.5%     130     2.000    2.50x  6.00 GB at 3.00 TB/s\n",
+        "  tensor-parallel all-reduces                    1.000    2.5%      88         -        -  not modeled (NCCL's links)\n",
+        "  weight re-quantization (W8, W8^T)              3.000    7.5%       1     0.000        -  no work\n",
+        "  idle (GPU span - all ranges)                   1.000    2.5%\n",
+        "  GPU span of the step                          40.000  100.0%            17.000    2.35x  the floors above, summed\n",
+        "  outside GEMMs and attention: 9.000 ms busy, 10.000 ms with idle\n",
+    };
+    std::string want;
+    for (const char* l : lines) want += l;
+    expect(table == want, "the table's lines differ from the ones scripts/results.py reads (above: the table as made)");
+}
+
 HOST_TEST(train_tokens_to_text) {
     std::string s = tokens_to_text({'I', 'n', ' ', 'a', '\n', 7, 200}, BYTE_VOCAB, nullptr);
     expect(s == "In a\n\\x07\\xc8", "bytes to text: '%s'", s.c_str());
@@ -9029,9 +9136,9 @@ GPU_TEST(train_cuda_graph_matches_eager) {
 }
 
 // --profile: the table of one step adds up and profiling changes no number. Every phase a step runs has
-// ranges (two micro-batches: two input copies), the ranges never overlap (one stream), so together they
-// fit in the step's GPU span (1 us of slack for the events' rounding), and the losses and gradient norms
-// equal an unprofiled run's bit for bit.
+// ranges (two micro-batches: two input copies) and a floor (but the all-reduces and the input copies), the ranges
+// never overlap (one stream), so together they fit in the step's GPU span (1 us of slack for the events' rounding),
+// and the losses and gradient norms equal an unprofiled run's bit for bit.
 GPU_TEST(train_profile_adds_up) {
     TempDir data;
     write_synthetic_corpus(data);
@@ -9051,6 +9158,10 @@ GPU_TEST(train_profile_adds_up) {
         expect(r.ranges[p] > 0 && r.ms[p] >= 0.0, "phase '%s': %d ranges, %.4f ms", profile_phase_name(p), r.ranges[p], r.ms[p]);
     }
     expect(r.ranges[PHASE_DATA] == 2, "two micro-batches should make 2 input-copy ranges, not %d", r.ranges[PHASE_DATA]);
+    for (int p = 0; p < PHASE_COUNT; p++)   // each phase beside its floor (the rates measured at the start), but the two without one
+        if (r.ranges[p] > 0)
+            expect((r.floors[p].ms >= 0) == (p != PHASE_TP_COMM && p != PHASE_DATA) && !r.floors[p].basis.empty(), "phase '%s': floor %.4f ms, '%s'",
+                   profile_phase_name((ProfilePhase)p), r.floors[p].ms, r.floors[p].basis.c_str());
     if constexpr (BUILD_FP8)
         expect(r.ranges[PHASE_FP8_CAST] > 0 && r.ms[PHASE_FP8_CAST] > 0.0, "the FP8 build with every layer FP8 should time casts");
     else
@@ -10005,27 +10116,8 @@ GPU_TEST(tp2_training_matches_tp1) {
 }
 
 // ==============================================================================================
-// 16. Benchmarks (./test_fp8 --bench): ratios measured in one run. Never part of the tests.
-
-// Median time in ms of `reps` runs of fn, after warm-up, timed with events around each run.
-static float bench_median_ms(const std::function<void()>& fn, int reps = 20, int warmup = 3) {
-    for (int i = 0; i < warmup; i++) fn();
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    std::vector<float> ms(reps);
-    for (int i = 0; i < reps; i++) {
-        cudaCheck(cudaEventRecord(start));
-        fn();
-        cudaCheck(cudaEventRecord(stop));
-        cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    std::sort(ms.begin(), ms.end());
-    return ms[reps / 2];
-}
+// 16. Benchmarks (./test_fp8 --bench): ratios measured in one run. Never part of the tests. Their timer (bench_median_ms),
+// the fill of their inputs (bench_fill_kernel) and the copy's bandwidth (bench_copy_gbs) are common.cuh's.
 
 // Device buffer of random bytes that decode to finite, non-zero values in every format used here: BF16 N(0, 1),
 // else FP8 codes. Drawn on all host cores, a 4 MB chunk at a time from the chunk's own stream
@@ -10278,18 +10370,6 @@ static void bench_casts() {
     cudaCheck(cudaFree(meta));
 }
 
-// Values for timing only: uniform in [-amplitude, amplitude) from a hash of the index (no host init of 1B numbers).
-template <class T>
-__global__ void bench_fill_kernel(T* x, size_t n, float amplitude) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
-        h ^= h >> 31;
-        h *= 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 29;
-        x[i] = (T)(((h >> 40) / 16777216.0f - 0.5f) * 2.0f * amplitude);
-    }
-}
-
 // One training micro-step (forward + backward) of a preset: ms, tokens/s and model TFLOP/s, for the
 // model as built (FP8 linears in the FP8 build) and, in the FP8 build, with every layer BF16, with the casts
 // not fused into their producers, and with delayed scaling (one run).
@@ -10339,20 +10419,8 @@ static void bench_model(const char* preset, int B, int T) {
 // ---- The optimizer step (adamw_fp8.cuh) on a preset's parameter table: the gradient norm, norm + step without
 // and with clipping, and in the FP8 build the W8/W8^T rebuild after a step; for the FP8 build's moments
 // (m E4M3 + v BF16) and FP32 moments (the BF16 build's), in one run. Bytes per parameter as adamw_fp8.cuh
-// section 3 counts them (the W8 rows per parameter of the FP8 layers); GB/s against a device-to-device copy,
-// the floor of any pass. The norm includes its device-to-host read of the sum (a synchronization).
-static double bench_copy_gbs() {
-    const size_t bytes = 1ull << 30;
-    void *a, *b;
-    cudaCheck(cudaMalloc(&a, bytes));
-    cudaCheck(cudaMalloc(&b, bytes));
-    cudaCheck(cudaMemset(a, 1, bytes));
-    float ms = bench_median_ms([&] { cudaCheck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-    cudaCheck(cudaFree(a));
-    cudaCheck(cudaFree(b));
-    return 2.0 * bytes / ms / 1e6;   // read + written
-}
-
+// section 3 counts them (the W8 rows per parameter of the FP8 layers); GB/s against a device-to-device copy
+// (bench_copy_gbs), the floor of any pass. The norm includes its device-to-host read of the sum (a synchronization).
 static void bench_optimizer(const char* preset, int vocab, double copy_gbs) {
     ModelConfig c = model_config_preset(preset, vocab);
     Model m;

@@ -222,7 +222,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_double("--init-std", "S", "std S of --init normal and trunc-normal", &o->init_std, 1e-30, 100),
         flag_switch("--wd-constant-lr", "weight decay with the peak --lr at every step; the gradient step keeps the schedule", &o->wd_constant_lr),
         flag_int("--amax-warmup", "N", "FP8 delayed scaling: current scaling for the first N steps while their amaxes fill the history (0 = off; needs --amax-history > 1; FP8 build)", &o->amax_warmup, 0, BIG),
-        flag_int("--profile", "N", "time the phases of step N on the GPU (CUDA events) and print a table (0 = off)", &o->profile, 0, BIG),
+        flag_int("--profile", "N", "time the phases of step N on the GPU (CUDA events) and print a table, each phase beside its floor (its FLOPs or bytes at this GPU's GEMM and copy rates, measured at the start) (0 = off)", &o->profile, 0, BIG),
         flag_int("--cuda-graph", "0|1", "replay each micro-batch's forward and backward from a CUDA graph captured once (0: launch every kernel every time)", &o->cuda_graph, 0, 1),
     };
 }
@@ -811,6 +811,157 @@ inline GpuPeak gpu_peak(const std::string& name, int major, int minor, int sms, 
             strprintf("estimated: %d SMs x %.2f GHz x %.0f FLOP per SM and clock", sms, clock_khz / 1e6, per_clock)};
 }
 
+// ---- The floors of the profile (--profile N): beside each phase's time, the least time its work can take on this GPU.
+// The work of one step on the profiled GPU (rank 0's shard under --tp), from the model's shape, B, T, the micro-batches,
+// the build and the recipe (step_work):
+//   GEMMs, attention  FLOPs, by the precision of the tensor cores they run on: a decoder linear [out, in] on N tokens
+//                     2 N out in forward and twice that backward; lm_head 6 N V D (forward and backward); causal attention
+//                     2 B H T^2 HD forward (Q K^T and P V over the causal half) and 2.5x that backward (S again, dP, dV,
+//                     dQ, dK), the attention bench's convention (model_flops_per_token counts model work: 2x)
+//   the others        bytes: each tensor that the phase reads or writes, once, in its dtype. A second pass over a tensor
+//                     (current scaling's amax before its cast, the optimizer's moment statistics) is the kernels' cost,
+//                     which the ratio shows, not the work's. An FP8 cast with its transpose writes 1 + 1 bytes an element
+//                     where a BF16 tensor is 2, so a producer that casts (RMSNorm, SwiGLU) moves what it moves in the BF16
+//                     build. Left out: the norm weights and their gradients (D values each), the FP8 scales (a float a
+//                     tensor; under block scaling one per 128 values, 1.6% of a cast's bytes), the rows of the embedding's
+//                     gradient (one a distinct token: the data's, not the shape's)
+// and at the rates measured when the run starts (measure_gpu_rates): FLOPs at the GEMM peak of their precision, bytes at
+// the copy bandwidth. The tensor-parallel all-reduces (NCCL's links) and the input copies (the host's) have no floor.
+struct PhaseWork {
+    double fp8_flops = 0, bf16_flops = 0, bytes = 0;
+    const char* unmodeled = nullptr;   // why the phase has no floor; nullptr: it has one
+};
+inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int accum, int tp_size, const Fp8Options& fp8,
+                                        const AdamWConfig& adamw) {
+    std::vector<PhaseWork> w(PHASE_COUNT);
+    const double N = (double)B * T, D = c.dim, V = c.vocab_size, HD = c.head_dim, L = c.n_layers;
+    const double NH = c.n_heads / tp_size, NKV = c.n_kv_heads / tp_size, F = c.ffn_dim / tp_size;
+    const double QKV = (NH + 2 * NKV) * HD, QK = (NH + NKV) * HD;   // qkv's columns, and Q's and K's (RoPE's, the QK norm's)
+    auto flops = [&](ProfilePhase p, bool fp8_cores, double f) { (fp8_cores ? w[p].fp8_flops : w[p].bf16_flops) += f; };
+    // a micro-batch
+    for (int l = 0; l < c.n_layers; l++) {
+        const bool f8 = layer_fp8(fp8, c.n_layers, l);
+        const struct { LayerParam kind; double out, in; } linears[] = {{WQKV, QKV, D}, {WO, D, NH * HD}, {W_GATE_UP, 2 * F, D}, {W_DOWN, D, F}};
+        for (const auto& lin : linears) {
+            flops(PHASE_GEMM_FWD, f8, 2 * N * lin.out * lin.in);
+            flops(PHASE_GEMM_BWD, f8, 4 * N * lin.out * lin.in);
+            if (!f8) continue;
+            // a cast of its own: the BF16 tensor read, its codes and their transpose written
+            if (!fp8_cast_fused(fp8, c, lin.kind, false)) w[PHASE_FP8_CAST].bytes += 4 * N * lin.in;
+            if (!fp8_cast_fused(fp8, c, lin.kind, true)) w[PHASE_FP8_CAST].bytes += 4 * N * lin.out;
+            // --smooth-quant's gradient scales: dX [N, in] (BF16) and dW [out, in] (FP32) read and written
+            if (fp8.smooth_quant > 0.0f) w[PHASE_OTHER].bytes += 4 * N * lin.in + 8 * lin.out * lin.in;
+        }
+        const bool fp8_attention = fp8.attention && f8;
+        const double attention = 2 * B * NH * (double)T * T * HD;
+        flops(PHASE_ATTN_FWD, fp8_attention, attention);
+        flops(PHASE_ATTN_BWD, false, 2.5 * attention);
+        // RoPE forward: Q and K in place, read and written; with the FP8 attention's cast, qkv read, Q and K written back,
+        // the codes of all three written. Backward: dQ and dK in place; with wqkv's dY cast, dqkv read, codes and transpose written.
+        w[PHASE_ROPE].bytes += N * (fp8_attention ? 2 * QKV + 2 * QK + QKV : 4 * QK);
+        w[PHASE_ROPE].bytes += N * (f8 && fp8_cast_fused(fp8, c, WQKV, true) ? 4 * QKV : 4 * QK);
+        // SwiGLU: gate_up [N, 2F] read, the output [N, F] written; backward: gate_up and the output's gradient read, gate_up's written
+        w[PHASE_SWIGLU].bytes += N * F * (4 + 2) + N * F * (4 + 2 + 4);
+        // --qk-norm, each way: Q and K read, written, and saved (forward) or read saved (backward); a float a head row
+        if (c.qk_norm) w[PHASE_NORM].bytes += 2 * N * (6 * QK + 4 * (NH + NKV));
+        // --qkv-clip: qkv read and written, a bit an element written; the backward reads the bits (it rewrites only clamped values)
+        if (c.qkv_clip > 0.0f) w[PHASE_OTHER].bytes += N * QKV * (4 + 2.0 / 8);
+    }
+    // RMSNorm, 2L + 1 of them (two a layer, the final one), all but the first with the residual add. Forward: resid and
+    // branch read, resid_out and y written, rstd written (a float a row); the first: resid read, y written. Backward: dy,
+    // x and dresid read, dresid written, rstd read.
+    const double norms = 2 * L + 1;
+    w[PHASE_NORM].bytes += (norms - 1) * 8 * N * D + 4 * N * D + norms * 4 * N;
+    w[PHASE_NORM].bytes += norms * (8 * N * D + 4 * N);
+    // embedding: the tokens, their rows read, the output written; backward: the tokens, the output's gradient read
+    w[PHASE_EMBEDDING].bytes += 4 * N + 4 * N * D + 4 * N + 2 * N * D;
+    flops(PHASE_LM_HEAD, false, 6 * N * V * D);
+    // cross-entropy: the FP32 logits read, the BF16 dlogits written, the targets read, the losses written and read by their mean
+    w[PHASE_LOSS].bytes += N * (6 * V + 12);
+    w[PHASE_OTHER].bytes += 2 * N * D;   // dresid zeroed
+    for (PhaseWork& p : w) {
+        p.fp8_flops *= accum;
+        p.bf16_flops *= accum;
+        p.bytes *= accum;
+    }
+    // the update, once a step: the embedding's gradient zeroed (V x D floats); the gradient norm reads g; AdamW reads g, the
+    // master weight and the moments, writes the master weight, the BF16 weight and the moments (adamw_fp8.cuh, section 3)
+    const double mv = dtype_size(adamw.m_dtype) + dtype_size(adamw.v_dtype);
+    w[PHASE_OPTIMIZER].bytes = 4 * V * D + (double)model_num_params(c, tp_size) * (4 + (4 + 4 + mv) + (4 + 2 + mv));
+    // the FP8 linears' W read, W8 and W8^T written
+    for (int l = 0; l < c.n_layers; l++)
+        if (layer_fp8(fp8, c.n_layers, l)) w[PHASE_WEIGHT_QUANT].bytes += 4 * D * (QKV + NH * HD + 2 * F + F);
+    w[PHASE_TP_COMM].unmodeled = "not modeled (NCCL's links)";
+    w[PHASE_DATA].unmodeled = "not modeled (the host's copies)";
+    return w;
+}
+
+// The rates of the floors, measured on the current GPU when a run profiles (~0.2 s, and 2 GiB for that moment): the dense
+// GEMM rate of each precision that the build runs, 8192^3 with a BF16 output (FP8: E4M3 x E4M3 with fast accumulation,
+// its faster mode), and the device-to-device copy's bandwidth (bench_copy_gbs); each the median of 20 runs.
+struct GpuRates {
+    double fp8_tflops = 0, bf16_tflops = 0, copy_gbs = 0;
+};
+inline GpuRates measure_gpu_rates() {
+    const int S = 8192;
+    const size_t n = (size_t)S * S;
+    const double flops = 2.0 * S * S * S;
+    GpuRates r;
+    MatmulContext ctx;
+    matmul_context_create(&ctx);
+    bf16 *a, *b, *d;
+    cudaCheck(cudaMalloc(&a, n * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&b, n * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&d, n * sizeof(bf16)));
+    bench_fill_kernel<<<1024, 256>>>(a, n, 1.0f);
+    cudaCheckLaunch();
+    bench_fill_kernel<<<1024, 256>>>(b, n, 1.0f);
+    cudaCheckLaunch();
+    r.bf16_tflops = flops / bench_median_ms([&] { matmul(&ctx, d, DT_BF16, {a, DT_BF16}, {b, DT_BF16}, S, S, S, false, false, 0); }) / 1e9;
+    if constexpr (BUILD_FP8) {   // the FP8 operands: a and b cast to E4M3 (current scaling), each with its scale record
+        fp8* a8;
+        Fp8Meta* metas;
+        cudaCheck(cudaMalloc(&a8, 2 * n));
+        cudaCheck(cudaMalloc(&metas, 2 * sizeof(Fp8Meta)));
+        fp8* b8 = a8 + n;
+        const Fp8Meta initial[2] = {fp8_meta_initial(), fp8_meta_initial()};
+        cudaCheck(cudaMemcpy(metas, initial, sizeof(initial), cudaMemcpyHostToDevice));
+        fp8_quantize(a8, a, n, E4M3, &metas[0], Fp8Recipe(), 0);
+        fp8_quantize(b8, b, n, E4M3, &metas[1], Fp8Recipe(), 0);
+        r.fp8_tflops = flops / bench_median_ms([&] {
+            matmul(&ctx, d, DT_BF16, {a8, DT_E4M3, false, &metas[0].inv_scale}, {b8, DT_E4M3, false, &metas[1].inv_scale}, S, S, S, false,
+                   true, 0);
+        }) / 1e9;
+        cudaCheck(cudaFree(a8));
+        cudaCheck(cudaFree(metas));
+    }
+    for (void* p : {(void*)a, (void*)b, (void*)d}) cudaCheck(cudaFree(p));
+    matmul_context_destroy(&ctx);
+    r.copy_gbs = bench_copy_gbs();
+    return r;
+}
+// The rates' line of a profiled run's start (scripts/results.py reads it).
+inline std::string gpu_rates_line(const GpuRates& r) {
+    return strprintf("profile floors at the rates measured now: GEMM 8192^3%s BF16 %.1f TFLOP/s; copy %.0f GB/s (1 GiB device to "
+                     "device, read + written)", BUILD_FP8 ? strprintf(" FP8 (E4M3, fast accumulation) %.1f TFLOP/s,", r.fp8_tflops).c_str() : "",
+                     r.bf16_tflops, r.copy_gbs);
+}
+
+// A phase's floor: its FLOPs at the GEMM rates, its bytes at the copy's, and the basis of each part.
+inline PhaseFloor phase_floor(const PhaseWork& w, const GpuRates& r) {
+    if (w.unmodeled) return {-1, w.unmodeled};
+    PhaseFloor f{0, ""};
+    auto part = [&](double ms, const std::string& basis) {
+        f.ms += ms;
+        f.basis += (f.basis.empty() ? "" : " + ") + basis;
+    };
+    if (w.fp8_flops > 0) part(w.fp8_flops / r.fp8_tflops / 1e9, strprintf("%.2f TFLOP at %.0f TFLOP/s (FP8)", w.fp8_flops / 1e12, r.fp8_tflops));
+    if (w.bf16_flops > 0) part(w.bf16_flops / r.bf16_tflops / 1e9, strprintf("%.2f TFLOP at %.0f TFLOP/s (BF16)", w.bf16_flops / 1e12, r.bf16_tflops));
+    if (w.bytes > 0) part(w.bytes / r.copy_gbs / 1e6, strprintf("%.2f GB at %.2f TB/s", w.bytes / 1e9, r.copy_gbs / 1e3));
+    if (f.basis.empty()) f.basis = "no work";
+    return f;
+}
+
 // One GPU of the run (tensor parallelism: one rank of the group; --tp 0: the only one, without a group): its
 // model shard and optimizer shard, its batch buffers, and its own validation loader and sampling RNG, so that
 // every rank evaluates and samples exactly as the others (the logits are the same bits on every rank).
@@ -949,6 +1100,7 @@ struct TrainRun {
     std::vector<TpGroup> groups;          // --tp >= 1: one NCCL communicator per rank
     std::vector<TrainRank> ranks;
     GpuPeak peak;                         // of GPU 0, taken for every GPU of the group
+    GpuRates rates;                       // --profile: GPU 0's, measured at the start (the floors' rates)
     Tokenizer tokenizer;                  // the data's (train_find_tokenizer); none: path empty
     double val_bytes_per_token = 0;       // of the evaluated targets (train_val_bytes_per_token); 0: not known
     std::vector<int> prompt;              // the samples' first tokens
@@ -1316,6 +1468,10 @@ inline void train_create_ranks(TrainRun* run) {
         if (run->peak.tflops > 0) printf("MFU: model FLOP/s over %d x %.0f TFLOP/s, the dense %s peak (%s)\n", P, run->peak.tflops, precision, run->peak.source.c_str());
         else printf("MFU: not shown, the dense %s peak is %s\n", precision, run->peak.source.c_str());
     }
+    if (o.profile > 0) {   // before the model takes the memory
+        run->rates = measure_gpu_rates();
+        printf("%s\n", gpu_rates_line(run->rates).c_str());
+    }
     printf("batch: %d x %d tokens x %d micro-batches = %ld tokens per step; steps %d (warm-up %d), lr %g -> %g\n",
            B, T, accum, o.total_batch, o.steps, o.warmup, o.lr, o.lr * o.final_lr_frac);
     if (o.tp == 0) printf("tensor parallel: off (--tp 0): one GPU, no NCCL\n");
@@ -1515,11 +1671,15 @@ inline StepStats train_step(TrainRun* run, int step) {
     s.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (profile_step) {
         run->result.profiled = true;
-        run->result.profile = profile_report(&run->profile);
-        profile_print(run->result.profile, strprintf("profile of step %d (PRECISION=%s, %d micro-batch%s of %d x %d tokens%s): %.3f ms on "
+        ProfileReport& report = run->result.profile;
+        report = profile_report(&run->profile);
+        const std::vector<PhaseWork> work = step_work(run->config, run->B, run->T, run->accum, run->P, run->ranks[0].model.fp8_options,
+                                                      run->adamw_config);
+        for (int p = 0; p < PHASE_COUNT; p++) report.floors[p] = phase_floor(work[p], run->rates);
+        printf("%s", profile_table(report, strprintf("profile of step %d (PRECISION=%s, %d micro-batch%s of %d x %d tokens%s): %.3f ms on "
                                                      "the host clock", step, BUILD_PRECISION == 8 ? "FP8" : "BF16", run->accum,
                                                      run->accum > 1 ? "es" : "", run->B, run->T,
-                                                     run->P > 1 ? ", GPU 0 of the tensor-parallel group" : "", s.ms).c_str());
+                                                     run->P > 1 ? ", GPU 0 of the tensor-parallel group" : "", s.ms)).c_str());
     }
     s.tokens_per_s = run->tokens_per_step / (s.ms / 1000.0);
     s.tflops = run->flops_per_token * s.tokens_per_s / 1e12;

@@ -35,7 +35,9 @@ SUMMARY = re.compile(r"^summary \| .*ms/step mean ([\d.]+) median ([\d.]+) min (
                      r"model TFLOP/s ([\d.]+) \| MFU \S+ \| GPU memory ([\d.]+) GiB", re.M)
 TORCH = re.compile(r"^result \| mode (\S+) \| .*ms/step mean ([\d.]+) median ([\d.]+) min ([\d.]+) max ([\d.]+) \| "
                    r"tokens/s (\d+) \| model TFLOP/s ([\d.]+) \| peak allocated \S+ GiB \| GPU memory ([\d.]+) GiB", re.M)
-PROFILE_LINE = re.compile(r"^  (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)%(?:\s+(\d+))?$")
+# a --profile row: phase, ms, %, ranges (not on the idle and span rows), then, since the floors, floor ms, x floor, basis
+PROFILE_LINE = re.compile(r"^  (\S.*?)\s+(-?[\d.]+)\s+(-?[\d.]+)%(?:\s+(\d+))?(?:\s+(-|[\d.]+)\s+(-|[\d.]+x)\s+(\S.*))?$")
+RATES = re.compile(r"^profile floors at the rates measured now: (.*)$", re.M)
 OURS_ATTN = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+) \| (hopper|mma\.sync)(?: \(wgmma\))?\s*\|\s+([\d.]+)\s+([\d.]+) \|"
                        r"\s+([\d.]+)\s+([\d.]+) \|", re.M)
 SDPA = re.compile(r"^(\S.*?)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(cudnn|flash|efficient)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+"
@@ -178,7 +180,8 @@ def pair_section(runs, skipped, shapes, sections):
 
 
 def parse_profile(text):
-    """{phase: ms} of a run's --profile table, with 'span' for the GPU span; None if it has none."""
+    """{phase: (ms, floor ms, ms over the floor)} of a run's --profile table (the floor None where the run printed none,
+    the ratio None where it printed '-'), with the GPU span's row; None if the run has no table."""
     at = text.find("profile of step")
     if at < 0:
         return None
@@ -187,20 +190,30 @@ def parse_profile(text):
         m = PROFILE_LINE.match(line)
         if not m:
             break
-        phases[m.group(1)] = float(m.group(2))
+        floor, x = m.group(5), m.group(6)
+        phases[m.group(1)] = (float(m.group(2)), None if floor in (None, "-") else float(floor), None if x in (None, "-") else x)
     return phases
 
 
-def profile_rows(a_prof, b_prof):
-    """the rows of two --profile tables side by side, with a - b"""
+def has_floors(prof):
+    return any(floor is not None for _, floor, _ in prof.values())
+
+
+def profile_rows(a_prof, b_prof, floors):
+    """the rows of two --profile tables side by side, with a - b; floors: each build's ms followed by its floor and ms over it"""
     names = list(a_prof) + [n for n in b_prof if n not in a_prof]
     rows = []
     for n in names:
         a, b = a_prof.get(n), b_prof.get(n)
         fmt = lambda x: "-" if x is None else f"{x:.1f}"
-        diff = f"{(a or 0) - (b or 0):+.1f}"
+        diff = f"{(a[0] if a else 0) - (b[0] if b else 0):+.1f}"
         bold = n.startswith("GPU span")
-        cells = [n, fmt(a), fmt(b), diff]
+        cells = [n]
+        for run in (a, b):
+            cells.append(fmt(run and run[0]))
+            if floors:
+                cells += [fmt(run and run[1]), (run and run[2]) or "-"]
+        cells.append(diff)
         rows.append([f"**{c}**" for c in cells] if bold else cells)
     return rows
 
@@ -213,14 +226,26 @@ def profile_section(raw, runs):
         prof[build] = parse_profile(read(path)) if os.path.exists(path) else None
     if not prof["fp8"] or not prof["bf16"]:
         return lines + ["Not measured: no --profile table in the first round's runs.", ""]
+    floors = has_floors(prof["fp8"]) or has_floors(prof["bf16"])
     lines += ["`--profile 5` in the first round's FP8 and BF16 runs: step 5, run eagerly with CUDA events around each "
               "phase (ms). A kernel that computes a layer's math counts in that layer's row in both builds, also where "
               "it writes FP8 (a cast fused into RMSNorm, SwiGLU or RoPE); the FP8-casts row holds only kernels that do "
               "nothing but quantize. The last column is what the FP8 build spends more (+) or less (-).", ""]
-    rows = profile_rows(prof["fp8"], prof["bf16"])
+    if floors:
+        rates = []
+        for build, label in (("fp8", "FP8 build"), ("bf16", "BF16 build")):
+            m = RATES.search(read(os.path.join(raw, f"step-{build}-1.log")))
+            rates.append(f"{label}: {m.group(1) if m else 'no rates line'}")
+        lines += ["Beside each build's time, the phase's floor (ms) and the time over it (x floor): the phase's FLOPs at the "
+                  "GEMM rate of their precision (GEMM and attention rows), else the bytes it must read and write (each tensor "
+                  "once) at the copy bandwidth, at the rates that the run measured at its start (" + "; ".join(rates) + "). "
+                  "The span's floor is the rows' floors summed; '-': no floor (the all-reduces, the input copies).", ""]
+    rows = profile_rows(prof["fp8"], prof["bf16"], floors)
     timed = [f"{statistics.median(r['ms'] for r in runs[p].values()):.1f}" if p in runs else "-" for p in ("step-fp8", "step-bf16")]
-    rows.append(["a timed step (CUDA-graph replay; the table above, median)", timed[0], timed[1], ""])
-    lines.append(table(["phase", "FP8 build", "BF16 build", "FP8 - BF16"], rows))
+    blank = ["", ""] if floors else []
+    rows.append(["a timed step (CUDA-graph replay; the table above, median)", timed[0]] + blank + [timed[1]] + blank + [""])
+    build_cells = lambda b: [f"{b} build"] + (["floor", "x floor"] if floors else [])
+    lines.append(table(["phase"] + build_cells("FP8") + build_cells("BF16") + ["FP8 - BF16"], rows))
     return lines + [""]
 
 
@@ -289,7 +314,7 @@ def block_section(runs, raw, skipped):
     if prof["block-tensor"] and prof["block-block"]:
         lines += ["", "`--profile 5` of the first round's per-tensor and block runs (ms; the last column block minus per-tensor):", ""]
         lines.append(table(["phase", "per-tensor", "block", "block - per-tensor"],
-                           [[r[0], r[2], r[1], r[3]] for r in profile_rows(prof["block-block"], prof["block-tensor"])]))
+                           [[r[0], r[2], r[1], r[3]] for r in profile_rows(prof["block-block"], prof["block-tensor"], False)]))
     bench = os.path.join(raw, "bench-block.log")
     if os.path.exists(bench):
         lines += ["", "`./test_fp8 --bench block`, as it printed:", "", "```", read(bench).strip(), "```"]
@@ -482,6 +507,21 @@ def check(readme):
     return problems, checked
 
 
+# A profiled run's lines, as train_fp8 prints them and test_fp8's train_profile_table_format pins them.
+PROFILE_RATES = ("profile floors at the rates measured now: GEMM 8192^3 FP8 (E4M3, fast accumulation) 1500.0 TFLOP/s, BF16 800.0 "
+                 "TFLOP/s; copy 3000 GB/s (1 GiB device to device, read + written)")
+PROFILE_HEADER = "  phase                                             ms       %  ranges  floor ms  x floor  floor basis"
+PROFILE_ROWS = [
+    "  forward GEMMs (decoder linears)               30.000   75.0%      88    15.000    2.00x  15.00 TFLOP at 1500 TFLOP/s (FP8) + "
+    "4.00 TFLOP at 800 TFLOP/s (BF16)",
+    "  RMSNorm (+ residual add, + fused cast)         5.000   12.5%     130     2.000    2.50x  6.00 GB at 3.00 TB/s",
+    "  tensor-parallel all-reduces                    1.000    2.5%      88         -        -  not modeled (NCCL's links)",
+    "  weight re-quantization (W8, W8^T)              3.000    7.5%       1     0.000        -  no work",
+    "  idle (GPU span - all ranges)                   1.000    2.5%",
+    "  GPU span of the step                          40.000  100.0%            17.000    2.35x  the floors above, summed",
+]
+
+
 def self_test():
     failures, checks = [], []
 
@@ -498,7 +538,10 @@ def self_test():
         for r, (f8, b16) in enumerate([(100.0, 125.0), (102.0, 124.0)], 1):
             for prefix, ms in (("step-fp8", f8), ("step-bf16", b16), ("long-fp8", f8), ("long-bf16", b16)):
                 text = "cmd\n" + summ.format(ms=ms, tok=round(16384 / ms * 1000), tf=600.0, gib=35.5)
-                if r == 1 and prefix.startswith("step"):
+                if r == 1 and prefix == "step-fp8":   # the table with floors, as test_fp8's train_profile_table_format pins it
+                    text += (PROFILE_RATES + "\nprofile of step 5 (test)\n" + PROFILE_HEADER + "\n" + "\n".join(PROFILE_ROWS) + "\n"
+                             "  outside GEMMs and attention: 9.000 ms busy, 10.000 ms with idle\n")
+                elif r == 1 and prefix == "step-bf16":   # one from before the floors
                     text += ("profile of step 5 (PRECISION=X): 1 ms\n  phase  ms  %  ranges\n"
                              f"  forward GEMMs (decoder linears)   {ms / 2:.3f}   50.0%   88\n"
                              f"  GPU span of the step   {ms:.3f}  100.0%\n  outside GEMMs and attention: 1 ms\n")
@@ -524,7 +567,15 @@ def self_test():
         expect("| ours, FP8 in every layer (--fp8-all-layers) | 0 | not run |" in md, "a row without runs says so")
         expect("| PyTorch + torchao float8, rowwise | 0 | not run: failed at B 8, T 2048: OutOfMemoryError: CUDA out of memory |"
                in md, "a PyTorch mode that failed says why")
-        expect("| forward GEMMs (decoder linears) | 50.0 | 62.5 | -12.5 |" in md, "the profile's phase row and difference")
+        expect("| phase | FP8 build | floor | x floor | BF16 build | floor | x floor | FP8 - BF16 |" in md and
+               "| forward GEMMs (decoder linears) | 30.0 | 15.0 | 2.00x | 62.5 | - | - | -32.5 |" in md,
+               "the profile's phase row: each build's ms, floor and ratio (none in the run from before the floors), the difference")
+        expect("| tensor-parallel all-reduces | 1.0 | - | - | - | - | - | +1.0 |" in md and
+               "| weight re-quantization (W8, W8^T) | 3.0 | 0.0 | - | - | - | - | +3.0 |" in md and
+               "| **GPU span of the step** | **40.0** | **17.0** | **2.35x** | **125.0** | **-** | **-** | **-85.0** |" in md,
+               "a phase without a floor, one without work, the span beside the floors' sum")
+        expect("(FP8 build: GEMM 8192^3 FP8 (E4M3, fast accumulation) 1500.0 TFLOP/s, BF16 800.0 TFLOP/s; copy 3000 GB/s (1 GiB "
+               "device to device, read + written); BF16 build: no rates line)" in md, "the rates each run measured, quoted")
         expect("not run: skipped: 10 s of the --budget left" in md, "a skipped section says why")
         expect("commit abc1234" in md, "the caption names the commit")
         expect("| 1b | 429.6 / 322.9 | 196.5 / 138.4 | 403.1 / 303.8 | - | 1.07x / 1.06x | 2.19x / 2.33x |" in md,
