@@ -1319,6 +1319,36 @@ static std::vector<float> random_float_bits(size_t n, Fp8Format f) {
     return v;
 }
 
+// --fp8-stats' saturation from the host codec: y saturates when its rounding without the clamp passes the max. Half of y
+// rounds one binade lower, on the same relative grid (below the max: the step above it exists there), so y saturates iff
+// twice the code of |y| / 2 lies beyond the max. inf saturates; NaN's code decodes to NaN and does not.
+static bool ref_fp8_saturates(float y, Fp8Format f) { return 2.0f * fp8_decode_ref(fp8_encode_ref(fabsf(y) / 2, f), f) > fp8_max(f); }
+
+HOST_TEST(fp8_saturates_where_rounding_passes_max) {
+    // fp8_saturates (the casts' count, host and device) against the codec's answer: every float from the max to 1.25 x max
+    // apart from a stride, the ties and their neighbours by hand, and random floats of every magnitude.
+    for (Fp8Format f : {E4M3, E5M2}) {
+        const float fmax = fp8_max(f), tie = f == E4M3 ? 464.0f : 61440.0f;
+        std::vector<float> ys = random_float_bits(200000, f);
+        int i = 0;
+        for (float y = fmax; y < 1.25f * fmax; y = nextafterf(y, INFINITY))
+            if (i++ % 61 == 0) ys.push_back(y);
+        for (float y : {tie, nextafterf(tie, 0.0f), nextafterf(tie, INFINITY), fmax, nextafterf(fmax, INFINITY), INFINITY, NAN}) {
+            ys.push_back(y);
+            ys.push_back(-y);
+        }
+        int bad = 0;
+        for (float y : ys)
+            if (fp8_saturates(y, f) != ref_fp8_saturates(y, f) && bad++ < 5)
+                printf("    %s %.9g: fp8_saturates %d, the codec %d\n", fp8_name(f), y, fp8_saturates(y, f), ref_fp8_saturates(y, f));
+        expect(bad == 0, "%s: %d of %zu values disagree", fp8_name(f), bad, ys.size());
+        // by hand: E4M3's tie 464 rounds down to 448 (even), E5M2's 61440 up to 65536 (even), past the max
+        expect(fp8_saturates(tie, f) == (f == E5M2) && fp8_saturates(nextafterf(tie, INFINITY), f) && !fp8_saturates(nextafterf(fmax, INFINITY), f) &&
+                   fp8_saturates(-INFINITY, f) && !fp8_saturates(NAN, f),
+               "%s: the tie %g, above it, just above the max, -inf, NaN", fp8_name(f), tie);
+    }
+}
+
 GPU_TEST(fp8_device_conversions_bitexact) {
     // The quantize kernel with scale 1 (delayed recipe, first use) is the device conversion itself.
     const size_t n = (4u << 20) + 13;   // 4M values and a tail
@@ -1921,8 +1951,14 @@ static double ref_block_scale(double amax, Fp8Format f, int margin, bool pow2) {
 }
 
 // One operand as a block-scaled GEMM reads it: codes [rows, K], its scale tensor (the padding of blocks' rows holds the
-// bits 0xFFFFFFFF, the poison a cast must leave), and each element's value as the GEMM takes it, decode(code) * factor.
-struct RefBlockOperand { std::vector<uint8_t> codes; std::vector<float> inv_scale; std::vector<double> values; };
+// bits 0xFFFFFFFF, the poison a cast must leave), and each element's value as the GEMM takes it, decode(code) * factor;
+// and --fp8-stats' counts of its codes: saturated (ref_fp8_saturates of x * scale), and non-zero x flushed to code +-0.
+struct RefBlockOperand {
+    std::vector<uint8_t> codes;
+    std::vector<float> inv_scale;
+    std::vector<double> values;
+    unsigned long long saturated = 0, flushed = 0;
+};
 // The operand x [rows, cols] (row-major), or its transpose [cols, rows] (of_transpose), cast with a scale per 1x128 tile
 // along the operand's rows or per 128x128 block; rows and cols multiples of 128.
 template <class T>
@@ -1948,6 +1984,8 @@ static RefBlockOperand ref_block_quantize(const std::vector<T>& x, int rows, int
                     const size_t i = (size_t)r * op_k + k;
                     op.codes[i] = fp8_encode_ref(at(r, k) * (float)scale, rule.format);
                     op.values[i] = (double)fp8_decode_ref(op.codes[i], rule.format) * factor;
+                    op.saturated += ref_fp8_saturates(at(r, k) * (float)scale, rule.format);
+                    op.flushed += at(r, k) != 0.0f && (op.codes[i] & 0x7F) == 0;
                 }
         }
     return op;
@@ -2087,6 +2125,61 @@ GPU_TEST(fp8_block_cast_bitexact) {
         for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
             for (const Fp8BlockRule& rule : rules) check_block_cast<bf16>(sh[0], sh[1], g, rule);
     for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128}) check_block_cast<float>(256, 384, g, Fp8BlockRule{E4M3, 0, false});
+}
+
+// --fp8-stats under block scaling: the reference counts on the inputs the GPU test below casts. Tiles 2^+-24 apart in
+// magnitude along both dimensions, so that many tiles span more than the format's range and flush their smallest values;
+// a finite tile never saturates (its scale brings its amax to the max, one FP32 rounding at most above, which rounds to
+// the max), the tile of the inf does (scale 1: its values past the max saturate), as does nothing of the NaN's.
+HOST_TEST(fp8_block_reference_counts_health) {
+    const int rows = 256, cols = 384;
+    for (bool specials : {false, true}) {
+        const std::vector<bf16> x = to_bf16(block_test_values(rows, cols, 12, specials));
+        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+            for (Fp8Format f : {E4M3, E5M2}) {
+                const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, Fp8BlockRule{f}),
+                                      op_t = ref_block_quantize(x, rows, cols, true, g, Fp8BlockRule{f});
+                printf("    %s %s%s: saturated %llu + %llu, flushed %llu + %llu of %d each\n", fp8_name(f), fp8_granularity_name(g),
+                       specials ? ", an inf and a NaN" : "", op.saturated, op_t.saturated, op.flushed, op_t.flushed, rows * cols);
+                expect(op.flushed > 0 && op_t.flushed > 0, "%s %s: nothing flushed: the input does not test the count", fp8_name(f),
+                       fp8_granularity_name(g));
+                expect(specials ? op.saturated > 0 && op_t.saturated > 0 : op.saturated + op_t.saturated == 0,
+                       "%s %s%s: saturated %llu + %llu", fp8_name(f), fp8_granularity_name(g), specials ? " (an inf)" : " (all finite)",
+                       op.saturated, op_t.saturated);
+            }
+    }
+}
+
+// A block cast's --fp8-stats counts against the reference's, exactly: both layouts' codes saturated and flushed, 2 codes a
+// value, and the largest |x| (bits: a NaN shows); cast twice into one counter, every count doubles and amax stays.
+GPU_TEST(fp8_block_cast_counts_health) {
+    const int rows = 256, cols = 384;
+    const Fp8BlockRule rules[] = {{E4M3, 0, false}, {E5M2, 0, false}, {E4M3, 1, true}};
+    for (bool specials : {false, true}) {
+        const std::vector<bf16> x = to_bf16(block_test_values(rows, cols, 12, specials));
+        DeviceBuffer<bf16> dx(x);
+        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+            for (const Fp8BlockRule& rule : rules) {
+                DeviceBuffer<fp8> dq(x.size()), dqt(x.size());
+                DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(g, cols, rows));
+                DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0, 0}});
+                const Fp8BlockCastOut o{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule, h.ptr};
+                fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+                const Fp8Health once = h.download()[0];
+                fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+                const Fp8Health twice = h.download()[0];
+                const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, rule), op_t = ref_block_quantize(x, rows, cols, true, g, rule);
+                const unsigned long long sat = op.saturated + op_t.saturated, flushed = op.flushed + op_t.flushed, total = 2ull * rows * cols;
+                const float amax = host_amax(x);
+                expect(once.saturated == sat && once.flushed == flushed && once.total == total && same_bits(float_from_bits(once.amax), amax),
+                       "%s %s%s%s: saturated %llu (host %llu), flushed %llu (host %llu), total %llu (%llu), amax %g (%g)", fp8_name(rule.format),
+                       fp8_granularity_name(g), rule.pow2 ? " pow2" : "", specials ? ", specials" : "", once.saturated, sat, once.flushed,
+                       flushed, once.total, total, float_from_bits(once.amax), amax);
+                expect(twice.saturated == 2 * sat && twice.flushed == 2 * flushed && twice.total == 2 * total && twice.amax == once.amax,
+                       "%s %s: cast twice, the counts do not add (saturated %llu, flushed %llu, total %llu)", fp8_name(rule.format),
+                       fp8_granularity_name(g), twice.saturated, twice.flushed, twice.total);
+            }
+    }
 }
 
 // ==============================================================================================
@@ -4835,7 +4928,7 @@ GPU_TEST(fp8_linear_vs_host) {
             dy8((size_t)N * out), dy8t((size_t)N * out);
         std::vector<Fp8Meta> metas(3, fp8_meta_initial());
         DeviceBuffer<Fp8Meta> dmeta(metas);
-        DeviceBuffer<Fp8Health> dhealth(std::vector<Fp8Health>(3, Fp8Health{0, 0, 0}));
+        DeviceBuffer<Fp8Health> dhealth(std::vector<Fp8Health>(3, Fp8Health{0, 0, 0, 0}));
         Fp8Linear lin{w8.ptr, w8t.ptr, dmeta.ptr, dhealth.ptr};
         dy_out.poison();
         ddx.poison();
@@ -4990,14 +5083,14 @@ GPU_TEST(fp8_health_counts_saturation) {
     m.scale = 512.0f;   // 3 * 512 >> 448: many saturate
     m.inv_scale = 1.0f / 512;
     DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{m});
-    DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0}});
+    DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0, 0}});
     Fp8Recipe delayed;
     delayed.history_len = 2;
     fp8_cast_transpose_counted(q.ptr, qt.ptr, dx.ptr, rows, cols, E4M3, meta.ptr, h.ptr, delayed, 0);
     unsigned long long sat = 0, flushed = 0;
     for (auto& v : x) {
         float s = to_float(v) * 512.0f;
-        sat += fabsf(s) > 448.0f;
+        sat += ref_fp8_saturates(s, E4M3);
         flushed += to_float(v) != 0.0f && (fp8_encode_ref(s, E4M3) & 0x7F) == 0;
     }
     Fp8Health got = h.download()[0];
@@ -5011,11 +5104,12 @@ GPU_TEST(fp8_health_counts_saturation) {
 // limit ends the streak, and a new streak warns again. Saturation and flushing are separate streaks.
 HOST_TEST(fp8_doctor_warns_once_per_streak) {
     Fp8Doctor d;   // saturated above 1e-3, flushed above 5e-2, 3 samples in a row
-    const Fp8TensorStats ok{2, 3, FP8_DY, 1.0f, 10, 1e-3, 5e-2};   // at the limits: not above
+    const Fp8TensorStats ok{2, 3, FP8_DY, E5M2, 1.0f, false, 10, 1e-3, 5e-2};   // at the limits: not above
     Fp8TensorStats sat = ok, flush = ok;
     sat.saturated = 2e-3;
     flush.flushed = 0.5;
     flush.tensor = FP8_X;
+    flush.format = E4M3;
     const int expected[] = {0, 0, 1, 0, 0, 0, 0, 0, 1};   // warnings per sample: saturated at samples 1-5, ok at 6, again 7-9
     std::vector<std::string> lines;
     for (int i = 0; i < 9; i++) {
@@ -5045,6 +5139,36 @@ HOST_TEST(fp8_doctor_warns_once_per_streak) {
     expect(w.size() == 1 && w[0].find("layer 2 w_down X (E4M3): 5.00e-01 of its values flushed to zero") != std::string::npos &&
                w[0].find("--smooth-quant") != std::string::npos, "a flushing X: one warning with the smooth-quant advice: %s",
            w.empty() ? "(none)" : w[0].c_str());
+    // block scaling (--smooth-quant refused there): a flushing X is sent to the probe; a dY in E4M3 (--dy-format e4m3) is
+    // named by its record's format; saturation is said to be block scaling's
+    Fp8Doctor g;
+    g.after = 1;
+    g.block = true;
+    Fp8TensorStats x = flush, dy = sat;
+    x.block_scaled = dy.block_scaled = true;
+    dy.format = E4M3;
+    w = fp8_doctor_check(&g, {x, dy}, 8);
+    expect(w.size() == 2 && w[0].find("layer 2 w_down X (E4M3): 5.00e-01 of its values flushed") != std::string::npos &&
+               w[0].find("--smooth-quant") == std::string::npos && w[0].find("probe") != std::string::npos &&
+               w[1].find("layer 2 w_down dY (E4M3): 2.00e-03 of its values saturated") != std::string::npos &&
+               w[1].find("block scaling saturates only") != std::string::npos,
+           "block scaling's warnings: %s | %s", w.size() > 0 ? w[0].c_str() : "(none)", w.size() > 1 ? w[1].c_str() : "(none)");
+}
+
+// fp8_stats.csv's rows (fp8_stats_write_csv): a per-tensor record with its scale's exponent; a block-scaled one, a dY in
+// E4M3 (--dy-format e4m3), with scale_log2 empty (its tiles have theirs); each tensor's format from its record.
+HOST_TEST(fp8_stats_csv_rows) {
+    TempDir dir;
+    FILE* f = fopen(dir.file("fp8_stats.csv").c_str(), "w");
+    expect(f != nullptr, "cannot write %s", dir.file("fp8_stats.csv").c_str());
+    if (!f) return;
+    fp8_stats_write_csv(f, 40, {Fp8TensorStats{2, 3, FP8_DY, E5M2, 0.25f, false, 10, 1e-3, 5e-2},
+                                Fp8TensorStats{1, 0, FP8_DY, E4M3, 3.5f, true, 0, 0.0, 0.125}});
+    fclose(f);
+    const std::vector<char> bytes = read_whole_file(dir.file("fp8_stats.csv"));
+    const std::string got(bytes.begin(), bytes.end()),
+        want = "40,2,w_down,dY,E5M2,2.500000e-01,10,1.000000e-03,5.000000e-02\n40,1,wqkv,dY,E4M3,3.500000e+00,,0.000000e+00,1.250000e-01\n";
+    expect(got == want, "fp8_stats.csv:\n%swant:\n%s", got.c_str(), want.c_str());
 }
 
 // The doctor on the GPU's own counts: a synthetic X of layer 1's wo, cast with a delayed scale too large for it at
@@ -5062,8 +5186,8 @@ GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
     const Param wo = m.layers[1].wo, wqkv = m.layers[0].wqkv;
     const std::vector<bf16> host_x = to_bf16(random_normal((size_t)N * c.dim, 3.0f));
     DeviceBuffer<bf16> x(host_x);
-    double saturated = 0;   // the fraction of |x| * 512 beyond 448: about 0.77 of N(0, 3)
-    for (bf16 v : host_x) saturated += fabsf(to_float(v) * 512.0f) > 448.0f;
+    double saturated = 0;   // the fraction of x * 512 that rounds beyond 448: about 0.77 of N(0, 3)
+    for (bf16 v : host_x) saturated += ref_fp8_saturates(to_float(v) * 512.0f, E4M3);
     saturated /= host_x.size();
     Fp8Meta too_large = fp8_meta_initial();
     too_large.scale = 512.0f;
@@ -5097,6 +5221,50 @@ GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
            warnings_at.empty() ? -1 : warnings_at[0]);
     expect(first.find("layer 1 wo X (E4M3)") != std::string::npos && first.find("saturated") != std::string::npos,
            "the warning names layer 1 wo X saturating: %s", first.c_str());
+    model_destroy(&m);
+}
+
+// The doctor under block scaling, on the model's own casts: a training micro-batch of tiny with every layer FP8 and dY in
+// E4M3 (--dy-format e4m3), then W cast again (as after an optimizer step), all counted. Every X, W and dY of every linear
+// has a record, block-scaled, in its format, with a finite amax and nothing saturated (every tile is finite); W's
+// fractions and amax are the reference's on the model's BF16 weights (both layouts' codes).
+GPU_TEST(fp8_doctor_counts_block_scaled_model) {
+    const int B = 2, T = 64, N = B * T;
+    const ModelConfig c = model_config_preset("tiny", 256);
+    Fp8Options opts;
+    opts.all_layers = true;
+    opts.fast_accum = false;
+    opts.block_scaling = true;
+    opts.dy_format = E4M3;
+    Model m;
+    model_create(&m, c, B, T, opts);
+    model_upload_weights(&m, model_init_weights(c, TEST_SEED).data());
+    DeviceBuffer<int> inputs(model_test_tokens(N, 256)), targets(model_test_tokens(N, 256));
+    model_fp8_stats_begin(&m);
+    model_zero_grads(&m);
+    model_forward_backward(&m, inputs.ptr, targets.ptr, 1.0f / N);
+    model_weights_changed(&m);
+    const std::vector<Fp8TensorStats> stats = model_fp8_stats_read(&m);
+    model_fp8_stats_end(&m);
+    expect(stats.size() == (size_t)c.n_layers * LINEARS_PER_LAYER * 3, "%zu records, expected X, W and dY of %d linears", stats.size(),
+           c.n_layers * LINEARS_PER_LAYER);
+    for (const Fp8TensorStats& t : stats) {
+        const std::string name = strprintf("layer %d %s %s", t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor]);
+        expect(t.block_scaled && t.format == E4M3 && std::isfinite(t.amax) && t.amax > 0 && t.saturated == 0,
+               "%s: block-scaled %d, %s (want E4M3), amax %g, saturated %g", name.c_str(), t.block_scaled, fp8_name(t.format), t.amax,
+               t.saturated);
+        if (t.tensor != FP8_W) continue;
+        const Param* p = layer_linears(m.layers[t.layer])[t.linear];
+        const TensorSpec& w = m.params[p->index];
+        std::vector<bf16> wb((size_t)w.rows * w.cols);
+        cudaCheck(cudaMemcpy(wb.data(), p->w, wb.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+        const Fp8BlockRule rule{E4M3};
+        const RefBlockOperand op = ref_block_quantize(wb, w.rows, w.cols, false, FP8_BLOCKS_128x128, rule),
+                              op_t = ref_block_quantize(wb, w.rows, w.cols, true, FP8_BLOCKS_128x128, rule);
+        const double codes = 2.0 * wb.size(), flushed = (op.flushed + op_t.flushed) / codes;
+        expect(t.flushed == flushed && same_bits(t.amax, host_amax(wb)), "%s: flushed %.9g (reference %.9g), amax %g (%g)", name.c_str(),
+               t.flushed, flushed, t.amax, host_amax(wb));
+    }
     model_destroy(&m);
 }
 #endif
@@ -6340,7 +6508,7 @@ HOST_TEST(train_parse_rejects_bad_values) {
 }
 
 // --scaling block, --block-scale-pow2 and --dy-format: their values, the flags they exclude, the shapes they need, each refusal
-// naming the flags; accepted, block scaling turns --fp8-stats off (its casts count nothing).
+// naming the flags; accepted, with the doctor on (its default --fp8-stats 50, or one given: the block casts count).
 HOST_TEST(train_block_scaling_flags) {
     std::vector<ParseRefusal> cases = {{{"--scaling", "tiles"}, {"--scaling tiles", "tensor or block"}},
                                {{"--dy-format", "e3m4"}, {"--dy-format e3m4", "e5m2 or e4m3"}}};
@@ -6353,7 +6521,6 @@ HOST_TEST(train_block_scaling_flags) {
             {{"--scaling", "block", "--smooth-quant", "0.5"}, {"--scaling block", "--smooth-quant"}},
             {{"--scaling", "block", "--tp-amax-sync"}, {"--scaling block", "--tp-amax-sync"}},
             {{"--scaling", "block", "--fp8-fast-accum", "1"}, {"--scaling block", "--fp8-fast-accum 1"}},
-            {{"--scaling", "block", "--fp8-stats", "10"}, {"--scaling block", "--fp8-stats 10"}},
             {{"--scaling", "block", "--model", "tiny", "--batch", "1", "--seq", "64"}, {"--scaling block", "B*T = 64", "multiple of 128"}},
             {{"--scaling", "block", "--model", "tiny", "--dim", "192", "--heads", "3", "--kv-heads", "3", "--batch", "2", "--seq", "64"},
              {"--scaling block", "[576, 192]", "multiples of 128"}},
@@ -6368,9 +6535,11 @@ HOST_TEST(train_block_scaling_flags) {
     expect_parse_refusals(cases);
     if constexpr (BUILD_FP8) {
         TrainOptions o;
-        const std::string err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--block-scale-pow2",
-                                            "--dy-format", "e4m3", "--fp8-fast-accum", "0"}, &o);
-        expect(err.empty() && o.fp8_stats == 0, "the tiny model under block scaling: refused (%s), or --fp8-stats %d left on", err.c_str(), o.fp8_stats);
+        std::string err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--block-scale-pow2",
+                                      "--dy-format", "e4m3", "--fp8-fast-accum", "0"}, &o);
+        expect(err.empty() && o.fp8_stats == 50, "the tiny model under block scaling: refused (%s), or --fp8-stats %d, not 50", err.c_str(), o.fp8_stats);
+        err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--fp8-stats", "10"}, &o);
+        expect(err.empty() && o.fp8_stats == 10, "block scaling with --fp8-stats 10: refused (%s), or --fp8-stats %d", err.c_str(), o.fp8_stats);
     }
 }
 

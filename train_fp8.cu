@@ -202,10 +202,10 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
-        flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation, no --fp8-stats; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
+        flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
         flag_switch("--block-scale-pow2", "--scaling block: each tile's and block's scale rounded down to a power of two (default: 448 or 57344 / amax in FP32; FP8 build)", &o->block_scale_pow2),
         flag_string("--dy-format", "e5m2|e4m3", "FP8 format of the output gradients dY: e5m2, or e4m3 (one more mantissa bit, the range of a tile being narrow; --scaling block only; FP8 build)", &o->dy_format),
-        flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
+        flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (--scaling block: no scale, the tiles have theirs; both layouts' codes counted; 0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_double("--fp8-warn-saturated", "F", "warn when an FP8 tensor's saturated fraction is above F at --fp8-warn-after --fp8-stats steps in a row (FP8 build)", &o->fp8_warn_saturated, 0, 1),
         flag_double("--fp8-warn-flushed", "F", "warn when an FP8 tensor's fraction of non-zero values flushed to zero is above F, likewise (FP8 build)", &o->fp8_warn_flushed, 0, 1),
         flag_int("--fp8-warn-after", "N", "the --fp8-stats steps in a row that make a warning; one per tensor until it recovers (FP8 build)", &o->fp8_warn_after, 1, BIG),
@@ -423,7 +423,7 @@ inline std::string probe_args_problem(const TrainOptions& o, const std::vector<s
 // --scaling block against the other FP8 flags, and its shapes: "" or what is wrong. A tile's scale comes from the tile's own
 // amax at every cast: no amax history (--amax-history, --quant-interval, --amax-warmup), no tensor amax to share over a TP
 // group, no SmoothQuant (its channel scales are per-tensor casts'), no fast accumulation (cuBLASLt's block-scaled GEMMs have
-// none); the block casts count no --fp8-stats, which is off under it. --block-scale-pow2 and --dy-format e4m3 need it.
+// none). --block-scale-pow2 and --dy-format e4m3 need it.
 inline std::string train_block_scaling_problem(TrainOptions* o, const std::vector<std::string>& given) {
     if (o->scaling != "block") {
         if (o->block_scale_pow2) return "--block-scale-pow2 rounds the scales of --scaling block's tiles: add --scaling block";
@@ -439,10 +439,6 @@ inline std::string train_block_scaling_problem(TrainOptions* o, const std::vecto
     if (o->tp_amax_sync) return "--scaling block with --tp-amax-sync: a tile's scale needs no amax from the other GPUs; drop --tp-amax-sync";
     if (was_given("--fp8-fast-accum") && o->fp8_fast_accum == 1)
         return "--scaling block with --fp8-fast-accum 1: cuBLASLt's block-scaled GEMMs accumulate split only; drop --fp8-fast-accum";
-    if (was_given("--fp8-stats") && o->fp8_stats > 0)
-        return strprintf("--scaling block with --fp8-stats %d: the block casts count no saturated or flushed values; drop --fp8-stats",
-                         o->fp8_stats);
-    o->fp8_stats = 0;
     const std::string problem = model_block_scaling_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp), (long)o->batch * o->seq);
     return problem.empty() ? "" : "--scaling block: " + problem;
 }
@@ -851,13 +847,16 @@ inline void on_ranks(std::vector<TrainRank>& ranks, const std::function<void(Tra
 // goes to OUT/fp8_stats.csv (scripts/plot_fp8_stats.py draws it) and a summary line, and a tensor whose saturated or
 // flushed fraction stays above its threshold for --fp8-warn-after such steps in a row gets one warning line,
 // counted in log.csv: one per tensor and kind until the fraction comes back below (the streaks start over at a resume).
+// fp8_stats.csv, a row per FP8 tensor and --fp8-stats step: step, layer, linear, tensor (X, W, dY), its format; amax
+// (per-tensor scaling: its last cast's; block scaling: the largest |x| of the step's casts); scale_log2, the exponent of
+// its one scale (empty under block scaling: each tile has its own); the fractions of its codes saturated and flushed.
 inline std::string fp8_tensor_name(const Fp8TensorStats& t) {
     return strprintf("layer %d %s %s", t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor]);
 }
 inline void fp8_stats_write_csv(FILE* csv, int step, const std::vector<Fp8TensorStats>& stats) {
     for (const Fp8TensorStats& t : stats)
-        fprintf(csv, "%d,%d,%s,%s,%s,%.6e,%d,%.6e,%.6e\n", step, t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor],
-                fp8_name(fp8_tensor_format(t.tensor)), t.amax, t.scale_log2, t.saturated, t.flushed);
+        fprintf(csv, "%d,%d,%s,%s,%s,%.6e,%s,%.6e,%.6e\n", step, t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor],
+                fp8_name(t.format), t.amax, t.block_scaled ? "" : std::to_string(t.scale_log2).c_str(), t.saturated, t.flushed);
     fflush(csv);
 }
 inline std::string fp8_stats_summary(const std::vector<Fp8TensorStats>& stats) {
@@ -875,21 +874,23 @@ struct Fp8Doctor {
     double saturated_limit = FP8_WARN_SATURATED, flushed_limit = FP8_WARN_FLUSHED;
     int after = FP8_WARN_AFTER;    // samples in a row above a limit that make a warning
     bool delayed = false;          // the recipe scales X and dY from an amax history (--amax-history > 1)
+    bool block = false;            // --scaling block: a scale per tile (no --smooth-quant)
     std::map<std::pair<int, int>, int> streak;   // (tensor: 12 layer + 3 linear + X/W/dY, kind: 0 saturated, 1 flushed) -> samples in a row above
 };
 // What to try, by kind and tensor. Saturation clips the largest values: the scale came from an amax smaller than
-// the tensor's (delayed scaling lagging a growing amax). Flushing zeroes the smallest: the tensor spans more than
-// the format's range below its amax (E4M3 2^-9..448, 2^17.8; E5M2 2^-16..57344, 2^31.8).
+// the tensor's (delayed scaling lagging a growing amax). Flushing zeroes the smallest: the tensor (block scaling: a
+// tile) spans more than the format's range below its amax (E4M3 2^-9..448, 2^17.8; E5M2 2^-16..57344, 2^31.8).
 inline std::string fp8_doctor_advice(const Fp8Doctor& d, const Fp8TensorStats& t, bool saturated) {
     if (saturated)
         return d.delayed ? "its amax grows faster than delayed scaling follows: try a shorter --amax-history or --quant-interval, "
                            "or current scaling (--amax-history 1)"
-                         : "current scaling saturates only when the amax was not finite: look at the loss and grad norm";
-    if (t.tensor == FP8_X)
+                         : strprintf("%s scaling saturates only when the amax was not finite: look at the loss and grad norm",
+                                     d.block ? "block" : "current");
+    if (t.tensor == FP8_X && !d.block)
         return "its outliers set the scale and its small values fall below E4M3's smallest code: try --smooth-quant 0.5, "
                "and ./train_fp8 probe to see what the layer's GEMMs lose";
     return strprintf("its values span more than %s's range: ./train_fp8 probe shows what the layer's GEMMs lose; the recipe "
-                     "keeps such layers in BF16 (the first and last by default)", fp8_name(fp8_tensor_format(t.tensor)));
+                     "keeps such layers in BF16 (the first and last by default)", fp8_name(t.format));
 }
 // One --fp8-stats step's records in; the warning lines due at this step out.
 inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector<Fp8TensorStats>& stats, int step) {
@@ -901,7 +902,7 @@ inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector
             n = frac > limit ? n + 1 : 0;
             if (n != d->after) continue;
             warnings.push_back(strprintf("step %5d | fp8 warning: %s (%s): %.2e of its values %s (above %.0e) at %d --fp8-stats steps "
-                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), fp8_name(fp8_tensor_format(t.tensor)),
+                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), fp8_name(t.format),
                                          frac, kind == 0 ? "saturated" : "flushed to zero", limit, d->after,
                                          fp8_doctor_advice(*d, t, kind == 0).c_str()));
         }
@@ -1395,6 +1396,7 @@ inline void train_open_logs(TrainRun* run) {
     run->doctor.flushed_limit = o.fp8_warn_flushed;
     run->doctor.after = o.fp8_warn_after;
     run->doctor.delayed = o.amax_history > 1 || o.quant_interval > 1;
+    run->doctor.block = o.scaling == "block";
     run->flops_per_token = model_flops_per_token(run->config, run->T);   // the whole model's: TFLOP/s of all GPUs together
     run->tokens_per_step = (double)o.total_batch;
     run->grad_scale = 1.0f / ((float)run->B * run->T * run->accum);
