@@ -5390,8 +5390,130 @@ GPU_TEST(sqnr_on_device_matches_host) {
     expect(std::isnan(nan_db), "an all-zero reference: %g dB, expected NaN", nan_db);
 }
 
+// The probe's table and probe.csv (train_fp8.cu section 4) from results by hand: where the shapes tile, the block columns
+// and block minus per-tensor (dY in E5M2 both; Y's E4M3-dY figure is its block one); where they do not, "-" and empty
+// cells, no block scaling's weakest GEMMs, and one line saying why.
+HOST_TEST(probe_table_and_csv_block_columns) {
+    ProbeRow tiled{1, 2, 28.5, 24.25, 24.0, true};
+    tiled.y_db_block = 30.0;
+    tiled.dx_db_block[0] = 25.0, tiled.dx_db_block[1] = 27.5;
+    tiled.dw_db_block[0] = 26.0, tiled.dw_db_block[1] = 28.0;
+    ProbeResult r;
+    r.rows = {tiled};
+    const std::string csv = probe_csv(r), table = probe_table(r);
+    const std::string want_csv = "layer,linear,gemm,sqnr_db,block_sqnr_db,block_gain_db,block_e4m3_dy_sqnr_db\n"
+                                 "1,w_gate_up,Y,28.5000,30.0000,1.5000,30.0000\n"
+                                 "1,w_gate_up,dX,24.2500,25.0000,0.7500,27.5000\n"
+                                 "1,w_gate_up,dW,24.0000,26.0000,2.0000,28.0000\n";
+    expect(csv == want_csv, "probe.csv:\n%swant:\n%s", csv.c_str(), want_csv.c_str());
+    const std::string row = "    1  w_gate_up    28.50   24.25   24.00 |   30.00   25.00   26.00 |   +1.50   +0.75   +2.00 |   27.50   28.00\n";
+    expect(table.find(row) != std::string::npos && table.find("lowest under block scaling, E4M3 dY: layer 1 w_gate_up dX 27.50 dB") !=
+           std::string::npos && table.find("empty") == std::string::npos, "the table of a tiled shape:\n%s", table.c_str());
+    ProbeResult untiled;
+    untiled.rows = {ProbeRow{0, 0, 20.0, 18.0, 17.0, false}};
+    untiled.block_problem = model_block_scaling_problem(model_config_preset("tiny", 256), 1, 64);
+    const std::string csv2 = probe_csv(untiled), table2 = probe_table(untiled);
+    expect(csv2.substr(csv2.find('\n') + 1) == "0,wqkv,Y,20.0000,,,\n0,wqkv,dX,18.0000,,,\n0,wqkv,dW,17.0000,,,\n", "probe.csv without blocks:\n%s",
+           csv2.c_str());
+    expect(table2.find("    0  wqkv         20.00   18.00   17.00 |       -       -       - |       -       -       - |       -       -   (BF16 in the recipe)\n") !=
+               std::string::npos &&
+               table2.find("the block columns are empty, block scaling does not fit this shape: B*T = 64 tokens") != std::string::npos &&
+               table2.find("under block scaling") == std::string::npos,
+           "the table without blocks:\n%s", table2.c_str());
+}
+
+// The probe's figures for one linear's operands X [N,in], W [out,in], dY [N,out], on the host: each operand cast by the host
+// codec with the host scale rule (one scale per tensor) and, with block, by the reference block casts (fp8_kernels.cuh 3b;
+// both layouts, dY in E5M2 then E4M3), multiplied in float64, rounded as the GPU's outputs are (Y and dX to BF16, dW in
+// FP32), and each FP8 result's SQNR against the BF16 operands' products.
+static ProbeRow host_probe_row(const std::vector<bf16>& x, const std::vector<bf16>& w, const std::vector<bf16>& dy, int N, int in, int out,
+                               bool block) {
+    auto db = [](const std::vector<double>& got, const std::vector<double>& ref) { return sqnr_db(got.data(), ref.data(), ref.size()); };
+    const std::vector<double> xe = to_double(x), we = to_double(w), dye = to_double(dy);
+    const std::vector<double> y16 = bf16_rounded(ref_matmul_values(xe, we, N, out, in)),
+                              dx16 = bf16_rounded(ref_matmul_values(dye, host_transpose(we, out, in), N, in, out)),
+                              dw16 = ref_matmul_values(host_transpose(dye, N, out), host_transpose(xe, N, in), out, in, N);
+    RefScaleLog gx, gw, gdy;
+    const std::vector<double> xq = host_fp8_roundtrip(x, E4M3, &gx), wq = host_fp8_roundtrip(w, E4M3, &gw), dyq = host_fp8_roundtrip(dy, E5M2, &gdy);
+    ProbeRow row{0, 0, db(bf16_rounded(ref_matmul_values(xq, wq, N, out, in)), y16),
+                 db(bf16_rounded(ref_matmul_values(dyq, host_transpose(wq, out, in), N, in, out)), dx16),
+                 db(ref_matmul_values(host_transpose(dyq, N, out), host_transpose(xq, N, in), out, in, N), dw16), true};
+    if (!block) return row;
+    const Fp8BlockRule e4m3{E4M3}, e5m2{E5M2};
+    const RefBlockOperand xb = ref_block_quantize(x, N, in, false, FP8_TILES_1x128, e4m3), xtb = ref_block_quantize(x, N, in, true, FP8_TILES_1x128, e4m3),
+                          wb = ref_block_quantize(w, out, in, false, FP8_BLOCKS_128x128, e4m3),
+                          wtb = ref_block_quantize(w, out, in, true, FP8_BLOCKS_128x128, e4m3);
+    row.y_db_block = db(bf16_rounded(ref_matmul_values(xb.values, wb.values, N, out, in)), y16);
+    for (int f = 0; f < 2; f++) {
+        const RefBlockOperand dyb = ref_block_quantize(dy, N, out, false, FP8_TILES_1x128, f ? e4m3 : e5m2),
+                              dytb = ref_block_quantize(dy, N, out, true, FP8_TILES_1x128, f ? e4m3 : e5m2);
+        row.dx_db_block[f] = db(bf16_rounded(ref_matmul_values(dyb.values, wtb.values, N, in, out)), dx16);
+        row.dw_db_block[f] = db(ref_matmul_values(dytb.values, xtb.values, out, in, N), dw16);
+    }
+    return row;
+}
+
+// Operands with one large outlier each that sets its tensor's scale and feeds no output: X [256, 256] and W [384, 256]
+// N(0, 1) with 2^16 at X (5, 7) and W (11, 13), dY [256, 384] N(0, 1) with 2^32 at (17, 19), and zero where an outlier
+// would multiply into a product (W's column 7 and row 19, X's column 13 and row 17, dY's column 11 and row 5), so that an
+// SQNR measures what the outlier's scale costs the other values. One scale per tensor (2^-8 for X and W, 2^-17 for dY)
+// puts the others near 2^-8 and 2^-17, among FP8's subnormals; block scaling only those in the outlier's tile (X, dY) or
+// block (W).
+struct ProbeOutlierCase { int N = 256, in = 256, out = 384; std::vector<bf16> x, w, dy; };
+static ProbeOutlierCase probe_outlier_case() {
+    ProbeOutlierCase k;
+    const int N = k.N, in = k.in, out = k.out;
+    std::vector<float> x = random_normal((size_t)N * in, 1.0f), w = random_normal((size_t)out * in, 1.0f), dy = random_normal((size_t)N * out, 1.0f);
+    x[5 * in + 7] = w[11 * in + 13] = 65536.0f;
+    dy[17 * out + 19] = 4294967296.0f;
+    for (int r = 0; r < out; r++) w[(size_t)r * in + 7] = 0.0f;
+    for (int i = 0; i < N; i++) x[(size_t)i * in + 13] = 0.0f, dy[(size_t)i * out + 11] = 0.0f;
+    for (int c = 0; c < in; c++) w[19 * in + c] = x[17 * in + c] = 0.0f;
+    for (int c = 0; c < out; c++) dy[5 * out + c] = 0.0f;
+    k.x = to_bf16(x), k.w = to_bf16(w), k.dy = to_bf16(dy);
+    return k;
+}
+// On the host: block scaling keeps each GEMM at least 10 dB above per-tensor scaling on those operands (the GPU test below
+// measures the probe against these figures; this one says they test something).
+HOST_TEST(probe_outliers_cost_per_tensor_scaling_more) {
+    const ProbeOutlierCase k = probe_outlier_case();
+    const ProbeRow h = host_probe_row(k.x, k.w, k.dy, k.N, k.in, k.out, true);
+    const double gain[3] = {h.y_db_block - h.y_db, h.dx_db_block[0] - h.dx_db, h.dw_db_block[0] - h.dw_db};
+    printf("    per tensor: Y %.2f dB, dX %.2f, dW %.2f; block: Y %.2f, dX %.2f, dW %.2f (E4M3 dY: dX %.2f, dW %.2f)\n", h.y_db, h.dx_db, h.dw_db,
+           h.y_db_block, h.dx_db_block[0], h.dw_db_block[0], h.dx_db_block[1], h.dw_db_block[1]);
+    for (int g = 0; g < 3; g++) expect(gain[g] >= 10.0, "%s: block scaling gains %.2f dB, expected at least 10", PROBE_GEMMS[g], gain[g]);
+}
+
 // Tests of the whole model's FP8 layers: only the FP8 build has them (the BF16 build's model has no FP8 linear to test).
 #if defined(PRECISION_FP8)
+// The eight figures of a probe row and their names, in ProbeRow's order.
+static std::vector<std::pair<const char*, double>> probe_row_figures(const ProbeRow& r) {
+    return {{"Y", r.y_db}, {"dX", r.dx_db}, {"dW", r.dw_db}, {"block Y", r.y_db_block}, {"block dX", r.dx_db_block[0]},
+            {"block dW", r.dw_db_block[0]}, {"block dX (E4M3 dY)", r.dx_db_block[1]}, {"block dW (E4M3 dY)", r.dw_db_block[1]}};
+}
+// probe_linear on the outlier operands above: its eight figures within the host's, to the GPU's accumulation (as in
+// probe_matches_host_reference, below), and so block scaling at least 10 dB above one scale per tensor in each GEMM.
+GPU_TEST(probe_block_scaling_holds_outliers) {
+    const ProbeOutlierCase k = probe_outlier_case();
+    const ProbeRow want = host_probe_row(k.x, k.w, k.dy, k.N, k.in, k.out, true);
+    DeviceBuffer<bf16> x(k.x), w(k.w), dy(k.dy);
+    MatmulContext mm;
+    matmul_context_create(&mm);
+    ProbeBuffers b = probe_buffers_create(k.N, k.in, k.out);
+    const ProbeRow got = probe_linear(&mm, &b, x.ptr, w.ptr, dy.ptr, k.N, k.in, k.out, false, true, 0);
+    probe_buffers_destroy(&b);
+    matmul_context_destroy(&mm);
+    const auto g = probe_row_figures(got), h = probe_row_figures(want);
+    double worst = 0;
+    for (size_t i = 0; i < g.size(); i++) {
+        printf("    %-18s %8.4f dB (host %8.4f)\n", g[i].first, g[i].second, h[i].second);
+        worst = std::isnan(g[i].second) ? INFINITY : std::max(worst, fabs(g[i].second - h[i].second));
+    }
+    expect(worst < 0.012, "the probe's SQNRs differ from the host's by up to %.4f dB", worst);
+    const double gain[3] = {got.y_db_block - got.y_db, got.dx_db_block[0] - got.dx_db, got.dw_db_block[0] - got.dw_db};
+    for (int i = 0; i < 3; i++) expect(gain[i] >= 10.0, "%s: block scaling gains %.2f dB, expected at least 10", PROBE_GEMMS[i], gain[i]);
+}
+
 // The precision probe (train_fp8.cu section 4) against the host: the operands each linear got in the BF16 pass
 // (captured here through Model::linear_probe from a model of their own), quantized by the host codec with the
 // host scale rule, multiplied in float64 and rounded as the GPU's outputs are (Y and dX to BF16, dW in FP32), and
@@ -5443,42 +5565,11 @@ GPU_TEST(probe_matches_host_reference) {
         const ProbeRow& row = r.rows[i];
         expect(row.layer * LINEARS_PER_LAYER + row.linear == k.index && row.fp8_in_recipe, "row %zu: layer %d linear %d", i, row.layer,
                row.linear);
-        RefScaleLog gx, gw, gdy;
-        const std::vector<double> xq = host_fp8_roundtrip(k.x, E4M3, &gx), wq = host_fp8_roundtrip(k.w, E4M3, &gw),
-                                  dyq = host_fp8_roundtrip(k.dy, E5M2, &gdy);
-        const std::vector<double> xe = to_double(k.x), we = to_double(k.w), dye = to_double(k.dy);
-        std::vector<double> y8((size_t)N * k.out), y16(y8.size()), dx8((size_t)N * k.in), dx16(dx8.size()), dw8((size_t)k.out * k.in),
-            dw16(dw8.size());
-        ref_matmul(y8.data(), xq.data(), wq.data(), N, k.out, k.in);
-        ref_matmul(y16.data(), xe.data(), we.data(), N, k.out, k.in);
-        ref_matmul(dx8.data(), dyq.data(), host_transpose(wq, k.out, k.in).data(), N, k.in, k.out);
-        ref_matmul(dx16.data(), dye.data(), host_transpose(we, k.out, k.in).data(), N, k.in, k.out);
-        ref_matmul(dw8.data(), host_transpose(dyq, N, k.out).data(), host_transpose(xq, N, k.in).data(), k.out, k.in, N);
-        ref_matmul(dw16.data(), host_transpose(dye, N, k.out).data(), host_transpose(xe, N, k.in).data(), k.out, k.in, N);
-        auto db = [](const std::vector<double>& got, const std::vector<double>& ref) { return sqnr_db(got.data(), ref.data(), ref.size()); };
-        const double host[3] = {db(bf16_rounded(y8), bf16_rounded(y16)), db(bf16_rounded(dx8), bf16_rounded(dx16)), db(dw8, dw16)};
-        const double probe[3] = {row.y_db, row.dx_db, row.dw_db};
-        printf("    layer %d %-9s Y %.4f dB (host %.4f), dX %.4f (%.4f), dW %.4f (%.4f)\n", row.layer, LINEAR_NAMES[row.linear], probe[0],
-               host[0], probe[1], host[1], probe[2], host[2]);
-        for (int g = 0; g < 3; g++) worst = std::max(worst, fabs(probe[g] - host[g]));
-        // block scaling's columns: the reference casts (fp8_kernels.cuh 3b) of both layouts, dY in E5M2 then E4M3
-        const Fp8BlockRule e4m3{E4M3}, e5m2{E5M2};
-        const RefBlockOperand xb = ref_block_quantize(k.x, N, k.in, false, FP8_TILES_1x128, e4m3),
-                              xtb = ref_block_quantize(k.x, N, k.in, true, FP8_TILES_1x128, e4m3),
-                              wb = ref_block_quantize(k.w, k.out, k.in, false, FP8_BLOCKS_128x128, e4m3),
-                              wtb = ref_block_quantize(k.w, k.out, k.in, true, FP8_BLOCKS_128x128, e4m3);
-        const double y_block = db(bf16_rounded(ref_matmul_values(xb.values, wb.values, N, k.out, k.in)), bf16_rounded(y16));
-        auto note = [&](double got, double want) { worst = std::isnan(got) ? INFINITY : std::max(worst, fabs(got - want)); };
-        printf("    %25s block Y %.4f dB (host %.4f)", "", row.y_db_block, y_block);
-        note(row.y_db_block, y_block);
-        for (int f = 0; f < 2; f++) {
-            const RefBlockOperand dyb = ref_block_quantize(k.dy, N, k.out, false, FP8_TILES_1x128, f ? e4m3 : e5m2),
-                                  dytb = ref_block_quantize(k.dy, N, k.out, true, FP8_TILES_1x128, f ? e4m3 : e5m2);
-            const double dx_block = db(bf16_rounded(ref_matmul_values(dyb.values, wtb.values, N, k.in, k.out)), bf16_rounded(dx16)),
-                         dw_block = db(ref_matmul_values(dytb.values, xtb.values, k.out, k.in, N), dw16);
-            printf(", %s dY: dX %.4f (%.4f), dW %.4f (%.4f)", f ? "E4M3" : "E5M2", row.dx_db_block[f], dx_block, row.dw_db_block[f], dw_block);
-            note(row.dx_db_block[f], dx_block);
-            note(row.dw_db_block[f], dw_block);
+        const auto got = probe_row_figures(row), want = probe_row_figures(host_probe_row(k.x, k.w, k.dy, N, k.in, k.out, true));
+        printf("    layer %d %-9s", row.layer, LINEAR_NAMES[row.linear]);
+        for (size_t f = 0; f < got.size(); f++) {
+            printf("%s %s %.4f (host %.4f)", f ? "," : "", got[f].first, got[f].second, want[f].second);
+            worst = std::isnan(got[f].second) ? INFINITY : std::max(worst, fabs(got[f].second - want[f].second));
         }
         printf("\n");
     }

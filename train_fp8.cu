@@ -263,8 +263,10 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
                "  one batch (the first of --val-data) through the model in BF16; each linear's X, W and dY from that pass through\n"
                "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax; and block scaling's, 1x128 tiles and 128x128\n"
                "  blocks with dY in E5M2 and in E4M3, where the widths and B x T are multiples of 128) and its BF16 GEMMs: the SQNR of FP8\n"
-               "  against BF16 in dB for Y, dX and dW of every linear of every layer (a table; DIR/probe.csv with --out DIR,\n"
-               "  drawn by scripts/plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
+               "  against BF16 in dB for Y, dX and dW of every linear of every layer under each scaling, and what blocks gain over\n"
+               "  one scale per tensor (a table; DIR/probe.csv with --out DIR, drawn by scripts/plot_fp8_stats.py probe), and the\n"
+               "  loss of the FP8 recipe against all-BF16 linears on that batch. A shape that does not tile leaves the block columns\n"
+               "  empty and says why.\n"
                "  CKPT: a checkpoint file or a run's folder (its newest); none: the weights of --init and --seed\n", argv0);
         print_flags({"--val-data", "--batch", "--seq", "--fp8-all-layers"});
         printf("  %-22s write the table to DIR/probe.csv (replacing one there)\n", "--out DIR");
@@ -1791,7 +1793,8 @@ inline TrainResult train(const TrainOptions& o) {
 // what they add up to. A freshly initialised model measures about 28 dB forward (two E4M3 operands) and 24.5 dB
 // backward (E5M2 dY, 2 mantissa bits): the formats' own precision. A GEMM well below that has outliers that set its scale.
 // The same operands also go through block scaling's GEMMs (fp8_kernels.cuh 3b: 1x128 tiles, 128x128 blocks; FP32 scales),
-// with dY in E5M2 and then in E4M3, where the linear's widths and the batch's tokens are multiples of 128.
+// with dY in E5M2 and then in E4M3, where the model's shape allows block scaling (model_block_scaling_problem: widths and
+// tokens multiples of 128); block minus per-tensor, in dB, is what the finer scales buy that GEMM.
 
 struct ProbeRow {
     int layer, linear;           // linear: LINEAR_NAMES' index
@@ -1803,9 +1806,31 @@ struct ProbeRow {
 struct ProbeResult {
     std::vector<ProbeRow> rows;   // by layer, then linear
     float loss_fp8 = 0, loss_bf16 = 0;
+    std::string block_problem;    // why the block columns are empty ("": they are not)
 };
+constexpr const char* PROBE_GEMMS[3] = {"Y", "dX", "dW"};
+// A row's SQNR of GEMM g (PROBE_GEMMS' index) under per-tensor scaling, or under block scaling with dY in E5M2 (dy 0) or
+// in E4M3 (dy 1); Y reads no dY.
+inline double probe_db(const ProbeRow& row, int g, bool block, int dy = 0) {
+    if (!block) return g == 0 ? row.y_db : g == 1 ? row.dx_db : row.dw_db;
+    return g == 0 ? row.y_db_block : g == 1 ? row.dx_db_block[dy] : row.dw_db_block[dy];
+}
+// DIR/probe.csv: a row per GEMM of each linear; its SQNR in dB under per-tensor scaling (sqnr_db), under block scaling
+// (block_sqnr_db, dY in E5M2 as per tensor), block minus per-tensor (block_gain_db), and under block scaling with dY in
+// E4M3 (block_e4m3_dy_sqnr_db; Y's is block_sqnr_db). The block columns are empty where the shapes do not tile.
+inline std::string probe_csv(const ProbeResult& r) {
+    std::string csv = "layer,linear,gemm,sqnr_db,block_sqnr_db,block_gain_db,block_e4m3_dy_sqnr_db\n";
+    auto cell = [](double v) { return std::isnan(v) ? std::string() : strprintf("%.4f", v); };
+    for (const ProbeRow& row : r.rows)
+        for (int g = 0; g < 3; g++) {
+            const double tensor = probe_db(row, g, false), block = probe_db(row, g, true);
+            csv += strprintf("%d,%s,%s,%.4f,%s,%s,%s\n", row.layer, LINEAR_NAMES[row.linear], PROBE_GEMMS[g], tensor, cell(block).c_str(),
+                             cell(block - tensor).c_str(), cell(probe_db(row, g, true, 1)).c_str());
+        }
+    return csv;
+}
 
-// The FP8 and the BF16 linear's outputs and the FP8 operands, sized for the model's widest linear.
+// The FP8 and the BF16 linear's outputs and the FP8 operands, sized for the widest linear (in, out) of N tokens.
 struct ProbeBuffers {
     bf16 *y8 = nullptr, *y16 = nullptr, *dx8 = nullptr, *dx16 = nullptr;
     float *dw8 = nullptr, *dw16 = nullptr;
@@ -1814,8 +1839,7 @@ struct ProbeBuffers {
     Fp8Meta* metas = nullptr;   // [3]: X, W, dY
     double* sums = nullptr;     // [2]: sqnr_db_on_device's
 };
-inline ProbeBuffers probe_buffers_create(const ModelConfig& c, int N) {
-    const size_t in = std::max(c.dim, c.ffn_dim), out = std::max({(size_t)model_qkv_dim(c), 2 * (size_t)c.ffn_dim, (size_t)c.dim});
+inline ProbeBuffers probe_buffers_create(int N, size_t in, size_t out) {
     ProbeBuffers b;
     for (bf16** p : {&b.y8, &b.y16}) cudaCheck(cudaMalloc(p, N * out * sizeof(bf16)));
     for (bf16** p : {&b.dx8, &b.dx16}) cudaCheck(cudaMalloc(p, N * in * sizeof(bf16)));
@@ -1843,9 +1867,10 @@ inline void probe_buffers_destroy(ProbeBuffers* b) {
     *b = ProbeBuffers();
 }
 
-// One linear: X [N,in], W [out,in], dY [N,out] through the FP8 GEMMs and the BF16 GEMMs; the three SQNRs.
+// One linear: X [N,in], W [out,in], dY [N,out] through the FP8 GEMMs and the BF16 GEMMs; the three SQNRs, and with
+// block (N, in and out multiples of 128) block scaling's five.
 inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, const bf16* w, const bf16* dy, int N, int in, int out,
-                             bool fast_accum, cudaStream_t s) {
+                             bool fast_accum, bool block, cudaStream_t s) {
     const Fp8Meta fresh[3] = {fp8_meta_initial(), fp8_meta_initial(), fp8_meta_initial()};
     cudaCheck(cudaMemcpyAsync(b->metas, fresh, sizeof(fresh), cudaMemcpyHostToDevice, s));
     Fp8Linear lin{b->w8, b->w8_t, b->metas, nullptr};
@@ -1860,7 +1885,7 @@ inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, 
     row.y_db = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
     row.dx_db = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
     row.dw_db = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
-    if (in % SCALE_BLOCK == 0 && out % SCALE_BLOCK == 0 && N % SCALE_BLOCK == 0) {   // block scaling, the same operands
+    if (block) {   // block scaling, the same operands
         Fp8Linear blin{b->w8, b->w8_t, nullptr, nullptr, b->w8_s, b->w8_t_s};
         fp8_block_weight_update(&blin, w, out, in, Fp8BlockRule{E4M3}, s);
         const Fp8BlockCastOut xo{b->x8, b->x8_s, b->x8_t, b->x8_t_s, FP8_TILES_1x128, {E4M3}};
@@ -1888,6 +1913,7 @@ inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& w
     cudaCheck(cudaMemcpy(d_tokens, inputs.data(), (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(d_tokens + N, targets.data(), (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
     ProbeResult r;
+    r.block_problem = model_block_scaling_problem(c, 1, N);
     Model m;
     model_create(&m, c, B, T, fp8);
     model_upload_weights(&m, weights.data());
@@ -1897,10 +1923,10 @@ inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& w
     bf16_only.enabled = false;
     model_create(&m, c, B, T, bf16_only);
     model_upload_weights(&m, weights.data());
-    ProbeBuffers buffers = probe_buffers_create(c, N);
+    ProbeBuffers buffers = probe_buffers_create(N, std::max(c.dim, c.ffn_dim), std::max({(size_t)model_qkv_dim(c), 2 * (size_t)c.ffn_dim, (size_t)c.dim}));
     m.linear_probe = [&](const Param& p, const bf16* x, const bf16* dy, int n) {
         const TensorSpec& w = m.params[p.index];
-        ProbeRow row = probe_linear(&m.matmul, &buffers, x, p.w, dy, n, w.cols, w.rows, fp8.fast_accum, m.stream);
+        ProbeRow row = probe_linear(&m.matmul, &buffers, x, p.w, dy, n, w.cols, w.rows, fp8.fast_accum, r.block_problem.empty(), m.stream);
         const int i = model_linear_index(&m, p.index);
         row.layer = i / LINEARS_PER_LAYER;
         row.linear = i % LINEARS_PER_LAYER;
@@ -1916,6 +1942,46 @@ inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& w
         return std::make_pair(a.layer, a.linear) < std::make_pair(b.layer, b.linear);
     });
     return r;
+}
+
+// The probe's table: per layer and linear the SQNRs of both scalings and block minus per-tensor ("-" where the block
+// columns are empty, and a line saying why), then the five weakest GEMMs of each scaling.
+inline std::string probe_table(const ProbeResult& r) {
+    std::string t = "SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better): per-tensor and block "
+                    "scaling (dY in E5M2), what block scaling gains, and block scaling with dY in E4M3:\n";
+    t += strprintf("%5s  %-9s  %-23s | %-23s | %-23s | %s\n", "", "", "per tensor", "block", "block - per tensor", "block, E4M3 dY");
+    t += strprintf("%5s  %-9s  %7s %7s %7s | %7s %7s %7s | %7s %7s %7s | %7s %7s\n", "layer", "linear", "Y", "dX", "dW", "Y", "dX", "dW", "Y",
+                   "dX", "dW", "dX", "dW");
+    auto db = [](double v, const char* format) { return std::isnan(v) ? strprintf("%7s", "-") : strprintf(format, v); };
+    for (const ProbeRow& row : r.rows) {
+        std::string line = strprintf("%5d  %-9s ", row.layer, LINEAR_NAMES[row.linear]);
+        for (int g = 0; g < 3; g++) line += strprintf(" %7.2f", probe_db(row, g, false));
+        line += " |";
+        for (int g = 0; g < 3; g++) line += " " + db(probe_db(row, g, true), "%7.2f");
+        line += " |";
+        for (int g = 0; g < 3; g++) line += " " + db(probe_db(row, g, true) - probe_db(row, g, false), "%+7.2f");
+        line += " |";
+        for (int g = 1; g < 3; g++) line += " " + db(probe_db(row, g, true, 1), "%7.2f");
+        t += line + (row.fp8_in_recipe ? "" : "   (BF16 in the recipe)") + "\n";
+    }
+    if (!r.block_problem.empty()) t += "the block columns are empty, block scaling does not fit this shape: " + r.block_problem + "\n";
+    // the five weakest GEMMs of a scaling (dy: the block columns' dY format)
+    auto lowest = [&](const char* what, bool block, int dy) {
+        std::vector<std::pair<double, std::string>> gemms;
+        for (const ProbeRow& row : r.rows)
+            for (int g = 0; g < 3; g++)
+                gemms.push_back({probe_db(row, g, block, dy), strprintf("layer %d %s %s", row.layer, LINEAR_NAMES[row.linear], PROBE_GEMMS[g])});
+        gemms.erase(std::remove_if(gemms.begin(), gemms.end(), [](const auto& g) { return std::isnan(g.first); }), gemms.end());
+        if (gemms.empty()) return;
+        std::sort(gemms.begin(), gemms.end());
+        t += strprintf("lowest%s:", what);
+        for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) t += strprintf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
+        t += "\n";
+    };
+    lowest("", false, 0);
+    lowest(" under block scaling, E5M2 dY", true, 0);
+    lowest(" under block scaling, E4M3 dY", true, 1);
+    return t;
 }
 
 // ./train_fp8 probe [CKPT] [flags]: the checks, then probe_model, the table, DIR/probe.csv with --out.
@@ -1965,41 +2031,11 @@ inline ProbeResult probe_main(const TrainOptions& o) {
     ProbeResult r = probe_model(c, weights, fp8, o.batch, o.seq, val.inputs, val.targets);
     dataloader_free(&val);
 
-    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better): per-tensor scaling (E5M2 dY), "
-           "block scaling with dY in E5M2, and with dY in E4M3 (- where the shapes do not tile by 128):\n");
-    printf("%5s  %-9s  %7s  %7s  %7s | %7s  %7s  %7s | %7s  %7s\n", "layer", "linear", "Y", "dX", "dW", "Y", "dX", "dW", "dX", "dW");
-    auto db = [](double v) { return std::isnan(v) ? std::string("-") : strprintf("%.2f", v); };
-    for (const ProbeRow& row : r.rows)
-        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f | %7s  %7s  %7s | %7s  %7s%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db,
-               row.dw_db, db(row.y_db_block).c_str(), db(row.dx_db_block[0]).c_str(), db(row.dw_db_block[0]).c_str(),
-               db(row.dx_db_block[1]).c_str(), db(row.dw_db_block[1]).c_str(), row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
-    // the five weakest GEMMs of a scaling (dy: the block columns' dY format)
-    auto lowest = [&](const char* what, bool block, int dy) {
-        std::vector<std::pair<double, std::string>> gemms;
-        for (const ProbeRow& row : r.rows) {
-            const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
-            gemms.push_back({block ? row.y_db_block : row.y_db, at + " Y"});
-            gemms.push_back({block ? row.dx_db_block[dy] : row.dx_db, at + " dX"});
-            gemms.push_back({block ? row.dw_db_block[dy] : row.dw_db, at + " dW"});
-        }
-        gemms.erase(std::remove_if(gemms.begin(), gemms.end(), [](const auto& g) { return std::isnan(g.first); }), gemms.end());
-        if (gemms.empty()) return;
-        std::sort(gemms.begin(), gemms.end());
-        printf("lowest%s:", what);
-        for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
-        printf("\n");
-    };
-    lowest("", false, 0);
-    lowest(" under block scaling, E5M2 dY", true, 0);
-    lowest(" under block scaling, E4M3 dY", true, 1);
+    printf("%s", probe_table(r).c_str());
     printf("loss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
            r.loss_fp8 - r.loss_bf16, 100.0 * (r.loss_fp8 - r.loss_bf16) / r.loss_bf16);
     if (!o.out.empty()) {
-        std::string csv = "layer,linear,gemm,sqnr_db\n";
-        for (const ProbeRow& row : r.rows)
-            for (int g = 0; g < 3; g++)
-                csv += strprintf("%d,%s,%s,%.4f\n", row.layer, LINEAR_NAMES[row.linear], g == 0 ? "Y" : g == 1 ? "dX" : "dW",
-                                 g == 0 ? row.y_db : g == 1 ? row.dx_db : row.dw_db);
+        const std::string csv = probe_csv(r);
         const std::string path = o.out + "/probe.csv";
         write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, csv.data(), csv.size(), tmp); });
         printf("wrote %s (python3 scripts/plot_fp8_stats.py probe %s draws it)\n", path.c_str(), path.c_str());
