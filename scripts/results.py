@@ -136,10 +136,15 @@ def torch_reasons(raw):
     return why
 
 
+def section_start(title, key, skipped):
+    """A section's first lines: its heading, then, where results.sh skipped the section, why (the whole section)."""
+    return [f"## {title}", ""] + ([f"Not measured: {skipped[key]}", ""] if key in skipped else [])
+
+
 def step_section(runs, skipped, reasons):
-    lines = ["## 1.1B step", ""]
+    lines = section_start("1.1B step", "step", skipped)
     if "step" in skipped:
-        return lines + [f"Not measured: {skipped['step']}", ""]
+        return lines
     lines += ["LLaMA 1.1B (TinyLlama's shape: dim 2048, 22 layers, 32 heads, 4 KV heads, FFN 5632, vocabulary 32000), "
               "B 8, T 2048, uniformly random tokens. Ours: `train_fp8 --model 1b --batch 8 --seq 2048 --steps 10`, the "
               "summary's mean over steps 3-10 (CUDA-graph replays); PyTorch: `scripts/bench_torch.py`, 10 steps after 3 "
@@ -299,9 +304,9 @@ BLOCK_ROWS = [("block-tensor", "per-tensor scaling (the recipe)"), ("block-block
 
 
 def block_section(runs, raw, skipped):
-    lines = ["## Block scaling", ""]
+    lines = section_start("Block scaling", "block", skipped)
     if "block" in skipped:
-        return lines + [f"Not measured: {skipped['block']}", ""]
+        return lines
     lines += ["The 1.1B step as above (B 8, T 2048, the FP8 build, the recipe's first and last layers BF16) under "
               "per-tensor current scaling and under block scaling (a scale per 1x128 tile of X and dY, per 128x128 block "
               "of W), interleaved; the ratio is to per-tensor scaling, round by round.", ""]
@@ -322,9 +327,9 @@ def block_section(runs, raw, skipped):
 
 
 def tokenizer_section(raw, skipped):
-    lines = ["## Tokenizers", ""]
+    lines = section_start("Tokenizers", "tokenizer", skipped)
     if "tokenizer" in skipped:
-        return lines + [f"Not measured: {skipped['tokenizer']}", ""]
+        return lines
     lines += ["The default run (d12: dim 768, 12 layers; 32 x 512 tokens a step, peak LR 6e-4, warm-up a tenth of the "
               "steps, FP8 recipe) on the King James Bible (`make data`): as bytes, and as the tokens of a SentencePiece BPE "
               "tokenizer of 4096 or 8192 pieces trained on it (`./train_fp8 prepare data/kjv.txt data/kjvN --vocab N`). "
@@ -369,9 +374,9 @@ def study_section(raw, name, title, command):
 
 
 def doctor_section(raw, skipped, name):
-    lines = ["## The FP8 doctor and the probe", ""]
+    lines = section_start("The FP8 doctor and the probe", "doctor", skipped)
     if "doctor" in skipped:
-        return lines + [f"Not measured: {skipped['doctor']}", ""]
+        return lines
     train, probe = os.path.join(raw, "doctor-train.log"), os.path.join(raw, "doctor-probe.log")
     if not os.path.exists(train):
         return lines + ["Not measured: no doctor-train.log", ""]
