@@ -2805,20 +2805,26 @@ static float adamw_test_lr(int step) { return lr_schedule(step, 50, 5, 3e-3f, 0.
 // FP8 v holds sqrt(v), a code 0 read as half the smallest subnormal. m and v hold what the next step reads.
 struct RefAdamW {
     std::vector<double> master, m, v;
-    std::vector<double> m_scale, v_scale;   // FP8 moments: each tensor's scale (1 before the first step)
+    std::vector<double> m_scale, v_scale;   // FP8 moments: each tensor's scale (before the first step adamw_create's: amax 0's)
     int step = 0;
 };
 static Fp8Format adamw_fp8_format(DType t) { return t == DT_E4M3 ? E4M3 : E5M2; }
 // Half the smallest subnormal, from the bit layout: 2^(1 - bias - man_bits) / 2.
 static float adamw_host_half_min_subnormal(Fp8Format f) { Fp8Bits b = fp8_bits(f); return ldexpf(1.0f, -b.bias - b.man_bits); }
+// The moments start at code 0 with the scale rule's answer for amax 0 (2^108 for E4M3, 2^115 for E5M2), as adamw_create
+// sets them: FP8 v's code 0 then reads as half the smallest subnormal over that scale, squared (~1e-80: nothing beside
+// any gradient's square). (With scale 1 it read as 2^-34 for E5M2, which at beta2 0.95 floors sqrt(v_hat) at the first
+// step at 3.3e-5: a gradient much smaller than that stepped by a fraction of lr, not the GPU's ~lr sign(g).)
 static RefAdamW ref_adamw_init(const std::vector<float>& master, const AdamWConfig& c, size_t n_tensors) {
     RefAdamW r;
     r.master.assign(master.begin(), master.end());
     r.m.assign(master.size(), 0.0);
-    const double v0 = dtype_is_fp8(c.v_dtype) ? pow((double)adamw_host_half_min_subnormal(adamw_fp8_format(c.v_dtype)), 2) : 0.0;
-    r.v.assign(master.size(), v0);   // FP8: code 0 read as half the smallest subnormal (scale 1), squared
-    r.m_scale.assign(n_tensors, 1.0);
-    r.v_scale.assign(n_tensors, 1.0);
+    const bool m8 = dtype_is_fp8(c.m_dtype), v8 = dtype_is_fp8(c.v_dtype);
+    const double m_scale = m8 ? ref_fp8_scale(0.0, adamw_fp8_format(c.m_dtype), 0) : 1.0;
+    const double v_scale = v8 ? ref_fp8_scale(0.0, adamw_fp8_format(c.v_dtype), 0) : 1.0;
+    r.m_scale.assign(n_tensors, m_scale);
+    r.v_scale.assign(n_tensors, v_scale);
+    r.v.assign(master.size(), v8 ? pow(adamw_host_half_min_subnormal(adamw_fp8_format(c.v_dtype)) / v_scale, 2) : 0.0);
     return r;
 }
 // The new moments x[0, n) of one tensor as stored in type t (sqrt_stored: FP8 v, which stores sqrt(x)), in place, with
@@ -3385,6 +3391,29 @@ GPU_TEST(adamw_fp8_second_moment_near_zero) {
                dtype_name(v_dtype), floor_hits, worst);
         expect(worst <= 3.0, "v %s: an update of %.3f learning rates (bound 3)", dtype_name(v_dtype), worst);
         if (v_dtype == DT_E4M3) expect(floor_hits > 0, "the test must reach the E4M3 floor (no zero sqrt(v) code with a nonzero m)");
+    }
+}
+
+// The float64 AdamW's FP8 moments start where adamw_create's do, at zero: its first step (whose update reads the new,
+// unrounded moments) moves every weight as the FP32 moments' first step does, for gradients from 1e-9 to 1 (an initial
+// sqrt(v) read as half E5M2's smallest subnormal at scale 1, 2^-17, would make a 3e-6 gradient's step 0.09 lr, not ~lr,
+// at beta2 0.95).
+HOST_TEST(adamw_reference_fp8_moments_start_at_zero) {
+    const std::vector<TensorSpec> specs = {{"w", 0, 6, 2, 3}, {"norm", 6, 4, 4, 1}};
+    const std::vector<float> init = {0.5f, -1.0f, 2.0f, 0.25f, -0.75f, 1.5f, 1.0f, 1.0f, 0.9f, 1.1f};
+    const std::vector<float> grads = {1e-9f, -1e-7f, 3e-6f, -2e-5f, 1e-3f, -1.0f, 5e-9f, -4e-6f, 7e-4f, -0.3f};
+    const double lr = 1e-2;
+    RefAdamW fp32 = ref_adamw_init(init, adamw_test_config(DT_FP32, DT_FP32), specs.size());
+    ref_adamw_step(&fp32, specs, grads, adamw_test_config(DT_FP32, DT_FP32), lr, nullptr);
+    for (DType v : {DT_E5M2, DT_E4M3, DT_BF16}) {
+        const AdamWConfig c = adamw_test_config(DT_E4M3, v);
+        RefAdamW r = ref_adamw_init(init, c, specs.size());
+        ref_adamw_step(&r, specs, grads, c, lr, nullptr);
+        double worst = 0.0;
+        for (size_t i = 0; i < init.size(); i++) worst = std::max(worst, fabs(r.master[i] - fp32.master[i]) / lr);
+        printf("    m e4m3, v %s: the first step lies %.2e lr from the FP32 moments' (tol 1e-9)\n", dtype_name(v), worst);
+        expect(worst <= 1e-9, "v %s: the float64 AdamW's first step lies %.2e lr from the FP32 moments' (its initial state is not zero)",
+               dtype_name(v), worst);
     }
 }
 
@@ -9263,7 +9292,7 @@ static const int TRAIN_STEPS = 5, TRAIN_STEPS_B = 16;
 //            TRAIN_UPDATE_RTOL 1e-5 (~10 roundings, 6e-7, and 16x). A moment stored in BF16 or FP8 rounds to a code, and
 //            where its FP32 value lies within that error (to 1e-6: the clip factor from the FP32 norm) of a midpoint, the
 //            run's code and the reference's differ by one, which moves the element's update by 2^-9 (BF16 v) to 1/8 (E4M3
-//            m) of itself, more for a subnormal code, and the codes stay apart for a few steps: per step about
+//            m) or 1/4 (E5M2 sqrt(v)) of itself, more for a subnormal code, and the codes stay apart for a few steps: per step about
 //            2 x 1e-6 / 2^-7.5 = 4e-4 of a BF16 moment's elements (E4M3 2e-5). So where a moment is not FP32, the
 //            elements outside the bound may number TRAIN_UPDATE_TURNED_SHARE of the tensor (5 steps at that rate, 5x),
 //            plus one; a wrong format, beta, rate or clip moves nearly all.
