@@ -9284,7 +9284,12 @@ static const int TRAIN_STEPS = 5, TRAIN_STEPS_B = 16;
 //            form): 4e-4 (BF16 build: 1e-4). A turned code moves its row, whose values downstream round anew, so the
 //            twin's gradients lie 3-9% (rel_l2) from the reference's, the FP8 noise itself (BF16 build: 0.5%): the
 //            gradients see a bug that moves them by more (a micro-batch lost, the clip's mask lost, s applied twice, a
-//            scale that saturates), not one that only makes other codes at the same resolution.
+//            scale that saturates), not one that only makes other codes at the same resolution. The factor, from an
+//            H100's runs of every case at factor 3: the FP8 build's largest ratios 1.09 (layers.0.wo's step-1 gradient,
+//            max_rel 0.164 where the twin's is 0.050: the same step 1 in every case without --qk-norm), 1.08
+//            (layers.1.w_gate_up's step-5 gradient, element-wise), then 0.96 and below; the BF16 build's 0.89
+//            (final_norm's step-2 gradient under --qk-norm, max_rel). The GPU's arithmetic turns more roundings than the
+//            twin's jitter, about 3.3x as far at the worst: TRAIN_STEP_TOL_FACTOR 5 puts those at 0.65 (BF16 build 0.53).
 //   gradient norm  the run's FP32 norm of its own gradient against float64's: TRAIN_NORM_TOL, adamw_grad_norm's bound.
 //   update   w_k - w_{k-1} element by element. AdamW in FP32: m, v, sqrt, the division and the bias corrections round a
 //            few times by 2^-24 (m's two terms can cancel: their error counts in units of the step, lr), the new master
@@ -9297,7 +9302,7 @@ static const int TRAIN_STEPS = 5, TRAIN_STEPS_B = 16;
 //            elements outside the bound may number TRAIN_UPDATE_TURNED_SHARE of the tensor (5 steps at that rate, 5x),
 //            plus one; a wrong format, beta, rate or clip moves nearly all.
 //   smooth-quant's s  the channels whose s differs from the reference's: fp8_smooth_s_bound of the twin's count.
-static const double TRAIN_STEP_TOL_FACTOR = 3.0, TRAIN_STEP_LOSS_FLOOR = BUILD_FP8 ? 4e-4 : 1e-4, TRAIN_NORM_TOL = 1.5e-6;
+static const double TRAIN_STEP_TOL_FACTOR = 5.0, TRAIN_STEP_LOSS_FLOOR = BUILD_FP8 ? 4e-4 : 1e-4, TRAIN_NORM_TOL = 1.5e-6;
 static const double TRAIN_UPDATE_RTOL = 1e-5, TRAIN_UPDATE_TURNED_SHARE = 1e-2;
 
 // The tiny model on one-token sequences (attention is then exact on the GPU: one key, the output is V; see the FP8
