@@ -9574,7 +9574,9 @@ static std::vector<TrainStepCheck> train_steps_check(const TrainOptions& o, cons
     return checks;
 }
 
-// The comparison's figures, step by step and tensor by tensor.
+// The comparison's figures, step by step and tensor by tensor. The update's columns: the worst element's ratio to its
+// bound; how many elements lie outside their bound, over how many may (turned moment codes: TRAIN_UPDATE_TURNED_SHARE of
+// the tensor, plus one; 0 with FP32 moments), not over the tensor's size; the (allowed + 1)-th worst ratio, compared.
 static void train_steps_print(const std::vector<TrainStepCheck>& checks) {
     for (const TrainStepCheck& k : checks) {
         printf("    step %d: loss %.7f, float64 %.7f (twin %.7f): %+.2e, tol %.1e (%.2f); grad norm %.6f, float64 %.6f (%.2f); lr %.2e, "
@@ -9584,14 +9586,14 @@ static void train_steps_print(const std::vector<TrainStepCheck>& checks) {
         if (k.s_channels > 0 || k.s_differ > 0)
             printf("      smooth-quant s: %zu of %zu channels differ (the twin's %zu; %.2f of the bound)%s\n", k.s_differ, k.s_channels, k.s_twin,
                    k.s_ratio, k.s_ratio <= 1.0 ? "" : "  <-- FAIL");
-        printf("      %-22s %8s %8s %8s %8s %8s %6s %6s | %8s %10s %6s\n", "tensor", "grad l2", "twin l2", "tol", "max_rel", "tol", "elem",
-               "ratio", "upd worst", "outside", "ratio");
+        printf("      %-22s %8s %8s %8s %8s %8s %6s %6s | %8s %12s %6s\n", "tensor", "grad l2", "twin l2", "tol", "max_rel", "tol", "elem",
+               "ratio", "upd worst", "out/allowed", "ratio");
         for (const TrainTensorCheck& t : k.tensors) {
             char grad[96] = "  (not compared: Q and K reach no loss)";
             if (t.grad_compared)
                 snprintf(grad, sizeof(grad), "%8.1e %8.1e %8.1e %8.1e %8.1e %6.2f %6.2f", t.grad.rel_l2, t.grad_twin, t.grad_tol.rel_l2, t.grad.max_rel,
                          t.grad_tol.max_rel, t.grad_elem, t.grad_ratio);
-            printf("      %-22s %-58s | %8.2f %5zu/%-4zu %6.2f%s\n", t.name.c_str(), grad, t.update_worst, t.outside, t.allowed, t.update_ratio,
+            printf("      %-22s %-58s | %8.2f %6zu/%-5zu %6.2f%s\n", t.name.c_str(), grad, t.update_worst, t.outside, t.allowed, t.update_ratio,
                    t.grad_ratio <= 1.0 && t.update_ratio <= 1.0 ? "" : "  <-- FAIL");
         }
     }
