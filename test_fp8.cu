@@ -852,6 +852,7 @@ static std::vector<float> ref_tensors_to_flat(const RefConfig& c, const RefTenso
 struct RefLinearOperands { std::vector<double> x, w; };
 static bool ref_fp8_layer(const RefConfig& c, int l);
 static bool ref_fp8_attention(const RefConfig& c, int l);
+static bool ref_fp8_dy_cast_before_clip(const RefConfig& c, int l);
 static void ref_fp8_attention_forward(double* out, double* lse, const std::vector<double>& q, const std::vector<double>& k,
                                       const std::vector<double>& v, int B, int T, int NH, int NKV, int HD);
 static void ref_fp8_linear_forward(const RefConfig& c, int l, int k, RefLinearOperands* kept, double* y, const double* x,
@@ -1060,7 +1061,8 @@ static double ref_model_forward_backward(const RefConfig& c, const RefTensors& p
             std::copy(dk.begin() + (size_t)n * KVD, dk.begin() + (size_t)(n + 1) * KVD, row + QD);
             std::copy(dv.begin() + (size_t)n * KVD, dv.begin() + (size_t)(n + 1) * KVD, row + QD + KVD);
         }
-        if (c.qkv_clip > 0) ref_qkv_clip_backward(dqkv.data(), dqkv.data(), a.qkv_raw.data(), dqkv.size(), c.qkv_clip);
+        if (c.qkv_clip > 0 && !ref_fp8_dy_cast_before_clip(c, l))
+            ref_qkv_clip_backward(dqkv.data(), dqkv.data(), a.qkv_raw.data(), dqkv.size(), c.qkv_clip);
         ref_linear_backward(c, l, 0, a.lin[0], dnorm.data(), G(p + "wqkv"), dqkv.data(), N, QKV, D);
         R(dnorm);
         ref_rmsnorm_backward(dxf.data(), G(p + "attn_norm"), dnorm.data(), a.x_in.data(), P(p + "attn_norm"), N, D, eps);
@@ -2803,20 +2805,26 @@ static float adamw_test_lr(int step) { return lr_schedule(step, 50, 5, 3e-3f, 0.
 // FP8 v holds sqrt(v), a code 0 read as half the smallest subnormal. m and v hold what the next step reads.
 struct RefAdamW {
     std::vector<double> master, m, v;
-    std::vector<double> m_scale, v_scale;   // FP8 moments: each tensor's scale (1 before the first step)
+    std::vector<double> m_scale, v_scale;   // FP8 moments: each tensor's scale (before the first step adamw_create's: amax 0's)
     int step = 0;
 };
 static Fp8Format adamw_fp8_format(DType t) { return t == DT_E4M3 ? E4M3 : E5M2; }
 // Half the smallest subnormal, from the bit layout: 2^(1 - bias - man_bits) / 2.
 static float adamw_host_half_min_subnormal(Fp8Format f) { Fp8Bits b = fp8_bits(f); return ldexpf(1.0f, -b.bias - b.man_bits); }
+// The moments start at code 0 with the scale rule's answer for amax 0 (2^108 for E4M3, 2^115 for E5M2), as adamw_create
+// sets them: FP8 v's code 0 then reads as half the smallest subnormal over that scale, squared (~1e-80: nothing beside
+// any gradient's square). (With scale 1 it read as 2^-34 for E5M2, which at beta2 0.95 floors sqrt(v_hat) at the first
+// step at 3.3e-5: a gradient much smaller than that stepped by a fraction of lr, not the GPU's ~lr sign(g).)
 static RefAdamW ref_adamw_init(const std::vector<float>& master, const AdamWConfig& c, size_t n_tensors) {
     RefAdamW r;
     r.master.assign(master.begin(), master.end());
     r.m.assign(master.size(), 0.0);
-    const double v0 = dtype_is_fp8(c.v_dtype) ? pow((double)adamw_host_half_min_subnormal(adamw_fp8_format(c.v_dtype)), 2) : 0.0;
-    r.v.assign(master.size(), v0);   // FP8: code 0 read as half the smallest subnormal (scale 1), squared
-    r.m_scale.assign(n_tensors, 1.0);
-    r.v_scale.assign(n_tensors, 1.0);
+    const bool m8 = dtype_is_fp8(c.m_dtype), v8 = dtype_is_fp8(c.v_dtype);
+    const double m_scale = m8 ? ref_fp8_scale(0.0, adamw_fp8_format(c.m_dtype), 0) : 1.0;
+    const double v_scale = v8 ? ref_fp8_scale(0.0, adamw_fp8_format(c.v_dtype), 0) : 1.0;
+    r.m_scale.assign(n_tensors, m_scale);
+    r.v_scale.assign(n_tensors, v_scale);
+    r.v.assign(master.size(), v8 ? pow(adamw_host_half_min_subnormal(adamw_fp8_format(c.v_dtype)) / v_scale, 2) : 0.0);
     return r;
 }
 // The new moments x[0, n) of one tensor as stored in type t (sqrt_stored: FP8 v, which stores sqrt(x)), in place, with
@@ -3383,6 +3391,29 @@ GPU_TEST(adamw_fp8_second_moment_near_zero) {
                dtype_name(v_dtype), floor_hits, worst);
         expect(worst <= 3.0, "v %s: an update of %.3f learning rates (bound 3)", dtype_name(v_dtype), worst);
         if (v_dtype == DT_E4M3) expect(floor_hits > 0, "the test must reach the E4M3 floor (no zero sqrt(v) code with a nonzero m)");
+    }
+}
+
+// The float64 AdamW's FP8 moments start where adamw_create's do, at zero: its first step (whose update reads the new,
+// unrounded moments) moves every weight as the FP32 moments' first step does, for gradients from 1e-9 to 1 (an initial
+// sqrt(v) read as half E5M2's smallest subnormal at scale 1, 2^-17, would make a 3e-6 gradient's step 0.09 lr, not ~lr,
+// at beta2 0.95).
+HOST_TEST(adamw_reference_fp8_moments_start_at_zero) {
+    const std::vector<TensorSpec> specs = {{"w", 0, 6, 2, 3}, {"norm", 6, 4, 4, 1}};
+    const std::vector<float> init = {0.5f, -1.0f, 2.0f, 0.25f, -0.75f, 1.5f, 1.0f, 1.0f, 0.9f, 1.1f};
+    const std::vector<float> grads = {1e-9f, -1e-7f, 3e-6f, -2e-5f, 1e-3f, -1.0f, 5e-9f, -4e-6f, 7e-4f, -0.3f};
+    const double lr = 1e-2;
+    RefAdamW fp32 = ref_adamw_init(init, adamw_test_config(DT_FP32, DT_FP32), specs.size());
+    ref_adamw_step(&fp32, specs, grads, adamw_test_config(DT_FP32, DT_FP32), lr, nullptr);
+    for (DType v : {DT_E5M2, DT_E4M3, DT_BF16}) {
+        const AdamWConfig c = adamw_test_config(DT_E4M3, v);
+        RefAdamW r = ref_adamw_init(init, c, specs.size());
+        ref_adamw_step(&r, specs, grads, c, lr, nullptr);
+        double worst = 0.0;
+        for (size_t i = 0; i < init.size(); i++) worst = std::max(worst, fabs(r.master[i] - fp32.master[i]) / lr);
+        printf("    m e4m3, v %s: the first step lies %.2e lr from the FP32 moments' (tol 1e-9)\n", dtype_name(v), worst);
+        expect(worst <= 1e-9, "v %s: the float64 AdamW's first step lies %.2e lr from the FP32 moments' (its initial state is not zero)",
+               dtype_name(v), worst);
     }
 }
 
@@ -4429,6 +4460,8 @@ struct RefFp8 {
     bool attention = false;               // --fp8-attention: the FP8 layers' attention forward in FP8 (attention_fp8_host's casts,
                                           // ref_attention_fp8_forward's arithmetic); its backward from that forward's O and lse
     bool training = false;                // the pass under way is a training pass (ref_fp8_begin_pass)
+    bool dy_cast_before_clip = false;     // a bug to show: wqkv's dY cast before the QKV clip's backward masks it (the
+                                          // mask then reaches only the BF16 copy, which the FP8 GEMMs do not read)
     std::vector<RefFp8Linear> linears;    // [4 l + k], k: wqkv, wo, w_gate_up, w_down
 };
 // The recipe of `o` for the model c.
@@ -4449,6 +4482,7 @@ static RefFp8 ref_fp8_of(const RefConfig& c, const Fp8Options& o) {
 }
 static bool ref_fp8_layer(const RefConfig& c, int l) { return c.fp8 && c.fp8->layer.at(l); }
 static bool ref_fp8_attention(const RefConfig& c, int l) { return ref_fp8_layer(c, l) && c.fp8->attention; }
+static bool ref_fp8_dy_cast_before_clip(const RefConfig& c, int l) { return ref_fp8_layer(c, l) && c.fp8->dy_cast_before_clip; }
 // q [B,T,NH,HD], k and v [B,T,NKV,HD] (after RoPE) as qkv rows in BF16, cast per tile and multiplied as the FP8 forward does.
 static void ref_fp8_attention_forward(double* out, double* lse, const std::vector<double>& q, const std::vector<double>& k,
                                       const std::vector<double>& v, int B, int T, int NH, int NKV, int HD) {
@@ -4634,22 +4668,22 @@ static Fp8CaseRef fp8_case_ref(const Fp8Case& k, const Fp8Options* fp8, int amax
 // element-wise |err_i| <= w (rms(ref) + |ref_i|) with w the twin's largest such ratio) is FP8_TOL_FACTOR times the
 // twin's, plus a floor for the error that is no turned rounding: the logits (FP32 sums of BF16 products, ~1e-7
 // relative) 1e-5; the losses FP8_TOL_FLOOR_LOSS 1e-4 (measured on an H100: every two-layer case's loss 5.4e-5 from the
-// reference's, the same figure under every scaling, which the twin does not reproduce); the gradients and what a step moved the weights, which FP8 GEMMs give (their ~1e-4, 2.2e-4 at
+// reference's, the same figure under every scaling, which the twin does not reproduce); the gradients, which FP8 GEMMs give (their ~1e-4, 2.2e-4 at
 // the largest element), FP8_TOL_FLOOR_FP8_SUMS 5e-4 (BF16 build: 1e-5). The factor: the twin's realization of which
 // roundings turn is one of many, and the GPU's may come a few times as often as the jitter's; the lead's GPU run prints
 // both (the GPU's error and its tolerance), to set the factor and the jitters from.
 static const double FP8_ARITH_JITTER = BUILD_FP8 ? 1e-4 : 1e-6;
 static const double FP8_TOL_FACTOR = 3.0, FP8_TOL_FLOOR = 1e-5, FP8_TOL_FLOOR_LOSS = 1e-4, FP8_TOL_FLOOR_FP8_SUMS = BUILD_FP8 ? 5e-4 : 1e-5;
-// The floor of a quantity by its name: a loss or the logits, or a gradient or a weights' movement.
+// The floor of a quantity by its name: a loss or the logits, or a gradient.
 static double fp8_tol_floor(const std::string& name) {
     if (name.find(" loss") != std::string::npos) return FP8_TOL_FLOOR_LOSS;
     return name == "logits" ? FP8_TOL_FLOOR : FP8_TOL_FLOOR_FP8_SUMS;
 }
 struct Fp8Tol { double rel_l2, max_rel; ElemTol elem; };
-static Fp8Tol fp8_tol_from_twin(const double* twin, const double* ref, size_t n, double floor) {
+static Fp8Tol fp8_tol_from_twin(const double* twin, const double* ref, size_t n, double floor, double factor = FP8_TOL_FACTOR) {
     const ErrorStats e = error_stats(twin, ref, n);
-    const double rms = rms_of(ref, n), w = FP8_TOL_FACTOR * elem_worst(twin, ref, n, ElemTol{rms, 1.0}).ratio + floor;
-    return {FP8_TOL_FACTOR * e.rel_l2 + floor, FP8_TOL_FACTOR * e.max_rel + floor, ElemTol{w * rms, w}};
+    const double rms = rms_of(ref, n), w = factor * elem_worst(twin, ref, n, ElemTol{rms, 1.0}).ratio + floor;
+    return {factor * e.rel_l2 + floor, factor * e.max_rel + floor, ElemTol{w * rms, w}};
 }
 // --smooth-quant: how many channels' s differ between two cases (s is a power of two; a channel whose X amax the GPU and
 // the reference take from rows that differ can land on the other side of a rounding of the exponent: rare), of *channels.
@@ -4664,7 +4698,6 @@ static size_t fp8_smooth_s_differ(const SmoothScales& a, const SmoothScales& b, 
     }
     return differ;
 }
-#if defined(PRECISION_FP8)   // fp8_model_vs_reference's alone
 // Each FP8 linear's s, the GPU model's.
 static SmoothScales model_smooth_scales(const Model* m) {
     SmoothScales s;
@@ -4676,7 +4709,6 @@ static SmoothScales model_smooth_scales(const Model* m) {
         }
     return s;
 }
-#endif
 // The bound on that count: FP8_TOL_FACTOR times the twin's, and at least 1% of the channels.
 static double fp8_smooth_s_bound(size_t twin_differ, size_t channels) { return std::max(FP8_TOL_FACTOR * twin_differ, 0.01 * channels); }
 #if defined(PRECISION_FP8)   // fp8_model_vs_reference's alone
@@ -9185,169 +9217,486 @@ GPU_TEST(train_profile_adds_up) {
            r.busy_ms, r.span_ms);
 }
 
-// ---- The float64 trainer with the FP8-exact model: a run of train() replayed on the host from its options. The same
-// init, the same batches (a loader with the run's seed), the schedule, the global clipping and the float64 AdamW with its
-// moments stored as the run's (section 8); the model is the FP8-exact reference (section 10) on the weights the GPU runs
-// on (the master weights rounded to BF16) with bf16_storage, its FP8 state carried from step to step as train_update
-// carries the GPU's: the step's amax record, the warm-up's end after step --amax-warmup, --smooth-quant's s from the
-// new weights. jitter: the twin (RefConfig::storage_jitter; the master weights carry a relative jitter of
-// TRAIN_MASTER_JITTER before their rounding, the stand-in for the GPU's FP32 master weights and AdamW arithmetic).
-static const double TRAIN_MASTER_JITTER = 1e-6;
-// One optimizer step's micro-batches (the loader's next grad_accum_steps batches) through the reference model: the mean
-// loss, and the mean gradient into *grad_sum (flat, in the parameter order of specs).
-static double ref_step_micro_batches(const RefConfig& rc, const RefTensors& w, DataLoader* dl, const TrainOptions& o,
-                                     const std::vector<TensorSpec>& specs, std::vector<double>* grad_sum) {
-    const int accum = grad_accum_steps(o);
-    grad_sum->assign(specs.back().offset + specs.back().numel, 0.0);
-    double loss = 0.0;
+// ---- The float64 trainer's step: a step's micro-batches (the loader's next grad_accum_steps batches) through the
+// reference model.
+struct RefBatch { std::vector<int> inputs, targets; };
+static std::vector<RefBatch> ref_next_batches(DataLoader* dl, int accum) {
+    std::vector<RefBatch> batches;
     for (int k = 0; k < accum; k++) {
         dataloader_next_batch(dl);
+        batches.push_back({dl->inputs, dl->targets});
+    }
+    return batches;
+}
+// The mean loss over the batches, and the mean gradient into *grad_sum (flat, in the parameter order of specs); parts (if
+// given) gets each batch's share of it (its gradient / the number of batches).
+static double ref_batches_forward_backward(const RefConfig& rc, const RefTensors& w, const std::vector<RefBatch>& batches, int B, int T,
+                                           const std::vector<TensorSpec>& specs, std::vector<double>* grad_sum,
+                                           std::vector<RefTensors>* parts = nullptr) {
+    const double share = 1.0 / (double)batches.size();
+    grad_sum->assign(specs.back().offset + specs.back().numel, 0.0);
+    if (parts) parts->clear();
+    double loss = 0.0;
+    for (const RefBatch& b : batches) {
         RefTensors g;
-        loss += ref_model_forward_backward(rc, w, dl->inputs.data(), dl->targets.data(), o.batch, o.seq, &g, nullptr) / accum;
-        for (const TensorSpec& s : specs)
-            for (size_t i = 0; i < s.numel; i++) (*grad_sum)[s.offset + i] += g[s.name][i] / accum;
+        loss += ref_model_forward_backward(rc, w, b.inputs.data(), b.targets.data(), B, T, &g, nullptr) * share;
+        for (const TensorSpec& s : specs) {
+            const std::vector<double>& gs = g.at(s.name);
+            for (size_t i = 0; i < s.numel; i++) (*grad_sum)[s.offset + i] += gs[i] * share;
+        }
+        if (parts) {
+            for (auto& [name, v] : g)
+                for (double& x : v) x *= share;
+            parts->push_back(std::move(g));
+        }
     }
     return loss;
 }
-struct TrainRefTrace {
-    std::vector<double> losses;                // each step's mean loss
-    std::vector<std::vector<double>> master;   // the master weights after each step
-    SmoothScales smooth_s;                     // --smooth-quant: each FP8 linear's s after the first step (later steps' s
-                                               // come from weights that the twin's differences have reached)
-};
-static TrainRefTrace train_ref_replay(const TrainOptions& o, double jitter) {
-    const ModelConfig c = model_config_from_options(o, BYTE_VOCAB);
-    RefConfig rc = ref_config_of(c);
-    rc.bf16_storage = true;
-    rc.storage_jitter = jitter;
-    RefFp8 f = ref_fp8_of(rc, fp8_options_from_options(o, 1));
-    if (BUILD_FP8) rc.fp8 = &f;
-    const std::vector<TensorSpec> specs = model_param_specs(c);
-    const std::vector<float> init = model_init_weights(c, (uint64_t)o.seed);
-    const AdamWConfig ac = adamw_config_from_options(o);
-    RefAdamW opt = ref_adamw_init(init, ac, specs.size());
-    DataLoader dl;
-    const std::string err = dataloader_open(&dl, o.data.c_str(), o.batch, o.seq, 0, 1, 0, true, (uint64_t)o.seed);
-    if (!err.empty()) fail("train_ref_replay: %s", err.c_str());
-    std::mt19937_64 rng(TEST_SEED);
-    std::uniform_real_distribution<double> jit(-TRAIN_MASTER_JITTER, TRAIN_MASTER_JITTER);
-    auto weights = [&] {   // the BF16 weights the model runs on
-        std::vector<float> wb(opt.master.size());
-        for (size_t i = 0; i < wb.size(); i++) wb[i] = (float)ref_bf16(jitter > 0.0 ? opt.master[i] * (1.0 + jit(rng)) : opt.master[i]);
-        return ref_tensors_from_flat(rc, wb.data());
-    };
-    TrainRefTrace t;
-    RefTensors w = weights();
-    for (int step = 1; step <= o.steps; step++) {
-        f.recipe.warmup = step <= o.amax_warmup;
-        std::vector<double> grad_sum;
-        const double loss = ref_step_micro_batches(rc, w, &dl, o, specs, &grad_sum);
-        ref_fp8_record_step(&f);
-        const std::vector<float> grads(grad_sum.begin(), grad_sum.end());   // FP32, as the GPU keeps them
-        ref_adamw_step(&opt, specs, grads, ac, lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac), nullptr);
-        w = weights();
-        ref_fp8_smooth_update(&f, w);
-        if (step == 1) t.smooth_s = ref_fp8_smooth_scales(f);
-        t.losses.push_back(loss);
-        t.master.push_back(opt.master);
-    }
-    dataloader_free(&dl);
-    return t;
+static double ref_step_micro_batches(const RefConfig& rc, const RefTensors& w, DataLoader* dl, const TrainOptions& o,
+                                     const std::vector<TensorSpec>& specs, std::vector<double>* grad_sum) {
+    return ref_batches_forward_backward(rc, w, ref_next_batches(dl, grad_accum_steps(o)), o.batch, o.seq, specs, grad_sum);
 }
-// The tiny model on one-token sequences (attention exact on the GPU: see the FP8 model's case), 16 a micro-batch, 2
-// micro-batches a step, 4 steps at a learning rate that moves the weights, every layer FP8 in the FP8 build with split
-// accumulation (the GPU's arithmetic then FP32 throughout), then `more`. The sequence length is set past the parser,
-// which keeps --seq a multiple of 16 for the sampler (these runs sample nothing, and train_step is all they call).
-static const int TRAIN_REF_STEPS = 4;
-static TrainOptions train_ref_options(const TempDir& data, const std::vector<std::string>& more) {
-    std::vector<std::string> args = {"--batch", "16", "--seq", "16", "--total-batch", "512", "--steps", std::to_string(TRAIN_REF_STEPS),
-                                     "--warmup", "1", "--lr", "1e-2"};
+
+// ---- Whole training runs against the float64 trainer, one step at a time. A run of train()'s own loop (train_step) is
+// recorded: the master weights before step 1, and after each step its loss and gradient norm, its mean gradient
+// (Model::grads, what AdamW reads, before clipping), the master weights, the step's last micro-batch and --smooth-quant's
+// s. The float64 trainer replays each step from the run's state before it: the FP8-exact model (section 10) with
+// bf16_storage on the run's weights rounded to BF16 (the GPU's copy), on the same batches (a loader with the run's seed),
+// its FP8 state carried from its own passes as train_update carries the GPU's (delayed scaling's step record, the
+// warm-up's end after step --amax-warmup, --smooth-quant's s from the step's X and the run's new weights), gives the
+// step's loss and gradient; the float64 AdamW (section 8), its moments stored as the run's and carried from the run's
+// gradients, steps the run's weights with the run's gradient. Every step: the loss, the gradient norm, each gradient
+// tensor, each tensor's update, --smooth-quant's s.
+// Why from the run's state rather than as a second run from the same init: Adam's first steps are close to lr sign(g),
+// so an element whose gradient lies within the arithmetic's noise of zero steps the other way by a whole learning rate,
+// and FP8 rounding is discontinuous (a BF16 rounding that turns moves an FP8 code by 1/16 to 1/4 of the value): two runs
+// part further every step. Two float64 runs (the reference and its twin, below) differ after 4 steps by rel_l2 0.3 in
+// w_4 - w_0 and 6e-3 in the loss, the GPU's from the reference by 0.1-0.3 (an H100): bounds that hold there would hide
+// most bugs. From the run's own state each step is compared as the first: one step's noise, never compounded.
+static const int TRAIN_STEPS = 5, TRAIN_STEPS_B = 16;
+// Tolerances, each quantity's as a ratio (<= 1 passes), printed for every step and tensor.
+//   loss, gradients  the FP8 model's rule (fp8_tol_from_twin): TRAIN_STEP_TOL_FACTOR times how far the reference's twin
+//            (storage jitter FP8_ARITH_JITTER: the GPU's FP32 and FP8-GEMM arithmetic turning a BF16 rounding now and
+//            then, and through it an FP8 code) lies from it on the same weights and batches, in rel_l2, max_rel and
+//            element by element, plus a floor: the gradients FP8_TOL_FLOOR_FP8_SUMS (an FP8 GEMM's own ~1e-4 with split
+//            accumulation; BF16 build 1e-5); the loss TRAIN_STEP_LOSS_FLOOR, for a difference the twin does not make
+//            (an H100 measured 5.4e-5 in the FP8 model's case, 2.1e-4 at the first step of this comparison's first
+//            form): 4e-4 (BF16 build: 1e-4). A turned code moves its row, whose values downstream round anew, so the
+//            twin's gradients lie 3-9% (rel_l2) from the reference's, the FP8 noise itself (BF16 build: 0.5%): the
+//            gradients see a bug that moves them by more (a micro-batch lost, the clip's mask lost, s applied twice, a
+//            scale that saturates), not one that only makes other codes at the same resolution. The factor, from an
+//            H100's runs of every case at factor 3: the FP8 build's largest ratios 1.09 (layers.0.wo's step-1 gradient,
+//            max_rel 0.164 where the twin's is 0.050: the same step 1 in every case without --qk-norm), 1.08
+//            (layers.1.w_gate_up's step-5 gradient, element-wise), then 0.96 and below; the BF16 build's 0.89
+//            (final_norm's step-2 gradient under --qk-norm, max_rel). The GPU's arithmetic turns more roundings than the
+//            twin's jitter, about 3.3x as far at the worst: TRAIN_STEP_TOL_FACTOR 5 puts those at 0.65 (BF16 build 0.53).
+//   gradient norm  the run's FP32 norm of its own gradient against float64's: TRAIN_NORM_TOL, adamw_grad_norm's bound.
+//   update   w_k - w_{k-1} element by element. AdamW in FP32: m, v, sqrt, the division and the bias corrections round a
+//            few times by 2^-24 (m's two terms can cancel: their error counts in units of the step, lr), the new master
+//            weight once more (2^-24 |w|): |err_i| <= TRAIN_UPDATE_RTOL (|ref_i| + lr) + 2^-23 max(|w_old_i|, |w_new_i|),
+//            TRAIN_UPDATE_RTOL 1e-5 (~10 roundings, 6e-7, and 16x). A moment stored in BF16 or FP8 rounds to a code, and
+//            where its FP32 value lies within that error (to 1e-6: the clip factor from the FP32 norm) of a midpoint, the
+//            run's code and the reference's differ by one, which moves the element's update by 2^-9 (BF16 v) to 1/8 (E4M3
+//            m) or 1/4 (E5M2 sqrt(v)) of itself, more for a subnormal code, and the codes stay apart for a few steps: per step about
+//            2 x 1e-6 / 2^-7.5 = 4e-4 of a BF16 moment's elements (E4M3 2e-5). So where a moment is not FP32, the
+//            elements outside the bound may number TRAIN_UPDATE_TURNED_SHARE of the tensor (5 steps at that rate, 5x),
+//            plus one; a wrong format, beta, rate or clip moves nearly all.
+//   smooth-quant's s  the channels whose s differs from the reference's: fp8_smooth_s_bound of the twin's count.
+static const double TRAIN_STEP_TOL_FACTOR = 5.0, TRAIN_STEP_LOSS_FLOOR = BUILD_FP8 ? 4e-4 : 1e-4, TRAIN_NORM_TOL = 1.5e-6;
+static const double TRAIN_UPDATE_RTOL = 1e-5, TRAIN_UPDATE_TURNED_SHARE = 1e-2;
+
+// The tiny model on one-token sequences (attention is then exact on the GPU: one key, the output is V; see the FP8
+// model's case), TRAIN_STEPS_B sequences a micro-batch, 2 micro-batches a step (the second's dW adds to the first's),
+// TRAIN_STEPS steps at a learning rate that moves the weights (Adam's ~lr an element, half the init's 0.02), every layer
+// FP8 in the FP8 build with split accumulation, then `more`. The sequence length is set past the parser, which keeps
+// --seq a multiple of 16 for the sampler (these runs sample nothing, and train_step is all they call).
+static TrainOptions train_steps_options(const TempDir& data, const std::vector<std::string>& more) {
+    std::vector<std::string> args = {"--batch", std::to_string(TRAIN_STEPS_B), "--seq", "16", "--total-batch", std::to_string(32 * TRAIN_STEPS_B),
+                                     "--steps", std::to_string(TRAIN_STEPS), "--warmup", "1", "--lr", "1e-2"};
     if (BUILD_FP8) args.insert(args.end(), {"--fp8-all-layers", "--fp8-fast-accum", "0"});
     args.insert(args.end(), more.begin(), more.end());
     TrainOptions o = tiny_run_options(data, args);
     o.seq = 1;
-    o.total_batch = 32;   // 2 micro-batches of 16 x 1
+    o.total_batch = 2 * TRAIN_STEPS_B;
     return o;
 }
-// Every quantity of a run: each step's loss, and what each step moved each tensor (w_step - w_0). With one token a
-// sequence attention's output is V (one key), so Q and K reach the loss nowhere: wqkv's Q and K rows and the QK norm's
-// weights get a gradient of exactly 0 in float64, and on the GPU a residue of rounding (dO.O and dO.V, the same FP32 dot
-// product summed in two orders) that Adam, dividing by its own size, can turn into steps of up to the learning rate.
-// Those are not compared: wqkv by its V rows, the QK norm not at all (--qk-norm's run shows that it runs, not that it
-// normalizes: model_qk_norm_qkv_clip_match_reference does that).
-static void train_ref_each(const TrainOptions& o, const TrainRefTrace& got, const TrainRefTrace& ref, const QuantityFn& fn) {
+
+// What a run did, step by step.
+struct TrainStepRecord {
+    double loss = 0.0, grad_norm = 0.0;
+    std::vector<float> grads, master;   // the step's mean gradient (what AdamW read, before clipping); the master weights after it
+    std::vector<int> last_batch;        // the step's last micro-batch: its inputs, then its targets
+    SmoothScales smooth_s;              // --smooth-quant: each FP8 linear's s after the step
+};
+struct TrainRunRecord {
+    std::vector<float> master0;         // the master weights before step 1
+    std::vector<TrainStepRecord> steps;
+};
+static std::vector<int> train_batch_tokens(const std::vector<int>& inputs, const std::vector<int>& targets) {
+    std::vector<int> t = inputs;
+    t.insert(t.end(), targets.begin(), targets.end());
+    return t;
+}
+
+// A run of train()'s loop on the GPU, recorded; *clipped (--qkv-clip): the share of the last micro-batch's qkv values
+// that the clip clamped, else -1.
+static TrainRunRecord train_record_gpu(const TrainOptions& o, double* clipped) {
+    TrainRun run;
+    train_check_inputs(&run, o);
+    train_create_ranks(&run);
+    train_open_logs(&run);
+    TrainRank& r = run.ranks[0];
+    TrainRunRecord rec;
+    rec.master0 = adamw_download<float>(r.opt.master, r.opt.num_params);
+    for (int step = 1; step <= o.steps; step++) {
+        const StepStats st = train_step(&run, step);
+        TrainStepRecord s;
+        s.loss = st.loss;
+        s.grad_norm = st.grad_norm;
+        s.grads = adamw_download<float>(r.model.grads, r.model.num_params);
+        s.master = adamw_download<float>(r.opt.master, r.opt.num_params);
+        s.last_batch = train_batch_tokens(run.train_data.inputs, run.train_data.targets);
+        s.smooth_s = model_smooth_scales(&r.model);
+        rec.steps.push_back(std::move(s));
+    }
+    *clipped = -1.0;
+    if (o.qkv_clip > 0.0f) {
+        const ModelConfig& c = run.config;
+        std::vector<uint8_t> mask((size_t)c.n_layers * run.B * run.T * model_qkv_dim(c) / 8);
+        cudaCheck(cudaMemcpy(mask.data(), r.model.acts.qkv_clip_mask, mask.size(), cudaMemcpyDeviceToHost));
+        size_t clamped = 0;
+        for (uint8_t b : mask) clamped += __builtin_popcount(b);
+        *clipped = (double)clamped / (mask.size() * 8);
+    }
+    profile_destroy(&run.profile);
+    train_close(&run);
+    return rec;
+}
+
+// How the float64 trainer, standing in for a run, departs from the recipe: a bug whose effect the check must see.
+struct TrainStandIn {
+    std::vector<std::string> flags;    // own_flags: the run's flags (after train_steps_options'), instead of the case's
+    bool own_flags = false;
+    int warmup_shift = 0;              // --amax-warmup's end moved by this many steps
+    bool skip_step_record = false;     // delayed scaling: no step record (the warm-up's last casts' scales stay)
+    bool dw_last_micro_batch = false;  // the FP8 linears' dW: a step's last micro-batch overwrites the others'
+    bool smooth_dw_rescaled = false;   // --smooth-quant: the FP8 dW so far is multiplied by s again at each micro-batch
+    bool dy_cast_before_clip = false;  // --qkv-clip: wqkv's dY cast to FP8 before the clip's backward masks it
+};
+// The FP8 linear (RefFp8::linears' index, 4 l + k) whose weight the parameter `name` is, or -1.
+static int ref_fp8_linear_of(const RefFp8& f, const std::string& name) {
+    const char* names[4] = {"wqkv", "wo", "w_gate_up", "w_down"};
+    for (size_t l = 0; l < f.layer.size(); l++)
+        for (int k = 0; k < 4; k++)
+            if (f.layer[l] && name == "layers." + std::to_string(l) + "." + names[k]) return (int)(4 * l + k);
+    return -1;
+}
+// The float64 trainer's own run of o with the stand-in's departures, recorded as train_record_gpu records: its master
+// weights kept in FP32 (rounded after each step, as the GPU's), the model on them rounded to BF16.
+static TrainRunRecord train_record_ref(const TrainOptions& o, const TrainStandIn& b) {
     const ModelConfig c = model_config_from_options(o, BYTE_VOCAB);
+    RefConfig rc = ref_config_of(c);
+    rc.bf16_storage = true;
+    RefFp8 f = ref_fp8_of(rc, fp8_options_from_options(o, 1));
+    f.dy_cast_before_clip = b.dy_cast_before_clip;
+    if (BUILD_FP8) rc.fp8 = &f;
     const std::vector<TensorSpec> specs = model_param_specs(c);
-    const std::vector<float> init = model_init_weights(c, (uint64_t)o.seed);
-    const size_t qk_rows = (size_t)(c.n_heads + c.n_kv_heads) * c.head_dim;   // wqkv's Q and K rows come first
-    for (size_t s = 0; s < ref.losses.size(); s++) {
-        fn("step " + std::to_string(s + 1) + " loss", &got.losses[s], &ref.losses[s], 1);
+    const AdamWConfig ac = adamw_config_from_options(o);
+    TrainRunRecord rec;
+    rec.master0 = model_init_weights(c, (uint64_t)o.seed);
+    RefAdamW opt = ref_adamw_init(rec.master0, ac, specs.size());
+    DataLoader dl;
+    const std::string err = dataloader_open(&dl, o.data.c_str(), o.batch, o.seq, 0, 1, 0, true, (uint64_t)o.seed);
+    if (!err.empty()) fail("train_record_ref: %s", err.c_str());
+    std::vector<float> master = rec.master0;
+    for (int step = 1; step <= o.steps; step++) {
+        f.recipe.warmup = step <= o.amax_warmup + b.warmup_shift;
+        const std::vector<RefBatch> batches = ref_next_batches(&dl, grad_accum_steps(o));
+        TrainStepRecord s;
+        std::vector<double> grad;
+        std::vector<RefTensors> parts;
+        s.loss = ref_batches_forward_backward(rc, ref_tensors_from_flat(rc, bf16_rounded(master).data()), batches, o.batch, o.seq, specs,
+                                              &grad, &parts);
         for (const TensorSpec& t : specs) {
-            if (t.name.find("qk_norm") != std::string::npos) continue;
-            const bool wqkv = t.name.find(".wqkv") != std::string::npos;
-            const size_t first = wqkv ? qk_rows * t.cols : 0, n = t.numel - first;
-            std::vector<double> moved_got(n), moved_ref(n);
-            for (size_t i = 0; i < n; i++) {
-                moved_got[i] = got.master[s][t.offset + first + i] - init[t.offset + first + i];
-                moved_ref[i] = ref.master[s][t.offset + first + i] - init[t.offset + first + i];
+            const int lin = rc.fp8 ? ref_fp8_linear_of(f, t.name) : -1;
+            if (lin < 0 || !(b.dw_last_micro_batch || (b.smooth_dw_rescaled && f.smooth_alpha > 0.0f))) continue;
+            const std::vector<double>& s_col = f.linears[lin].s;
+            std::vector<double> g(t.numel, 0.0);   // the GPU's p.grad after each micro-batch
+            for (const RefTensors& p : parts) {
+                const std::vector<double>& pg = p.at(t.name);
+                for (size_t i = 0; i < t.numel; i++) g[i] = b.dw_last_micro_batch ? pg[i] : g[i] * s_col[i % t.cols] + pg[i];
             }
-            fn("step " + std::to_string(s + 1) + " w - w_0 " + t.name + (wqkv ? " (V rows)" : ""), moved_got.data(), moved_ref.data(), n);
+            std::copy(g.begin(), g.end(), grad.begin() + t.offset);
+        }
+        if (!b.skip_step_record) ref_fp8_record_step(&f);
+        s.grads.assign(grad.begin(), grad.end());
+        s.grad_norm = ref_adamw_step(&opt, specs, s.grads, ac, lr_schedule(step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac), nullptr);
+        for (size_t i = 0; i < master.size(); i++) opt.master[i] = master[i] = (float)opt.master[i];
+        ref_fp8_smooth_update(&f, ref_tensors_from_flat(rc, bf16_rounded(master).data()));
+        s.smooth_s = ref_fp8_smooth_scales(f);
+        s.master = master;
+        s.last_batch = train_batch_tokens(batches.back().inputs, batches.back().targets);
+        rec.steps.push_back(std::move(s));
+    }
+    dataloader_free(&dl);
+    return rec;
+}
+
+// One step's comparison: each quantity, its tolerance and its ratio to it.
+struct TrainTensorCheck {
+    std::string name;
+    bool grad_compared = false;     // (not the QK norm's, not wqkv's Q and K rows: below)
+    ErrorStats grad{};
+    double grad_twin = 0.0, grad_elem = 0.0, grad_ratio = 0.0;   // the twin's rel_l2; the worst element's ratio to its bound
+    Fp8Tol grad_tol{};
+    double update_worst = 0.0, update_ratio = 0.0;   // the worst element's ratio; the (allowed + 1)-th worst's, compared
+    size_t outside = 0, allowed = 0;                 // update elements outside their bound, and how many may be
+};
+struct TrainStepCheck {
+    int step = 0;
+    bool same_batch = false;
+    double loss = 0.0, loss_ref = 0.0, loss_twin = 0.0, loss_tol = 0.0, loss_ratio = 0.0;
+    double norm = 0.0, norm_ref = 0.0, norm_ratio = 0.0, lr = 0.0, update_factor = 1.0;
+    size_t s_differ = 0, s_twin = 0, s_channels = 0;
+    double s_ratio = 0.0;
+    std::vector<TrainTensorCheck> tensors;
+};
+// The largest ratio of a run's quantities to their tolerances, and where (a batch that is not the run's: infinite).
+static double train_steps_worst(const std::vector<TrainStepCheck>& checks, std::string* where) {
+    double worst = 0.0;
+    where->clear();
+    for (const TrainStepCheck& k : checks) {
+        auto see = [&](double x, const std::string& name) {
+            if (!(x <= worst)) worst = x, *where = "step " + std::to_string(k.step) + " " + name;
+        };
+        see(k.same_batch ? 0.0 : INFINITY, "batch");
+        see(k.loss_ratio, "loss");
+        see(k.norm_ratio, "gradient norm");
+        see(k.s_ratio, "smooth-quant's s");
+        for (const TrainTensorCheck& t : k.tensors) {
+            see(t.grad_ratio, "grad " + t.name);
+            see(t.update_ratio, "update " + t.name);
+        }
+    }
+    return worst;
+}
+
+// The float64 trainer's check of a run recorded with the options o, step by step. With one token a sequence attention's
+// output is V (one key), so Q and K reach the loss nowhere: wqkv's Q and K rows and the QK norm's weights get a gradient
+// of exactly 0 in float64, and on the GPU a residue of rounding (dO.O and dO.V, the same FP32 dot product summed in two
+// orders). Their gradients are not compared (wqkv's by its V rows); their updates are, since the float64 AdamW steps
+// with the run's own gradient (Adam, dividing by the residue's own size, makes it a step of ~lr).
+static std::vector<TrainStepCheck> train_steps_check(const TrainOptions& o, const TrainRunRecord& run) {
+    const ModelConfig c = model_config_from_options(o, BYTE_VOCAB);
+    RefConfig rc = ref_config_of(c);
+    rc.bf16_storage = true;
+    RefConfig twin_rc = rc;
+    twin_rc.storage_jitter = FP8_ARITH_JITTER;
+    RefFp8 f = ref_fp8_of(rc, fp8_options_from_options(o, 1)), twin_f = f;
+    if (BUILD_FP8) rc.fp8 = &f, twin_rc.fp8 = &twin_f;
+    const std::vector<TensorSpec> specs = model_param_specs(c);
+    const size_t n_params = specs.back().offset + specs.back().numel;
+    const AdamWConfig ac = adamw_config_from_options(o);
+    const bool stored_coarser = ac.m_dtype != DT_FP32 || ac.v_dtype != DT_FP32;
+    if (run.master0.size() != n_params) fail("train_steps_check: the run has %zu parameters, the options' model %zu", run.master0.size(), n_params);
+    RefAdamW opt = ref_adamw_init(run.master0, ac, specs.size());
+    DataLoader dl;
+    const std::string err = dataloader_open(&dl, o.data.c_str(), o.batch, o.seq, 0, 1, 0, true, (uint64_t)o.seed);
+    if (!err.empty()) fail("train_steps_check: %s", err.c_str());
+    const size_t qk_rows = (size_t)(c.n_heads + c.n_kv_heads) * c.head_dim;   // wqkv's Q and K rows come first
+    std::vector<TrainStepCheck> checks;
+    for (size_t k = 0; k < run.steps.size(); k++) {
+        const TrainStepRecord& got = run.steps[k];
+        const std::vector<float>& before = k == 0 ? run.master0 : run.steps[k - 1].master;
+        if (got.grads.size() != n_params || got.master.size() != n_params) fail("train_steps_check: step %zu's record is incomplete", k + 1);
+        TrainStepCheck ck;
+        ck.step = (int)k + 1;
+        f.recipe.warmup = twin_f.recipe.warmup = ck.step <= o.amax_warmup;
+        const std::vector<RefBatch> batches = ref_next_batches(&dl, grad_accum_steps(o));
+        ck.same_batch = got.last_batch == train_batch_tokens(batches.back().inputs, batches.back().targets);
+        // the step's loss and gradient from the run's weights, and the twin's
+        const RefTensors w = ref_tensors_from_flat(rc, bf16_rounded(before).data());
+        std::vector<double> grad, twin_grad;
+        ck.loss_ref = ref_batches_forward_backward(rc, w, batches, o.batch, o.seq, specs, &grad);
+        ck.loss_twin = ref_batches_forward_backward(twin_rc, w, batches, o.batch, o.seq, specs, &twin_grad);
+        ref_fp8_record_step(&f);
+        ref_fp8_record_step(&twin_f);
+        ck.loss = got.loss;
+        ck.loss_tol = TRAIN_STEP_TOL_FACTOR * fabs(ck.loss_twin - ck.loss_ref) / ck.loss_ref + TRAIN_STEP_LOSS_FLOOR;
+        ck.loss_ratio = std::isfinite(ck.loss) ? fabs(ck.loss - ck.loss_ref) / ck.loss_ref / ck.loss_tol : INFINITY;
+        // AdamW from the run's weights with the run's gradient
+        ck.lr = lr_schedule(ck.step - 1, o.steps, o.warmup, o.lr, o.final_lr_frac);
+        opt.master.assign(before.begin(), before.end());
+        std::vector<double> factors;
+        ck.norm = got.grad_norm;
+        ck.norm_ref = ref_adamw_step(&opt, specs, got.grads, ac, ck.lr, &factors);
+        ck.norm_ratio = std::isfinite(ck.norm) ? fabs(ck.norm - ck.norm_ref) / ck.norm_ref / TRAIN_NORM_TOL : INFINITY;
+        for (double x : factors) ck.update_factor = std::min(ck.update_factor, x);
+        // --smooth-quant: s from the step's X amaxes and the run's new weights
+        const RefTensors w_new = ref_tensors_from_flat(rc, bf16_rounded(got.master).data());
+        ref_fp8_smooth_update(&f, w_new);
+        ref_fp8_smooth_update(&twin_f, w_new);
+        const SmoothScales s_ref = ref_fp8_smooth_scales(f);
+        ck.s_twin = fp8_smooth_s_differ(ref_fp8_smooth_scales(twin_f), s_ref, &ck.s_channels);
+        ck.s_differ = fp8_smooth_s_differ(got.smooth_s, s_ref, &ck.s_channels);
+        ck.s_ratio = ck.s_differ == SIZE_MAX ? INFINITY : ck.s_channels ? ck.s_differ / fp8_smooth_s_bound(ck.s_twin, ck.s_channels) : 0.0;
+        for (const TensorSpec& t : specs) {
+            TrainTensorCheck tc;
+            tc.name = t.name;
+            if (t.name.find("qk_norm") == std::string::npos) {
+                const size_t first = t.name.find(".wqkv") != std::string::npos ? qk_rows * t.cols : 0, n = t.numel - first;
+                const std::vector<double> g(got.grads.begin() + t.offset + first, got.grads.begin() + t.offset + t.numel);
+                const double *r = &grad[t.offset + first], *tw = &twin_grad[t.offset + first];
+                tc.grad_compared = true;
+                tc.grad_tol = fp8_tol_from_twin(tw, r, n, FP8_TOL_FLOOR_FP8_SUMS, TRAIN_STEP_TOL_FACTOR);
+                tc.grad = error_stats(g.data(), r, n);
+                tc.grad_twin = error_stats(tw, r, n).rel_l2;
+                tc.grad_elem = elem_worst(g.data(), r, n, tc.grad_tol.elem).ratio;
+                tc.grad_ratio = fp8_outside(g.data(), r, n, tc.grad_tol);
+            }
+            std::vector<double> ratio(t.numel);
+            for (size_t i = 0; i < t.numel; i++) {
+                const size_t j = t.offset + i;
+                const double moved = (double)got.master[j] - before[j], moved_ref = opt.master[j] - before[j];
+                const double bound = TRAIN_UPDATE_RTOL * (fabs(moved_ref) + ck.lr) + 0x1p-23 * std::max(fabs(before[j]), fabs(got.master[j]));
+                ratio[i] = std::isfinite(moved) ? fabs(moved - moved_ref) / bound : INFINITY;
+                tc.outside += ratio[i] > 1.0;
+                tc.update_worst = std::max(tc.update_worst, ratio[i]);
+            }
+            tc.allowed = stored_coarser ? (size_t)(TRAIN_UPDATE_TURNED_SHARE * t.numel) + 1 : 0;
+            std::nth_element(ratio.begin(), ratio.begin() + tc.allowed, ratio.end(), std::greater<double>());
+            tc.update_ratio = tc.allowed < t.numel ? ratio[tc.allowed] : 0.0;
+            ck.tensors.push_back(tc);
+        }
+        checks.push_back(std::move(ck));
+    }
+    dataloader_free(&dl);
+    return checks;
+}
+
+// The comparison's figures, step by step and tensor by tensor. The update's columns: the worst element's ratio to its
+// bound; how many elements lie outside their bound, over how many may (turned moment codes: TRAIN_UPDATE_TURNED_SHARE of
+// the tensor, plus one; 0 with FP32 moments), not over the tensor's size; the (allowed + 1)-th worst ratio, compared.
+static void train_steps_print(const std::vector<TrainStepCheck>& checks) {
+    for (const TrainStepCheck& k : checks) {
+        printf("    step %d: loss %.7f, float64 %.7f (twin %.7f): %+.2e, tol %.1e (%.2f); grad norm %.6f, float64 %.6f (%.2f); lr %.2e, "
+               "update clip %.4f; batch %s%s\n", k.step, k.loss, k.loss_ref, k.loss_twin, (k.loss - k.loss_ref) / k.loss_ref, k.loss_tol,
+               k.loss_ratio, k.norm, k.norm_ref, k.norm_ratio, k.lr, k.update_factor, k.same_batch ? "the run's" : "NOT THE RUN'S",
+               k.same_batch && k.loss_ratio <= 1.0 && k.norm_ratio <= 1.0 ? "" : "  <-- FAIL");
+        if (k.s_channels > 0 || k.s_differ > 0)
+            printf("      smooth-quant s: %zu of %zu channels differ (the twin's %zu; %.2f of the bound)%s\n", k.s_differ, k.s_channels, k.s_twin,
+                   k.s_ratio, k.s_ratio <= 1.0 ? "" : "  <-- FAIL");
+        printf("      %-22s %8s %8s %8s %8s %8s %6s %6s | %8s %12s %6s\n", "tensor", "grad l2", "twin l2", "tol", "max_rel", "tol", "elem",
+               "ratio", "upd worst", "out/allowed", "ratio");
+        for (const TrainTensorCheck& t : k.tensors) {
+            char grad[96] = "  (not compared: Q and K reach no loss)";
+            if (t.grad_compared)
+                snprintf(grad, sizeof(grad), "%8.1e %8.1e %8.1e %8.1e %8.1e %6.2f %6.2f", t.grad.rel_l2, t.grad_twin, t.grad_tol.rel_l2, t.grad.max_rel,
+                         t.grad_tol.max_rel, t.grad_elem, t.grad_ratio);
+            printf("      %-22s %-58s | %8.2f %6zu/%-5zu %6.2f%s\n", t.name.c_str(), grad, t.update_worst, t.outside, t.allowed, t.update_ratio,
+                   t.grad_ratio <= 1.0 && t.update_ratio <= 1.0 ? "" : "  <-- FAIL");
         }
     }
 }
-// The float64 trainer's runs: a name, the flags (after train_ref_options'), and the deliberate bugs the
-// comparison must see, each as the flags the run would have if the code ignored or miswired what it tests.
-// seen: as expect_far_outside's. Which bugs a run sees near the twin's tolerance depends on which roundings turned in
-// the twin: a bug is marked seen only where it lies 10x or more outside (v kept in FP32, the warm-up skipped: 0.7-12x).
-struct TrainRefBug { const char* what; std::vector<std::string> flags; bool seen; };
-struct TrainRefCase { const char* what; std::vector<std::string> flags; std::vector<TrainRefBug> bugs; };
-static std::vector<TrainRefCase> train_ref_cases() {
-    std::vector<TrainRefCase> cases = {
-        {"the recipe (moments as the build's defaults)", {}, {}},
-        {"--qk-norm, --qkv-clip 0.25", {"--qk-norm", "--qkv-clip", "0.25"}, {{"the clip not applied", {"--qk-norm"}, true}}},
-        {"--update-clip", {"--update-clip"}, {{"no update clipping (none bites in 4 steps)", {}, false}}},
-        {"--adam-atan2", {"--adam-atan2"}, {{"Adam's division instead of atan2", {}, true}}},
+
+// The runs: the recipe and each flag, with the deliberate bugs the comparison must see (a stand-in run of the float64
+// trainer that has them; seen: as expect_far_outside's, at least 3x outside some tolerance).
+struct TrainStepsBug { const char* what; std::function<void(TrainStandIn*)> make; bool seen; };
+struct TrainStepsCase { const char* what; std::vector<std::string> flags; std::vector<TrainStepsBug> bugs; };
+static std::function<void(TrainStandIn*)> train_stand_in_flags(const std::vector<std::string>& flags) {
+    return [flags](TrainStandIn* b) {
+        b->flags = flags;
+        b->own_flags = true;
+    };
+}
+static std::vector<TrainStepsCase> train_steps_cases() {
+    std::vector<TrainStepsCase> cases = {
+        {BUILD_FP8 ? "every layer FP8, current scaling, the build's moments" : "the BF16 build's model and moments", {}, {}},
+        {"--qk-norm --qkv-clip 0.25", {"--qk-norm", "--qkv-clip", "0.25"}, {{"the clip not applied", train_stand_in_flags({"--qk-norm"}), true}}},
+        // (Adam's early updates m / sqrt(v), bias-corrected, have an RMS of at most ~1: the clip bites in none of these steps;
+        // adamw_update_clipping_vs_float64 has one that bites)
+        {"--update-clip", {"--update-clip"}, {{"no update clipping", train_stand_in_flags({}), false}}},
+        {"--adam-atan2", {"--adam-atan2"}, {{"Adam's division instead of atan2", train_stand_in_flags({}), true}}},
         {"FP8 moments: --m-dtype e4m3 --v-dtype e5m2", {"--m-dtype", "e4m3", "--v-dtype", "e5m2"},
-         {{"v kept in FP32", {"--m-dtype", "e4m3", "--v-dtype", "fp32"}, false}, {"v in E4M3", {"--m-dtype", "e4m3", "--v-dtype", "e4m3"}, true},
-          {"m kept in FP32", {"--m-dtype", "fp32", "--v-dtype", "e5m2"}, false}}},
+         {{"v kept in FP32", train_stand_in_flags({"--m-dtype", "e4m3", "--v-dtype", "fp32"}), true},
+          {"v in E4M3", train_stand_in_flags({"--m-dtype", "e4m3", "--v-dtype", "e4m3"}), true},
+          {"m kept in FP32", train_stand_in_flags({"--m-dtype", "fp32", "--v-dtype", "e5m2"}), true}}},
     };
     if (BUILD_FP8) {
-        cases.push_back({"delayed scaling: --amax-history 4 --amax-warmup 2", {"--amax-history", "4", "--amax-warmup", "2"},
-                         {{"no warm-up", {"--amax-history", "4"}, false}}});
-        cases.push_back({"--smooth-quant 0.7", {"--smooth-quant", "0.7"}, {{"alpha and 1 - alpha swapped", {"--smooth-quant", "0.3"}, true}}});
+        cases[0].bugs.push_back({"FP8 dW: the last micro-batch overwrites the first's", [](TrainStandIn* b) { b->dw_last_micro_batch = true; }, true});
+        cases[1].bugs.push_back({"wqkv's FP8 dY cast before the clip's backward", [](TrainStandIn* b) { b->dy_cast_before_clip = true; }, true});
+        cases.push_back({"delayed scaling: --amax-history 4 --amax-warmup 1", {"--amax-history", "4", "--amax-warmup", "1"},
+                         {{"the warm-up a step longer", [](TrainStandIn* b) { b->warmup_shift = 1; }, true},
+                          {"the warm-up a step shorter", [](TrainStandIn* b) { b->warmup_shift = -1; }, false},
+                          {"no step record: the warm-up's last scales stay", [](TrainStandIn* b) { b->skip_step_record = true; }, true}}});
+        cases.push_back({"--smooth-quant 0.7", {"--smooth-quant", "0.7"},
+                         {{"alpha and 1 - alpha swapped", train_stand_in_flags({"--smooth-quant", "0.3"}), true},
+                          {"the dW so far multiplied by s again", [](TrainStandIn* b) { b->smooth_dw_rescaled = true; }, true}}});
     }
     return cases;
 }
-// A run's tolerances from its twin (fp8_tol_from_twin: FP8_TOL_FACTOR times the twin's differences, plus the floors).
-static std::map<std::string, Fp8Tol> train_ref_tolerances(const TrainOptions& o, const TrainRefTrace& ref, const TrainRefTrace& twin) {
-    std::map<std::string, Fp8Tol> tol;
-    train_ref_each(o, twin, ref, [&](const std::string& name, const double* got, const double* r, size_t n) { tol[name] = fp8_tol_from_twin(got, r, n, fp8_tol_floor(name)); });
-    return tol;
-}
 
-// The float64 trainer sees each run's flags: against its twin's tolerances, each case's deliberate bugs (a flag ignored,
-// or another's value) lie at least 3x outside them in some step's loss or some tensor's movement.
-HOST_TEST(train_ref_replay_sees_the_flags) {
+// The float64 trainer's step-by-step check sees each case's bugs: its own run passes the check (the check reproduces it
+// but for the FP32 rounding of the master weights), and each stand-in run with a bug marked seen lies at least 3x outside
+// some tolerance (the others are printed). The figures of the host's side: the run's losses, how far the twin lies from
+// the reference, the update clipping's smallest factor.
+HOST_TEST(train_steps_check_sees_the_bugs) {
     TempDir data;
     write_synthetic_corpus(data);
-    for (const TrainRefCase& cs : train_ref_cases()) {
-        const TrainOptions o = train_ref_options(data, cs.flags);
-        const TrainRefTrace ref = train_ref_replay(o, 0.0), twin = train_ref_replay(o, FP8_ARITH_JITTER);
-        const std::map<std::string, Fp8Tol> tol = train_ref_tolerances(o, ref, twin);
-        double twin_loss = 0, twin_moved = 0;
-        train_ref_each(o, twin, ref, [&](const std::string& name, const double* got, const double* r, size_t n) {
-            double& most = name.find(" loss") != std::string::npos ? twin_loss : twin_moved;
-            most = std::max(most, error_stats(got, r, n).rel_l2);
-        });
-        size_t channels = 0;
-        const size_t twin_s = fp8_smooth_s_differ(twin.smooth_s, ref.smooth_s, &channels);
-        printf("    %s: float64 loss %.4f -> %.4f; the twin (jitter %.0e) differs by rel_l2 up to %.1e (losses), %.1e (w - w_0); smooth-quant "
-               "s in %zu of %zu channels\n", cs.what, ref.losses.front(), ref.losses.back(), FP8_ARITH_JITTER, twin_loss, twin_moved, twin_s, channels);
-        for (const TrainRefBug& bug : cs.bugs) {
-            const TrainRefTrace other = train_ref_replay(train_ref_options(data, bug.flags), 0.0);
-            expect_far_outside(cs.what, bug.what, bug.seen, [&](const QuantityFn& fn) { train_ref_each(o, other, ref, fn); }, tol, other.smooth_s,
-                               ref.smooth_s, twin_s);
+    for (const TrainStepsCase& cs : train_steps_cases()) {
+        const TrainOptions o = train_steps_options(data, cs.flags);
+        const TrainRunRecord own = train_record_ref(o, TrainStandIn());
+        const std::vector<TrainStepCheck> checks = train_steps_check(o, own);
+        std::string where;
+        const double worst = train_steps_worst(checks, &where);
+        double twin_loss = 0.0, twin_grad = 0.0, factor = 1.0;
+        for (const TrainStepCheck& k : checks) {
+            twin_loss = std::max(twin_loss, fabs(k.loss_twin - k.loss_ref) / k.loss_ref);
+            for (const TrainTensorCheck& t : k.tensors) twin_grad = std::max(twin_grad, t.grad_twin);
+            factor = std::min(factor, k.update_factor);
         }
+        printf("    %s: float64 loss %.4f -> %.4f; the twin lies up to %.1e (loss), rel_l2 %.1e (gradients) from it; update clip factor >= %.4f; "
+               "its own run %.2f of the tolerances (%s)\n", cs.what, checks.front().loss_ref, checks.back().loss_ref, twin_loss, twin_grad, factor,
+               worst, where.c_str());
+        expect(worst <= 1.0, "%s: the float64 trainer's own run lies %.2f of a tolerance from its check (%s)", cs.what, worst, where.c_str());
+        expect(checks.back().loss_ref < checks.front().loss_ref - 0.1, "%s: the run should learn (float64 loss %.4f -> %.4f)", cs.what,
+               checks.front().loss_ref, checks.back().loss_ref);
+        for (const TrainStepsBug& bug : cs.bugs) {
+            TrainStandIn b;
+            bug.make(&b);
+            const TrainRunRecord other = train_record_ref(b.own_flags ? train_steps_options(data, b.flags) : o, b);
+            std::string at;
+            const double far = train_steps_worst(train_steps_check(o, other), &at);
+            printf("      %-48s %8.1fx its tolerance (%s)%s\n", bug.what, far, at.c_str(), bug.seen ? "" : " (not within this comparison's reach)");
+            expect(!bug.seen || far >= 3.0, "%s: %s lies only %.1fx outside the tolerances: the comparison would not see it", cs.what, bug.what, far);
+        }
+    }
+}
+
+// Whole training runs against the float64 trainer, step by step (above): the recipe with every layer FP8 and each flag
+// of train_steps_cases, 2 micro-batches a step, train()'s own loop. Every step's loss, gradient norm, gradient tensors,
+// updates and smooth-quant s within their tolerances, the batches the run's, the clip biting where it is set.
+GPU_TEST(train_runs_follow_float64_step_by_step) {
+    TempDir data;
+    write_synthetic_corpus(data);
+    for (const TrainStepsCase& cs : train_steps_cases()) {
+        const TrainOptions o = train_steps_options(data, cs.flags);
+        printf("    %s\n", cs.what);
+        double clipped = -1.0;
+        const TrainRunRecord run = train_record_gpu(o, &clipped);
+        if (o.qkv_clip > 0.0f) {   // the share of the last micro-batch's qkv values the GPU clamped
+            printf("    --qkv-clip %g clamped %.1f%% of the qkv values (must be 5-50%%)\n", o.qkv_clip, 100 * clipped);
+            expect(clipped > 0.05 && clipped < 0.5, "the clip %g clamps %.1f%% of qkv: it must bite, not flatten", o.qkv_clip, 100 * clipped);
+        }
+        const std::vector<TrainStepCheck> checks = train_steps_check(o, run);
+        train_steps_print(checks);
+        std::string where;
+        const double worst = train_steps_worst(checks, &where);
+        printf("    the largest error: %.2f of its tolerance (%s)\n", worst, where.c_str());
+        expect(worst <= 1.0, "%s: %s lies %.2f of its tolerance from the float64 trainer's (the table marks each one outside)", cs.what,
+               where.c_str(), worst);
+        expect(checks.back().loss_ref < checks.front().loss_ref - 0.1, "%s: the run should learn (float64 loss %.4f -> %.4f)", cs.what,
+               checks.front().loss_ref, checks.back().loss_ref);
     }
 }
 
