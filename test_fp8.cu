@@ -1956,9 +1956,14 @@ static double ref_block_scale(double amax, Fp8Format f, int margin, bool pow2) {
 struct RefBlockOperand {
     std::vector<uint8_t> codes;
     std::vector<float> inv_scale;
+    std::vector<float> scale;   // the FP32 scale each code was cast with, beside inv_scale (same index; the padding 0)
     std::vector<double> values;
     unsigned long long saturated = 0, flushed = 0;
 };
+// Where the factor of element (r, k) of an operand [op_rows, op_k] lies in its scale tensor (as inv_scale above).
+static size_t ref_block_scale_index(Fp8Granularity g, int op_rows, int op_k, int r, int k) {
+    return g == FP8_BLOCKS_128x128 ? (size_t)(r / 128) * ((op_k / 128 + 3) / 4 * 4) + k / 128 : (size_t)(k / 128) * op_rows + r;
+}
 // The operand x [rows, cols] (row-major), or its transpose [cols, rows] (of_transpose), cast with a scale per 1x128 tile
 // along the operand's rows or per 128x128 block; rows and cols multiples of 128.
 template <class T>
@@ -1971,6 +1976,7 @@ static RefBlockOperand ref_block_quantize(const std::vector<T>& x, int rows, int
     op.codes.resize((size_t)op_rows * op_k);
     op.values.resize(op.codes.size());
     op.inv_scale.assign(g == FP8_BLOCKS_128x128 ? (size_t)(op_rows / 128) * ld : (size_t)k_blocks * op_rows, float_from_bits(0xFFFFFFFFu));
+    op.scale.assign(op.inv_scale.size(), 0.0f);
     for (int tr = 0; tr < op_rows / tile_rows; tr++)
         for (int kb = 0; kb < k_blocks; kb++) {
             double amax = 0.0;
@@ -1979,6 +1985,7 @@ static RefBlockOperand ref_block_quantize(const std::vector<T>& x, int rows, int
             const double scale = ref_block_scale(amax, rule.format, rule.margin, rule.pow2);
             const float factor = (float)(1.0 / scale);   // one rounding, as scale's quotient above
             op.inv_scale[g == FP8_BLOCKS_128x128 ? (size_t)tr * ld + kb : (size_t)kb * op_rows + tr] = factor;
+            op.scale[g == FP8_BLOCKS_128x128 ? (size_t)tr * ld + kb : (size_t)kb * op_rows + tr] = (float)scale;
             for (int r = tr * tile_rows; r < (tr + 1) * tile_rows; r++)
                 for (int k = kb * 128; k < kb * 128 + 128; k++) {
                     const size_t i = (size_t)r * op_k + k;
@@ -2067,9 +2074,7 @@ HOST_TEST(fp8_block_reference_is_sharp) {
                 for (int r = 0; r < op_rows; r++)
                     for (int k = 0; k < op_k; k++) {
                         const double xv = t ? x[(size_t)k * cols + r] : x[(size_t)r * cols + k], got = op.values[(size_t)r * op_k + k];
-                        const size_t s = g == FP8_BLOCKS_128x128 ? (size_t)(r / 128) * ((op_k / 128 + 3) / 4 * 4) + k / 128
-                                                                 : (size_t)(k / 128) * op_rows + r;
-                        const double factor = op.inv_scale[s];
+                        const double factor = op.inv_scale[ref_block_scale_index(g, op_rows, op_k, r, k)];
                         const double tol = std::max(fabs(xv) * ldexp(1.0, -b.man_bits - 1), factor * ldexp(1.0, -b.bias - b.man_bits)) * (1 + 1e-5);
                         bad += !(fabs(got - xv) <= tol);
                         at_max += (op.codes[(size_t)r * op_k + k] & 0x7F) == b.max_code;
@@ -2078,6 +2083,32 @@ HOST_TEST(fp8_block_reference_is_sharp) {
                 expect(bad == 0 && at_max >= tiles, "%s %s%s: %d values beyond half a step; %d codes at max for %d tiles", fp8_name(f),
                        fp8_granularity_name(g), t ? " (transpose)" : "", bad, at_max, tiles);
             }
+}
+
+// A block cast's outputs on the GPU (codes and scale tensors of both layouts) against the reference's, bit for bit; prints
+// the first mismatches of each and returns how many differ in all.
+struct BlockCastGot {
+    std::vector<fp8> q, qt;
+    std::vector<float> s, st;
+};
+static size_t compare_block_cast(const char* what, const BlockCastGot& got, const RefBlockOperand& want, const RefBlockOperand& want_t,
+                                 int rows, int cols, Fp8Granularity g) {
+    auto count = [&](const char* name, auto& a, auto& ref, int width) {
+        size_t bad = 0;
+        for (size_t i = 0; i < a.size(); i++) {
+            uint32_t gb = 0, rb = 0;
+            memcpy(&gb, &a[i], sizeof(a[i]));
+            memcpy(&rb, &ref[i], sizeof(ref[i]));
+            const int digits = 2 * (int)sizeof(a[i]);
+            if (gb != rb && bad++ < 3) printf("    %s %s[%zu] (row %zu, col %zu): 0x%0*x, want 0x%0*x\n", what, name, i, i / width, i % width, digits, gb, digits, rb);
+        }
+        return bad;
+    };
+    const size_t n = (size_t)rows * cols, bad = count("q", got.q, want.codes, cols), bad_t = count("q_t", got.qt, want_t.codes, rows);
+    const size_t bad_s = count("scales", got.s, want.inv_scale, g == FP8_TILES_1x128 ? rows : block_scale_ld(cols)),
+                 bad_st = count("scales_t", got.st, want_t.inv_scale, g == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
+    expect(bad + bad_t + bad_s + bad_st == 0, "%s: codes %zu + %zu (of %zu each), scales %zu + %zu differ", what, bad, bad_t, n, bad_s, bad_st);
+    return bad + bad_t + bad_s + bad_st;
 }
 
 // The GPU cast (fp8_block_cast_produced) against the reference: codes and scale tensors of both layouts, bit for bit
@@ -2096,26 +2127,10 @@ static void check_block_cast(int rows, int cols, Fp8Granularity g, const Fp8Bloc
     dst.poison();
     fp8_block_cast_produced(Fp8BlockCastOut{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule}, CastPlain<T>{dx.ptr, cols}, rows, cols, 0);
     const RefBlockOperand want = ref_block_quantize(x, rows, cols, false, g, rule), want_t = ref_block_quantize(x, rows, cols, true, g, rule);
-    const std::vector<fp8> q = dq.download(), qt = dqt.download();
-    const std::vector<float> s = ds.download(), st = dst.download();
     char what[160];
     snprintf(what, sizeof(what), "%s %s [%d,%d] %s margin %d%s", sizeof(T) == 4 ? "float" : "bf16", fp8_granularity_name(g), rows, cols,
              fp8_name(rule.format), rule.margin, rule.pow2 ? " pow2" : "");
-    auto count = [&](const char* name, auto& got, auto& ref, int width) {
-        size_t bad = 0;
-        for (size_t i = 0; i < got.size(); i++) {
-            uint32_t gb = 0, rb = 0;
-            memcpy(&gb, &got[i], sizeof(got[i]));
-            memcpy(&rb, &ref[i], sizeof(ref[i]));
-            const int digits = 2 * (int)sizeof(got[i]);
-            if (gb != rb && bad++ < 3) printf("    %s %s[%zu] (row %zu, col %zu): 0x%0*x, want 0x%0*x\n", what, name, i, i / width, i % width, digits, gb, digits, rb);
-        }
-        return bad;
-    };
-    const size_t bad = count("q", q, want.codes, cols), bad_t = count("q_t", qt, want_t.codes, rows);
-    const size_t bad_s = count("scales", s, want.inv_scale, g == FP8_TILES_1x128 ? rows : block_scale_ld(cols)),
-                 bad_st = count("scales_t", st, want_t.inv_scale, g == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
-    expect(bad + bad_t + bad_s + bad_st == 0, "%s: codes %zu + %zu (of %zu each), scales %zu + %zu differ", what, bad, bad_t, n, bad_s, bad_st);
+    compare_block_cast(what, BlockCastGot{dq.download(), dqt.download(), ds.download(), dst.download()}, want, want_t, rows, cols, g);
 }
 
 GPU_TEST(fp8_block_cast_bitexact) {
@@ -2150,8 +2165,37 @@ HOST_TEST(fp8_block_reference_counts_health) {
     }
 }
 
+// Where a block cast's flushed count and its codes part: the GPU codes' own count (non-zero x, code +-0) over both layouts,
+// and the first elements whose status by the GPU's code differs from the reference's, with x, the scale, x * scale and both
+// codes. When the GPU's codes flush exactly what the reference's do, the kernel counted something other than what it wrote.
+static void explain_flushed(const char* what, const std::vector<bf16>& x, int rows, int cols, Fp8Granularity g, const BlockCastGot& got,
+                            const RefBlockOperand& op, const RefBlockOperand& op_t, unsigned long long counted) {
+    unsigned long long by_codes = 0;
+    int shown = 0;
+    for (int t = 0; t < 2; t++) {
+        const RefBlockOperand& ref = t ? op_t : op;
+        const std::vector<fp8>& q = t ? got.qt : got.q;
+        const int op_rows = t ? cols : rows, op_k = t ? rows : cols;
+        for (int r = 0; r < op_rows; r++)
+            for (int k = 0; k < op_k; k++) {
+                const size_t i = (size_t)r * op_k + k;
+                const float xv = to_float(t ? x[(size_t)k * cols + r] : x[(size_t)r * cols + k]);
+                const bool gpu = xv != 0.0f && (q[i] & 0x7F) == 0, host = xv != 0.0f && (ref.codes[i] & 0x7F) == 0;
+                by_codes += gpu;
+                if (gpu != host && shown++ < 5) {
+                    const float sc = ref.scale[ref_block_scale_index(g, op_rows, op_k, r, k)];
+                    printf("    %s %s (%d, %d): x %a, scale %a, x * scale %a, GPU code 0x%02x, host code 0x%02x\n", what, t ? "q_t" : "q", r, k,
+                           xv, sc, xv * sc, q[i], ref.codes[i]);
+                }
+            }
+    }
+    printf("    %s: the kernel counted %llu flushed, its codes flush %llu, the reference's %llu%s\n", what, counted, by_codes,
+           op.flushed + op_t.flushed, shown == 0 ? ": the codes agree, the count does not follow them" : "");
+}
+
 // A block cast's --fp8-stats counts against the reference's, exactly: both layouts' codes saturated and flushed, 2 codes a
-// value, and the largest |x| (bits: a NaN shows); cast twice into one counter, every count doubles and amax stays.
+// value, and the largest |x| (bits: a NaN shows); the counting cast's codes and scales bit for bit too (fp8_block_cast_bitexact
+// runs the cast without a counter); cast twice into one counter, every count doubles and amax stays.
 GPU_TEST(fp8_block_cast_counts_health) {
     const int rows = 256, cols = 384;
     const Fp8BlockRule rules[] = {{E4M3, 0, false}, {E5M2, 0, false}, {E4M3, 1, true}};
@@ -2160,24 +2204,36 @@ GPU_TEST(fp8_block_cast_counts_health) {
         DeviceBuffer<bf16> dx(x);
         for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
             for (const Fp8BlockRule& rule : rules) {
+                char what[96];
+                snprintf(what, sizeof(what), "%s %s%s%s", fp8_name(rule.format), fp8_granularity_name(g), rule.pow2 ? " pow2" : "",
+                         specials ? ", specials" : "");
                 DeviceBuffer<fp8> dq(x.size()), dqt(x.size());
                 DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(g, cols, rows));
+                dq.poison();
+                dqt.poison();
+                ds.poison();
+                dst.poison();
                 DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0, 0}});
                 const Fp8BlockCastOut o{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule, h.ptr};
                 fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
                 const Fp8Health once = h.download()[0];
+                const BlockCastGot got{dq.download(), dqt.download(), ds.download(), dst.download()};
                 fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
                 const Fp8Health twice = h.download()[0];
                 const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, rule), op_t = ref_block_quantize(x, rows, cols, true, g, rule);
+                compare_block_cast(what, got, op, op_t, rows, cols, g);
                 const unsigned long long sat = op.saturated + op_t.saturated, flushed = op.flushed + op_t.flushed, total = 2ull * rows * cols;
                 const float amax = host_amax(x);
                 expect(once.saturated == sat && once.flushed == flushed && once.total == total && same_bits(float_from_bits(once.amax), amax),
-                       "%s %s%s%s: saturated %llu (host %llu), flushed %llu (host %llu), total %llu (%llu), amax %g (%g)", fp8_name(rule.format),
-                       fp8_granularity_name(g), rule.pow2 ? " pow2" : "", specials ? ", specials" : "", once.saturated, sat, once.flushed,
-                       flushed, once.total, total, float_from_bits(once.amax), amax);
-                expect(twice.saturated == 2 * sat && twice.flushed == 2 * flushed && twice.total == 2 * total && twice.amax == once.amax,
-                       "%s %s: cast twice, the counts do not add (saturated %llu, flushed %llu, total %llu)", fp8_name(rule.format),
-                       fp8_granularity_name(g), twice.saturated, twice.flushed, twice.total);
+                       "%s: saturated %llu (host %llu), flushed %llu (host %llu), total %llu (%llu), amax %g (%g)", what, once.saturated, sat,
+                       once.flushed, flushed, once.total, total, float_from_bits(once.amax), amax);
+                if (once.flushed != flushed) explain_flushed(what, x, rows, cols, g, got, op, op_t, once.flushed);
+                expect(twice.saturated == 2 * once.saturated && twice.flushed == 2 * once.flushed && twice.total == 2 * once.total &&
+                           twice.amax == once.amax,
+                       "%s: cast twice into one counter, the counts do not add (saturated %llu, flushed %llu, total %llu, amax %g after %llu, "
+                       "%llu, %llu, %g)",
+                       what, twice.saturated, twice.flushed, twice.total, float_from_bits(twice.amax), once.saturated, once.flushed,
+                       once.total, float_from_bits(once.amax));
             }
     }
 }
