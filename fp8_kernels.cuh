@@ -47,6 +47,11 @@ __host__ __device__ inline bool fp8_saturates(float y, Fp8Format f) {
     const float a = fabsf(y);
     return f == E4M3 ? a > 464.0f : a >= 61440.0f;
 }
+// Whether a cast of y gives a code +-0: |y| at most half the smallest subnormal (E4M3's 2^-9, E5M2's 2^-16), the tie
+// rounding to the even code 0. NaN does not.
+__host__ __device__ inline bool fp8_flushes_to_zero(float y, Fp8Format f) {
+    return fabsf(y) <= (f == E4M3 ? 0x1p-10f : 0x1p-17f);
+}
 
 struct Fp8Bits { int exp_bits, man_bits, bias; uint8_t nan_code, max_code; };
 inline Fp8Bits fp8_bits(Fp8Format f) {
@@ -279,16 +284,20 @@ __device__ inline void fp8_cast_done(Fp8Meta* meta, Fp8Format f, const Fp8Recipe
 }
 
 // Per-tensor FP8 health for --fp8-stats, counted by the casts with the scale they used: of the codes
-// written, how many saturated (fp8_saturates(x * scale)) and how many of a non-zero x flushed to zero (code +-0).
+// written, how many saturated (fp8_saturates(x * scale)) and how many of a non-zero x flushed to zero (code +-0,
+// fp8_flushes_to_zero(x * scale)). Both are read off the value the cast converts, not off the codes in registers:
+// ptxas (CUDA 13.0, sm_90a) miscompiled the block cast's byte-wise count of its codes, reading code k-2 for code
+// k = 2 mod 4 (it packed that byte into the upper half of the register that holds codes k-2, k-1, then read the
+// lower half), so that one code in four was counted as its neighbour's while the codes written were right.
 // A per-tensor cast writes one code a value (X8^T holds X8's codes); a block cast two (section 3b: X8 with its
 // row's tile's scale, X8^T with its column's), and both count. amax: the block casts' largest |x| (the bits of a
 // float; the per-tensor casts keep theirs in Fp8Meta). Integer atomics: exact and order-free.
 struct Fp8Health { unsigned long long saturated, flushed, total; unsigned int amax; };
-// One code's counts: x cast to code q from y = x * scale.
+// One code's counts: x cast from y = x * scale.
 template <Fp8Format F>
-__device__ inline void fp8_health_count(float x, float y, fp8 q, unsigned long long* sat, unsigned long long* flush) {
+__device__ inline void fp8_health_count(float x, float y, unsigned long long* sat, unsigned long long* flush) {
     *sat += fp8_saturates(y, F);
-    *flush += x != 0.0f && (q & 0x7F) == 0;
+    *flush += x != 0.0f && fp8_flushes_to_zero(y, F);
 }
 // Called by every thread of the block.
 __device__ inline void fp8_health_add(Fp8Health* health, unsigned long long sat, unsigned long long flush, unsigned long long total) {
@@ -411,7 +420,7 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
                 }
                 if (health)
 #pragma unroll
-                    for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[o][k], v[o][k] * scale, q[k], &sat, &flush);
+                    for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[o][k], v[o][k] * scale, &sat, &flush);
                 if (full) {
                     *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = *reinterpret_cast<const uint4*>(q);
                 } else if (gr < rows) {
@@ -730,7 +739,7 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
         }
         if (health)
 #pragma unroll
-            for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[ps][k], v[ps][k] * row_scale[ps], q[k], &sat, &flush);
+            for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[ps][k], v[ps][k] * row_scale[ps], &sat, &flush);
         *reinterpret_cast<uint4*>(out + (size_t)(r0 + tile_row) * width + c0 + tc) = *reinterpret_cast<const uint4*>(q);
 #pragma unroll
         for (int k = 0; k < CAST_VEC / 2; k++) {   // out_t's codes: the column scales
@@ -740,7 +749,7 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
         }
         if (health)
 #pragma unroll
-            for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[ps][k], v[ps][k] * col_scale[k], q[k], &sat, &flush);
+            for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[ps][k], v[ps][k] * col_scale[k], &sat, &flush);
         uint32_t* tile_row_words = &tile_words[(tile_row * BC_PITCH + tc) / 4];
 #pragma unroll
         for (int k = 0; k < CAST_VEC / 4; k++) tile_row_words[k] = reinterpret_cast<const uint32_t*>(q)[k];

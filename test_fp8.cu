@@ -1349,6 +1349,34 @@ HOST_TEST(fp8_saturates_where_rounding_passes_max) {
     }
 }
 
+HOST_TEST(fp8_flushes_where_the_code_is_zero) {
+    // fp8_flushes_to_zero (the casts' count, host and device) against the codec: y flushes iff its code is +-0. Every float
+    // from a quarter of the threshold to 4x it apart from a stride, the tie (half the smallest subnormal) and its neighbours
+    // by hand, and random floats of every magnitude.
+    for (Fp8Format f : {E4M3, E5M2}) {
+        const float tie = f == E4M3 ? 0x1p-10f : 0x1p-17f;   // half of 2^-9, of 2^-16
+        std::vector<float> ys = random_float_bits(200000, f);
+        int i = 0;
+        for (float y = tie / 4; y < 4 * tie; y = nextafterf(y, INFINITY))
+            if (i++ % 61 == 0) ys.push_back(y);
+        for (float y : {tie, nextafterf(tie, 0.0f), nextafterf(tie, INFINITY), 0.0f, FLT_MIN, FLT_TRUE_MIN, INFINITY, NAN}) {
+            ys.push_back(y);
+            ys.push_back(-y);
+        }
+        int bad = 0;
+        for (float y : ys) {
+            const bool codec = (fp8_encode_ref(y, f) & 0x7F) == 0;
+            if (fp8_flushes_to_zero(y, f) != codec && bad++ < 5)
+                printf("    %s %a: fp8_flushes_to_zero %d, the codec's code 0x%02x\n", fp8_name(f), y, fp8_flushes_to_zero(y, f), fp8_encode_ref(y, f));
+        }
+        expect(bad == 0, "%s: %d of %zu values disagree", fp8_name(f), bad, ys.size());
+        // by hand: the tie rounds to the even code 0, the next float up to the smallest subnormal; NaN keeps its code
+        expect(fp8_flushes_to_zero(-tie, f) && !fp8_flushes_to_zero(nextafterf(tie, INFINITY), f) && !fp8_flushes_to_zero(NAN, f) &&
+                   fp8_flushes_to_zero(0.0f, f),
+               "%s: the tie %a, above it, NaN, 0", fp8_name(f), tie);
+    }
+}
+
 GPU_TEST(fp8_device_conversions_bitexact) {
     // The quantize kernel with scale 1 (delayed recipe, first use) is the device conversion itself.
     const size_t n = (4u << 20) + 13;   // 4M values and a tail
