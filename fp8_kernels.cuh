@@ -40,6 +40,18 @@ constexpr float E4M3_MAX = 448.0f;
 constexpr float E5M2_MAX = 57344.0f;
 __host__ __device__ inline float fp8_max(Fp8Format f) { return f == E4M3 ? E4M3_MAX : E5M2_MAX; }
 inline const char* fp8_name(Fp8Format f) { return f == E4M3 ? "E4M3" : "E5M2"; }
+// Whether a cast of y saturates: y rounds (to nearest, ties to even) beyond the max, so the clamp, not the rounding,
+// picks its code. Past E4M3's 448 = 1.110b x 2^8 the next step would be 480 (1.111b), and the tie 464 rounds to 448;
+// past E5M2's 57344 = 1.11b x 2^15 comes 65536 (1.00b x 2^16), and the tie 61440 rounds to it. inf saturates, NaN not.
+__host__ __device__ inline bool fp8_saturates(float y, Fp8Format f) {
+    const float a = fabsf(y);
+    return f == E4M3 ? a > 464.0f : a >= 61440.0f;
+}
+// Whether a cast of y gives a code +-0: |y| at most half the smallest subnormal (E4M3's 2^-9, E5M2's 2^-16), the tie
+// rounding to the even code 0. NaN does not.
+__host__ __device__ inline bool fp8_flushes_to_zero(float y, Fp8Format f) {
+    return fabsf(y) <= (f == E4M3 ? 0x1p-10f : 0x1p-17f);
+}
 
 struct Fp8Bits { int exp_bits, man_bits, bias; uint8_t nan_code, max_code; };
 inline Fp8Bits fp8_bits(Fp8Format f) {
@@ -271,10 +283,23 @@ __device__ inline void fp8_cast_done(Fp8Meta* meta, Fp8Format f, const Fp8Recipe
     meta->blocks_done = 0u;
 }
 
-// Per-tensor FP8 health for --fp8-stats, counted by the casts with the scale they used: of the values
-// cast, how many saturated (|x * scale| beyond the format's max) and how many non-zero values flushed to
-// zero (their code is +-0). Integer atomics: exact and order-free. Called by every thread of the block.
-struct Fp8Health { unsigned long long saturated, flushed, total; };
+// Per-tensor FP8 health for --fp8-stats, counted by the casts with the scale they used: of the codes
+// written, how many saturated (fp8_saturates(x * scale)) and how many of a non-zero x flushed to zero (code +-0,
+// fp8_flushes_to_zero(x * scale)). Both are read off the value the cast converts, not off the codes in registers:
+// ptxas (CUDA 13.0, sm_90a) miscompiled the block cast's byte-wise count of its codes, reading code k-2 for code
+// k = 2 mod 4 (it packed that byte into the upper half of the register that holds codes k-2, k-1, then read the
+// lower half), so that one code in four was counted as its neighbour's while the codes written were right.
+// A per-tensor cast writes one code a value (X8^T holds X8's codes); a block cast two (section 3b: X8 with its
+// row's tile's scale, X8^T with its column's), and both count. amax: the block casts' largest |x| (the bits of a
+// float; the per-tensor casts keep theirs in Fp8Meta). Integer atomics: exact and order-free.
+struct Fp8Health { unsigned long long saturated, flushed, total; unsigned int amax; };
+// One code's counts: x cast from y = x * scale.
+template <Fp8Format F>
+__device__ inline void fp8_health_count(float x, float y, unsigned long long* sat, unsigned long long* flush) {
+    *sat += fp8_saturates(y, F);
+    *flush += x != 0.0f && fp8_flushes_to_zero(y, F);
+}
+// Called by every thread of the block.
 __device__ inline void fp8_health_add(Fp8Health* health, unsigned long long sat, unsigned long long flush, unsigned long long total) {
     for (int o = 16; o > 0; o >>= 1) {
         sat += __shfl_xor_sync(0xffffffffu, sat, o);
@@ -395,10 +420,7 @@ __global__ void __launch_bounds__(CAST_THREADS) cast_transpose_kernel(P p, fp8* 
                 }
                 if (health)
 #pragma unroll
-                    for (int k = 0; k < CAST_VEC; k++) {
-                        sat += fabsf(v[o][k] * scale) > fp8_max(F);
-                        flush += v[o][k] != 0.0f && (q[k] & 0x7F) == 0;
-                    }
+                    for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[o][k], v[o][k] * scale, &sat, &flush);
                 if (full) {
                     *reinterpret_cast<uint4*>(out + (size_t)gr * ld + (size_t)o * cols + gc) = *reinterpret_cast<const uint4*>(q);
                 } else if (gr < rows) {
@@ -624,12 +646,13 @@ inline size_t fp8_scale_count(Fp8Granularity g, int rows, int k) {
 // its own). A thread holds 16 consecutive columns of 4 rows (32 rows apart) in registers; the amax of a row's 128 values
 // is a max over the row's 8 threads (lanes 8k..8k+7 of one warp), of a column's 128 values over its 4 lanes of each warp
 // then the 8 warps through shared memory. Codes go to out with the row scales, and through a shared tile (pitch 132
-// bytes) to out_t with the column scales (blocks: one scale for both).
+// bytes) to out_t with the column scales (blocks: one scale for both). health: --fp8-stats counts of both layouts' codes
+// and the tiles' amax, or nullptr.
 constexpr int BC_PITCH = SCALE_BLOCK + 4;
 template <Fp8Format F, Fp8Granularity G, class P>
 __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p, fp8* out, float* out_inv_scale, fp8* out_t,
                                                                             float* out_t_inv_scale, int rows, int cols, int margin,
-                                                                            bool pow2) {
+                                                                            bool pow2, Fp8Health* health) {
     static_assert(G == FP8_TILES_1x128 || G == FP8_BLOCKS_128x128, "block_cast_transpose_kernel casts tiles or blocks");
     constexpr int O = P::outs;
     constexpr int THREADS_PER_ROW = SCALE_BLOCK / CAST_VEC;               // 8
@@ -703,6 +726,7 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
             out_t_inv_scale[(size_t)blockIdx.y * width + c0 + threadIdx.x] =
                 1.0f / fp8_block_scale(__uint_as_float(col_amax_of_warp[0][threadIdx.x]), F, margin, pow2);
     }
+    unsigned long long sat = 0, flush = 0;
 #pragma unroll
     for (int ps = 0; ps < PASSES; ps++) {
         const int tile_row = tr + ps * ROWS_PER_PASS;
@@ -713,6 +737,9 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
             q[2 * k] = pair & 0xff;
             q[2 * k + 1] = pair >> 8;
         }
+        if (health)
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[ps][k], v[ps][k] * row_scale[ps], &sat, &flush);
         *reinterpret_cast<uint4*>(out + (size_t)(r0 + tile_row) * width + c0 + tc) = *reinterpret_cast<const uint4*>(q);
 #pragma unroll
         for (int k = 0; k < CAST_VEC / 2; k++) {   // out_t's codes: the column scales
@@ -720,6 +747,9 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
             q[2 * k] = pair & 0xff;
             q[2 * k + 1] = pair >> 8;
         }
+        if (health)
+#pragma unroll
+            for (int k = 0; k < CAST_VEC; k++) fp8_health_count<F>(v[ps][k], v[ps][k] * col_scale[k], &sat, &flush);
         uint32_t* tile_row_words = &tile_words[(tile_row * BC_PITCH + tc) / 4];
 #pragma unroll
         for (int k = 0; k < CAST_VEC / 4; k++) tile_row_words[k] = reinterpret_cast<const uint32_t*>(q)[k];
@@ -733,6 +763,14 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
         for (int k = 0; k < CAST_VEC; k++) q[k] = tile[rg + k][c];
         *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + c) * rows + r0 + rg) = *reinterpret_cast<const uint4*>(q);
     }
+    if (health) {   // the tile's amax is the largest of its rows'; 2 codes a value
+        unsigned int m = 0u;
+#pragma unroll
+        for (int ps = 0; ps < PASSES; ps++) m = max(m, row_amax[ps]);
+        block_atomic_max(&health->amax, m);
+        const bool first = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+        fp8_health_add(health, sat, flush, first ? 2ull * rows * width : 0ull);
+    }
 }
 
 // Where a block-scaled cast goes: the codes and the dequantizing factors of both layouts (section 3b's layouts).
@@ -743,6 +781,7 @@ struct Fp8BlockCastOut {
     float* q_t_inv_scale;   // its scales, as an operand [outs * cols, K = rows]
     Fp8Granularity granularity;   // FP8_TILES_1x128 or FP8_BLOCKS_128x128
     Fp8BlockRule rule;
+    Fp8Health* health = nullptr;  // --fp8-stats counts, or nullptr
 };
 
 // Producer p's values [rows, outs * cols] -> o's codes and scales in one launch (one read of the values).
@@ -761,13 +800,13 @@ void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int
     const int m = o.rule.margin;
     const bool pw = o.rule.pow2;
     if (e4m3 && tiles)
-        block_cast_transpose_kernel<E4M3, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+        block_cast_transpose_kernel<E4M3, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else if (e4m3)
-        block_cast_transpose_kernel<E4M3, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+        block_cast_transpose_kernel<E4M3, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else if (tiles)
-        block_cast_transpose_kernel<E5M2, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+        block_cast_transpose_kernel<E5M2, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else
-        block_cast_transpose_kernel<E5M2, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw);
+        block_cast_transpose_kernel<E5M2, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     cudaCheckLaunch();
 }
 
@@ -1064,7 +1103,8 @@ inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp
 // and X8^T in 1x128 tiles along the tokens (the K of dW), and on W8 and W8^T in 128x128 blocks; each cast's scale tensors
 // beside its codes (x, dy: where their casts went). No fast accumulation (cuBLASLt has none with block scales).
 inline void fp8_block_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, const Fp8BlockRule& rule, cudaStream_t stream) {
-    fp8_block_cast_produced(Fp8BlockCastOut{lin->w8, lin->w8_scales, lin->w8_t, lin->w8_t_scales, FP8_BLOCKS_128x128, rule},
+    fp8_block_cast_produced(Fp8BlockCastOut{lin->w8, lin->w8_scales, lin->w8_t, lin->w8_t_scales, FP8_BLOCKS_128x128, rule,
+                                            lin->health ? &lin->health[FP8_W] : nullptr},
                             CastPlain<bf16>{w, in}, out, in, stream);
 }
 inline void fp8_block_linear_forward(MatmulContext* mm, bf16* y, const Fp8BlockCastOut& x, const Fp8Linear* lin, int N, int in, int out,

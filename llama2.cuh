@@ -1522,13 +1522,16 @@ inline Fp8CastOut model_fp8_cast(Model* m, int param, bool dy) {
     return o;
 }
 // Block scaling: where the cast of FP8 linear `param`'s X (X8 and the saved X8^T) or dY (dY8 and dY8^T) goes, with the
-// scale tensors beside the codes, and its rule (E4M3 X; dY in --dy-format).
+// scale tensors beside the codes, its rule (E4M3 X; dY in --dy-format) and its health counter.
 inline Fp8BlockCastOut model_fp8_block_cast(Model* m, int param, bool dy) {
     const Fp8Options& o = m->fp8_options;
     ModelFp8& f = m->fp8;
     const int i = model_linear_index(m, param);
-    if (dy) return Fp8BlockCastOut{f.dy8, f.dy8_scales, f.dy8_t, f.dy8_t_scales, FP8_TILES_1x128, {o.dy_format, o.recipe.margin, o.block_scale_pow2}};
-    return Fp8BlockCastOut{f.x8, f.x8_scales, f.saved_x8_t[i], f.saved_x8_t_scales[i], FP8_TILES_1x128, {E4M3, o.recipe.margin, o.block_scale_pow2}};
+    Fp8Health* health = f.linears[i].health ? &f.linears[i].health[dy ? FP8_DY : FP8_X] : nullptr;
+    if (dy)
+        return Fp8BlockCastOut{f.dy8, f.dy8_scales, f.dy8_t, f.dy8_t_scales, FP8_TILES_1x128, {o.dy_format, o.recipe.margin, o.block_scale_pow2}, health};
+    return Fp8BlockCastOut{f.x8, f.x8_scales, f.saved_x8_t[i], f.saved_x8_t_scales[i], FP8_TILES_1x128, {E4M3, o.recipe.margin, o.block_scale_pow2},
+                           health};
 }
 // cast(o) with o where FP8 linear `param`'s X (dy: its dY) goes under the model's scaling: model_fp8_block_cast's
 // Fp8BlockCastOut under block scaling, else model_fp8_cast's Fp8CastOut.
@@ -1910,14 +1913,17 @@ inline void model_fp8_stats_end(Model* m) {
 }
 
 // The counts since model_fp8_stats_begin: one record per FP8 tensor (X, W and dY of each FP8 linear), in the
-// order of ModelFp8::linears. Saturated: |x * scale| beyond the format's max (clipped); flushed: a non-zero value
-// whose code is +-0. Fractions of the values cast.
+// order of ModelFp8::linears. Saturated: x * scale rounds beyond the format's max (clipped; fp8_saturates); flushed:
+// a non-zero value whose code is +-0. Fractions of the codes written (block scaling: two a value, fp8_kernels.cuh's
+// Fp8Health).
 constexpr const char* LINEAR_NAMES[LINEARS_PER_LAYER] = {"wqkv", "wo", "w_gate_up", "w_down"};
 constexpr const char* FP8_TENSOR_NAMES[3] = {"X", "W", "dY"};
 struct Fp8TensorStats {
     int layer, linear, tensor;   // linear: LINEAR_NAMES' index; tensor: FP8_X, FP8_W or FP8_DY
-    float amax;
-    int scale_log2;
+    Fp8Format format;
+    float amax;                  // per tensor: the last cast's (Fp8Meta); block scaling: the largest |x| the counted casts saw
+    bool block_scaled;           // a scale per tile or block: no scale_log2
+    int scale_log2;              // per tensor: the exponent of the scale (a power of two)
     double saturated, flushed;
 };
 inline std::vector<Fp8TensorStats> model_fp8_stats_read(Model* m) {
@@ -1927,14 +1933,18 @@ inline std::vector<Fp8TensorStats> model_fp8_stats_read(Model* m) {
     cudaCheck(cudaMemcpyAsync(metas.data(), m->fp8.metas, n * sizeof(Fp8Meta), cudaMemcpyDeviceToHost, m->stream));
     cudaCheck(cudaMemcpyAsync(health.data(), m->fp8.health, n * sizeof(Fp8Health), cudaMemcpyDeviceToHost, m->stream));
     cudaCheck(cudaStreamSynchronize(m->stream));
+    const bool block = m->fp8_options.block_scaling;
     std::vector<Fp8TensorStats> stats;
     for (size_t i = 0; i < m->fp8.linears.size(); i++) {
         if (!m->fp8.linears[i].w8) continue;
         for (int t = 0; t < 3; t++) {
             const Fp8Health& h = health[3 * i + t];
             if (h.total == 0) continue;
-            stats.push_back({(int)(i / LINEARS_PER_LAYER), (int)(i % LINEARS_PER_LAYER), t, metas[3 * i + t].amax,
-                             (int)log2f(metas[3 * i + t].scale), (double)h.saturated / h.total, (double)h.flushed / h.total});
+            const Fp8Format format = block && t == FP8_DY ? m->fp8_options.dy_format : fp8_tensor_format(t);
+            float block_amax;
+            memcpy(&block_amax, &h.amax, sizeof(float));
+            stats.push_back({(int)(i / LINEARS_PER_LAYER), (int)(i % LINEARS_PER_LAYER), t, format, block ? block_amax : metas[3 * i + t].amax,
+                             block, block ? 0 : (int)log2f(metas[3 * i + t].scale), (double)h.saturated / h.total, (double)h.flushed / h.total});
         }
     }
     return stats;

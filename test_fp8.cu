@@ -1321,6 +1321,64 @@ static std::vector<float> random_float_bits(size_t n, Fp8Format f) {
     return v;
 }
 
+// --fp8-stats' saturation from the host codec: y saturates when its rounding without the clamp passes the max. Half of y
+// rounds one binade lower, on the same relative grid (below the max: the step above it exists there), so y saturates iff
+// twice the code of |y| / 2 lies beyond the max. inf saturates; NaN's code decodes to NaN and does not.
+static bool ref_fp8_saturates(float y, Fp8Format f) { return 2.0f * fp8_decode_ref(fp8_encode_ref(fabsf(y) / 2, f), f) > fp8_max(f); }
+
+HOST_TEST(fp8_saturates_where_rounding_passes_max) {
+    // fp8_saturates (the casts' count, host and device) against the codec's answer: every float from the max to 1.25 x max
+    // apart from a stride, the ties and their neighbours by hand, and random floats of every magnitude.
+    for (Fp8Format f : {E4M3, E5M2}) {
+        const float fmax = fp8_max(f), tie = f == E4M3 ? 464.0f : 61440.0f;
+        std::vector<float> ys = random_float_bits(200000, f);
+        int i = 0;
+        for (float y = fmax; y < 1.25f * fmax; y = nextafterf(y, INFINITY))
+            if (i++ % 61 == 0) ys.push_back(y);
+        for (float y : {tie, nextafterf(tie, 0.0f), nextafterf(tie, INFINITY), fmax, nextafterf(fmax, INFINITY), INFINITY, NAN}) {
+            ys.push_back(y);
+            ys.push_back(-y);
+        }
+        int bad = 0;
+        for (float y : ys)
+            if (fp8_saturates(y, f) != ref_fp8_saturates(y, f) && bad++ < 5)
+                printf("    %s %.9g: fp8_saturates %d, the codec %d\n", fp8_name(f), y, fp8_saturates(y, f), ref_fp8_saturates(y, f));
+        expect(bad == 0, "%s: %d of %zu values disagree", fp8_name(f), bad, ys.size());
+        // by hand: E4M3's tie 464 rounds down to 448 (even), E5M2's 61440 up to 65536 (even), past the max
+        expect(fp8_saturates(tie, f) == (f == E5M2) && fp8_saturates(nextafterf(tie, INFINITY), f) && !fp8_saturates(nextafterf(fmax, INFINITY), f) &&
+                   fp8_saturates(-INFINITY, f) && !fp8_saturates(NAN, f),
+               "%s: the tie %g, above it, just above the max, -inf, NaN", fp8_name(f), tie);
+    }
+}
+
+HOST_TEST(fp8_flushes_where_the_code_is_zero) {
+    // fp8_flushes_to_zero (the casts' count, host and device) against the codec: y flushes iff its code is +-0. Every float
+    // from a quarter of the threshold to 4x it apart from a stride, the tie (half the smallest subnormal) and its neighbours
+    // by hand, and random floats of every magnitude.
+    for (Fp8Format f : {E4M3, E5M2}) {
+        const float tie = f == E4M3 ? 0x1p-10f : 0x1p-17f;   // half of 2^-9, of 2^-16
+        std::vector<float> ys = random_float_bits(200000, f);
+        int i = 0;
+        for (float y = tie / 4; y < 4 * tie; y = nextafterf(y, INFINITY))
+            if (i++ % 61 == 0) ys.push_back(y);
+        for (float y : {tie, nextafterf(tie, 0.0f), nextafterf(tie, INFINITY), 0.0f, FLT_MIN, FLT_TRUE_MIN, INFINITY, NAN}) {
+            ys.push_back(y);
+            ys.push_back(-y);
+        }
+        int bad = 0;
+        for (float y : ys) {
+            const bool codec = (fp8_encode_ref(y, f) & 0x7F) == 0;
+            if (fp8_flushes_to_zero(y, f) != codec && bad++ < 5)
+                printf("    %s %a: fp8_flushes_to_zero %d, the codec's code 0x%02x\n", fp8_name(f), y, fp8_flushes_to_zero(y, f), fp8_encode_ref(y, f));
+        }
+        expect(bad == 0, "%s: %d of %zu values disagree", fp8_name(f), bad, ys.size());
+        // by hand: the tie rounds to the even code 0, the next float up to the smallest subnormal; NaN keeps its code
+        expect(fp8_flushes_to_zero(-tie, f) && !fp8_flushes_to_zero(nextafterf(tie, INFINITY), f) && !fp8_flushes_to_zero(NAN, f) &&
+                   fp8_flushes_to_zero(0.0f, f),
+               "%s: the tie %a, above it, NaN, 0", fp8_name(f), tie);
+    }
+}
+
 GPU_TEST(fp8_device_conversions_bitexact) {
     // The quantize kernel with scale 1 (delayed recipe, first use) is the device conversion itself.
     const size_t n = (4u << 20) + 13;   // 4M values and a tail
@@ -1923,8 +1981,19 @@ static double ref_block_scale(double amax, Fp8Format f, int margin, bool pow2) {
 }
 
 // One operand as a block-scaled GEMM reads it: codes [rows, K], its scale tensor (the padding of blocks' rows holds the
-// bits 0xFFFFFFFF, the poison a cast must leave), and each element's value as the GEMM takes it, decode(code) * factor.
-struct RefBlockOperand { std::vector<uint8_t> codes; std::vector<float> inv_scale; std::vector<double> values; };
+// bits 0xFFFFFFFF, the poison a cast must leave), and each element's value as the GEMM takes it, decode(code) * factor;
+// and --fp8-stats' counts of its codes: saturated (ref_fp8_saturates of x * scale), and non-zero x flushed to code +-0.
+struct RefBlockOperand {
+    std::vector<uint8_t> codes;
+    std::vector<float> inv_scale;
+    std::vector<float> scale;   // the FP32 scale each code was cast with, beside inv_scale (same index; the padding 0)
+    std::vector<double> values;
+    unsigned long long saturated = 0, flushed = 0;
+};
+// Where the factor of element (r, k) of an operand [op_rows, op_k] lies in its scale tensor (as inv_scale above).
+static size_t ref_block_scale_index(Fp8Granularity g, int op_rows, int op_k, int r, int k) {
+    return g == FP8_BLOCKS_128x128 ? (size_t)(r / 128) * ((op_k / 128 + 3) / 4 * 4) + k / 128 : (size_t)(k / 128) * op_rows + r;
+}
 // The operand x [rows, cols] (row-major), or its transpose [cols, rows] (of_transpose), cast with a scale per 1x128 tile
 // along the operand's rows or per 128x128 block; rows and cols multiples of 128.
 template <class T>
@@ -1937,6 +2006,7 @@ static RefBlockOperand ref_block_quantize(const std::vector<T>& x, int rows, int
     op.codes.resize((size_t)op_rows * op_k);
     op.values.resize(op.codes.size());
     op.inv_scale.assign(g == FP8_BLOCKS_128x128 ? (size_t)(op_rows / 128) * ld : (size_t)k_blocks * op_rows, float_from_bits(0xFFFFFFFFu));
+    op.scale.assign(op.inv_scale.size(), 0.0f);
     for (int tr = 0; tr < op_rows / tile_rows; tr++)
         for (int kb = 0; kb < k_blocks; kb++) {
             double amax = 0.0;
@@ -1945,11 +2015,14 @@ static RefBlockOperand ref_block_quantize(const std::vector<T>& x, int rows, int
             const double scale = ref_block_scale(amax, rule.format, rule.margin, rule.pow2);
             const float factor = (float)(1.0 / scale);   // one rounding, as scale's quotient above
             op.inv_scale[g == FP8_BLOCKS_128x128 ? (size_t)tr * ld + kb : (size_t)kb * op_rows + tr] = factor;
+            op.scale[g == FP8_BLOCKS_128x128 ? (size_t)tr * ld + kb : (size_t)kb * op_rows + tr] = (float)scale;
             for (int r = tr * tile_rows; r < (tr + 1) * tile_rows; r++)
                 for (int k = kb * 128; k < kb * 128 + 128; k++) {
                     const size_t i = (size_t)r * op_k + k;
                     op.codes[i] = fp8_encode_ref(at(r, k) * (float)scale, rule.format);
                     op.values[i] = (double)fp8_decode_ref(op.codes[i], rule.format) * factor;
+                    op.saturated += ref_fp8_saturates(at(r, k) * (float)scale, rule.format);
+                    op.flushed += at(r, k) != 0.0f && (op.codes[i] & 0x7F) == 0;
                 }
         }
     return op;
@@ -2031,9 +2104,7 @@ HOST_TEST(fp8_block_reference_is_sharp) {
                 for (int r = 0; r < op_rows; r++)
                     for (int k = 0; k < op_k; k++) {
                         const double xv = t ? x[(size_t)k * cols + r] : x[(size_t)r * cols + k], got = op.values[(size_t)r * op_k + k];
-                        const size_t s = g == FP8_BLOCKS_128x128 ? (size_t)(r / 128) * ((op_k / 128 + 3) / 4 * 4) + k / 128
-                                                                 : (size_t)(k / 128) * op_rows + r;
-                        const double factor = op.inv_scale[s];
+                        const double factor = op.inv_scale[ref_block_scale_index(g, op_rows, op_k, r, k)];
                         const double tol = std::max(fabs(xv) * ldexp(1.0, -b.man_bits - 1), factor * ldexp(1.0, -b.bias - b.man_bits)) * (1 + 1e-5);
                         bad += !(fabs(got - xv) <= tol);
                         at_max += (op.codes[(size_t)r * op_k + k] & 0x7F) == b.max_code;
@@ -2042,6 +2113,32 @@ HOST_TEST(fp8_block_reference_is_sharp) {
                 expect(bad == 0 && at_max >= tiles, "%s %s%s: %d values beyond half a step; %d codes at max for %d tiles", fp8_name(f),
                        fp8_granularity_name(g), t ? " (transpose)" : "", bad, at_max, tiles);
             }
+}
+
+// A block cast's outputs on the GPU (codes and scale tensors of both layouts) against the reference's, bit for bit; prints
+// the first mismatches of each and returns how many differ in all.
+struct BlockCastGot {
+    std::vector<fp8> q, qt;
+    std::vector<float> s, st;
+};
+static size_t compare_block_cast(const char* what, const BlockCastGot& got, const RefBlockOperand& want, const RefBlockOperand& want_t,
+                                 int rows, int cols, Fp8Granularity g) {
+    auto count = [&](const char* name, auto& a, auto& ref, int width) {
+        size_t bad = 0;
+        for (size_t i = 0; i < a.size(); i++) {
+            uint32_t gb = 0, rb = 0;
+            memcpy(&gb, &a[i], sizeof(a[i]));
+            memcpy(&rb, &ref[i], sizeof(ref[i]));
+            const int digits = 2 * (int)sizeof(a[i]);
+            if (gb != rb && bad++ < 3) printf("    %s %s[%zu] (row %zu, col %zu): 0x%0*x, want 0x%0*x\n", what, name, i, i / width, i % width, digits, gb, digits, rb);
+        }
+        return bad;
+    };
+    const size_t n = (size_t)rows * cols, bad = count("q", got.q, want.codes, cols), bad_t = count("q_t", got.qt, want_t.codes, rows);
+    const size_t bad_s = count("scales", got.s, want.inv_scale, g == FP8_TILES_1x128 ? rows : block_scale_ld(cols)),
+                 bad_st = count("scales_t", got.st, want_t.inv_scale, g == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
+    expect(bad + bad_t + bad_s + bad_st == 0, "%s: codes %zu + %zu (of %zu each), scales %zu + %zu differ", what, bad, bad_t, n, bad_s, bad_st);
+    return bad + bad_t + bad_s + bad_st;
 }
 
 // The GPU cast (fp8_block_cast_produced) against the reference: codes and scale tensors of both layouts, bit for bit
@@ -2060,26 +2157,10 @@ static void check_block_cast(int rows, int cols, Fp8Granularity g, const Fp8Bloc
     dst.poison();
     fp8_block_cast_produced(Fp8BlockCastOut{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule}, CastPlain<T>{dx.ptr, cols}, rows, cols, 0);
     const RefBlockOperand want = ref_block_quantize(x, rows, cols, false, g, rule), want_t = ref_block_quantize(x, rows, cols, true, g, rule);
-    const std::vector<fp8> q = dq.download(), qt = dqt.download();
-    const std::vector<float> s = ds.download(), st = dst.download();
     char what[160];
     snprintf(what, sizeof(what), "%s %s [%d,%d] %s margin %d%s", sizeof(T) == 4 ? "float" : "bf16", fp8_granularity_name(g), rows, cols,
              fp8_name(rule.format), rule.margin, rule.pow2 ? " pow2" : "");
-    auto count = [&](const char* name, auto& got, auto& ref, int width) {
-        size_t bad = 0;
-        for (size_t i = 0; i < got.size(); i++) {
-            uint32_t gb = 0, rb = 0;
-            memcpy(&gb, &got[i], sizeof(got[i]));
-            memcpy(&rb, &ref[i], sizeof(ref[i]));
-            const int digits = 2 * (int)sizeof(got[i]);
-            if (gb != rb && bad++ < 3) printf("    %s %s[%zu] (row %zu, col %zu): 0x%0*x, want 0x%0*x\n", what, name, i, i / width, i % width, digits, gb, digits, rb);
-        }
-        return bad;
-    };
-    const size_t bad = count("q", q, want.codes, cols), bad_t = count("q_t", qt, want_t.codes, rows);
-    const size_t bad_s = count("scales", s, want.inv_scale, g == FP8_TILES_1x128 ? rows : block_scale_ld(cols)),
-                 bad_st = count("scales_t", st, want_t.inv_scale, g == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
-    expect(bad + bad_t + bad_s + bad_st == 0, "%s: codes %zu + %zu (of %zu each), scales %zu + %zu differ", what, bad, bad_t, n, bad_s, bad_st);
+    compare_block_cast(what, BlockCastGot{dq.download(), dqt.download(), ds.download(), dst.download()}, want, want_t, rows, cols, g);
 }
 
 GPU_TEST(fp8_block_cast_bitexact) {
@@ -2089,6 +2170,102 @@ GPU_TEST(fp8_block_cast_bitexact) {
         for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
             for (const Fp8BlockRule& rule : rules) check_block_cast<bf16>(sh[0], sh[1], g, rule);
     for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128}) check_block_cast<float>(256, 384, g, Fp8BlockRule{E4M3, 0, false});
+}
+
+// --fp8-stats under block scaling: the reference counts on the inputs the GPU test below casts. Tiles 2^+-24 apart in
+// magnitude along both dimensions, so that many tiles span more than the format's range and flush their smallest values;
+// a finite tile never saturates (its scale brings its amax to the max, one FP32 rounding at most above, which rounds to
+// the max), the tile of the inf does (scale 1: its values past the max saturate), as does nothing of the NaN's.
+HOST_TEST(fp8_block_reference_counts_health) {
+    const int rows = 256, cols = 384;
+    for (bool specials : {false, true}) {
+        const std::vector<bf16> x = to_bf16(block_test_values(rows, cols, 12, specials));
+        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+            for (Fp8Format f : {E4M3, E5M2}) {
+                const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, Fp8BlockRule{f}),
+                                      op_t = ref_block_quantize(x, rows, cols, true, g, Fp8BlockRule{f});
+                printf("    %s %s%s: saturated %llu + %llu, flushed %llu + %llu of %d each\n", fp8_name(f), fp8_granularity_name(g),
+                       specials ? ", an inf and a NaN" : "", op.saturated, op_t.saturated, op.flushed, op_t.flushed, rows * cols);
+                expect(op.flushed > 0 && op_t.flushed > 0, "%s %s: nothing flushed: the input does not test the count", fp8_name(f),
+                       fp8_granularity_name(g));
+                expect(specials ? op.saturated > 0 && op_t.saturated > 0 : op.saturated + op_t.saturated == 0,
+                       "%s %s%s: saturated %llu + %llu", fp8_name(f), fp8_granularity_name(g), specials ? " (an inf)" : " (all finite)",
+                       op.saturated, op_t.saturated);
+            }
+    }
+}
+
+// Where a block cast's flushed count and its codes part: the GPU codes' own count (non-zero x, code +-0) over both layouts,
+// and the first elements whose status by the GPU's code differs from the reference's, with x, the scale, x * scale and both
+// codes. When the GPU's codes flush exactly what the reference's do, the kernel counted something other than what it wrote.
+static void explain_flushed(const char* what, const std::vector<bf16>& x, int rows, int cols, Fp8Granularity g, const BlockCastGot& got,
+                            const RefBlockOperand& op, const RefBlockOperand& op_t, unsigned long long counted) {
+    unsigned long long by_codes = 0;
+    int shown = 0;
+    for (int t = 0; t < 2; t++) {
+        const RefBlockOperand& ref = t ? op_t : op;
+        const std::vector<fp8>& q = t ? got.qt : got.q;
+        const int op_rows = t ? cols : rows, op_k = t ? rows : cols;
+        for (int r = 0; r < op_rows; r++)
+            for (int k = 0; k < op_k; k++) {
+                const size_t i = (size_t)r * op_k + k;
+                const float xv = to_float(t ? x[(size_t)k * cols + r] : x[(size_t)r * cols + k]);
+                const bool gpu = xv != 0.0f && (q[i] & 0x7F) == 0, host = xv != 0.0f && (ref.codes[i] & 0x7F) == 0;
+                by_codes += gpu;
+                if (gpu != host && shown++ < 5) {
+                    const float sc = ref.scale[ref_block_scale_index(g, op_rows, op_k, r, k)];
+                    printf("    %s %s (%d, %d): x %a, scale %a, x * scale %a, GPU code 0x%02x, host code 0x%02x\n", what, t ? "q_t" : "q", r, k,
+                           xv, sc, xv * sc, q[i], ref.codes[i]);
+                }
+            }
+    }
+    printf("    %s: the kernel counted %llu flushed, its codes flush %llu, the reference's %llu%s\n", what, counted, by_codes,
+           op.flushed + op_t.flushed, shown == 0 ? ": the codes agree, the count does not follow them" : "");
+}
+
+// A block cast's --fp8-stats counts against the reference's, exactly: both layouts' codes saturated and flushed, 2 codes a
+// value, and the largest |x| (bits: a NaN shows); the counting cast's codes and scales bit for bit too (fp8_block_cast_bitexact
+// runs the cast without a counter); cast twice into one counter, every count doubles and amax stays.
+GPU_TEST(fp8_block_cast_counts_health) {
+    const int rows = 256, cols = 384;
+    const Fp8BlockRule rules[] = {{E4M3, 0, false}, {E5M2, 0, false}, {E4M3, 1, true}};
+    for (bool specials : {false, true}) {
+        const std::vector<bf16> x = to_bf16(block_test_values(rows, cols, 12, specials));
+        DeviceBuffer<bf16> dx(x);
+        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+            for (const Fp8BlockRule& rule : rules) {
+                char what[96];
+                snprintf(what, sizeof(what), "%s %s%s%s", fp8_name(rule.format), fp8_granularity_name(g), rule.pow2 ? " pow2" : "",
+                         specials ? ", specials" : "");
+                DeviceBuffer<fp8> dq(x.size()), dqt(x.size());
+                DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(g, cols, rows));
+                dq.poison();
+                dqt.poison();
+                ds.poison();
+                dst.poison();
+                DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0, 0}});
+                const Fp8BlockCastOut o{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule, h.ptr};
+                fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+                const Fp8Health once = h.download()[0];
+                const BlockCastGot got{dq.download(), dqt.download(), ds.download(), dst.download()};
+                fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
+                const Fp8Health twice = h.download()[0];
+                const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, rule), op_t = ref_block_quantize(x, rows, cols, true, g, rule);
+                compare_block_cast(what, got, op, op_t, rows, cols, g);
+                const unsigned long long sat = op.saturated + op_t.saturated, flushed = op.flushed + op_t.flushed, total = 2ull * rows * cols;
+                const float amax = host_amax(x);
+                expect(once.saturated == sat && once.flushed == flushed && once.total == total && same_bits(float_from_bits(once.amax), amax),
+                       "%s: saturated %llu (host %llu), flushed %llu (host %llu), total %llu (%llu), amax %g (%g)", what, once.saturated, sat,
+                       once.flushed, flushed, once.total, total, float_from_bits(once.amax), amax);
+                if (once.flushed != flushed) explain_flushed(what, x, rows, cols, g, got, op, op_t, once.flushed);
+                expect(twice.saturated == 2 * once.saturated && twice.flushed == 2 * once.flushed && twice.total == 2 * once.total &&
+                           twice.amax == once.amax,
+                       "%s: cast twice into one counter, the counts do not add (saturated %llu, flushed %llu, total %llu, amax %g after %llu, "
+                       "%llu, %llu, %g)",
+                       what, twice.saturated, twice.flushed, twice.total, float_from_bits(twice.amax), once.saturated, once.flushed,
+                       once.total, float_from_bits(once.amax));
+            }
+    }
 }
 
 // ==============================================================================================
@@ -4867,7 +5044,7 @@ GPU_TEST(fp8_linear_vs_host) {
             dy8((size_t)N * out), dy8t((size_t)N * out);
         std::vector<Fp8Meta> metas(3, fp8_meta_initial());
         DeviceBuffer<Fp8Meta> dmeta(metas);
-        DeviceBuffer<Fp8Health> dhealth(std::vector<Fp8Health>(3, Fp8Health{0, 0, 0}));
+        DeviceBuffer<Fp8Health> dhealth(std::vector<Fp8Health>(3, Fp8Health{0, 0, 0, 0}));
         Fp8Linear lin{w8.ptr, w8t.ptr, dmeta.ptr, dhealth.ptr};
         dy_out.poison();
         ddx.poison();
@@ -5022,14 +5199,14 @@ GPU_TEST(fp8_health_counts_saturation) {
     m.scale = 512.0f;   // 3 * 512 >> 448: many saturate
     m.inv_scale = 1.0f / 512;
     DeviceBuffer<Fp8Meta> meta(std::vector<Fp8Meta>{m});
-    DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0}});
+    DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0, 0}});
     Fp8Recipe delayed;
     delayed.history_len = 2;
     fp8_cast_transpose_counted(q.ptr, qt.ptr, dx.ptr, rows, cols, E4M3, meta.ptr, h.ptr, delayed, 0);
     unsigned long long sat = 0, flushed = 0;
     for (auto& v : x) {
         float s = to_float(v) * 512.0f;
-        sat += fabsf(s) > 448.0f;
+        sat += ref_fp8_saturates(s, E4M3);
         flushed += to_float(v) != 0.0f && (fp8_encode_ref(s, E4M3) & 0x7F) == 0;
     }
     Fp8Health got = h.download()[0];
@@ -5043,11 +5220,12 @@ GPU_TEST(fp8_health_counts_saturation) {
 // limit ends the streak, and a new streak warns again. Saturation and flushing are separate streaks.
 HOST_TEST(fp8_doctor_warns_once_per_streak) {
     Fp8Doctor d;   // saturated above 1e-3, flushed above 5e-2, 3 samples in a row
-    const Fp8TensorStats ok{2, 3, FP8_DY, 1.0f, 10, 1e-3, 5e-2};   // at the limits: not above
+    const Fp8TensorStats ok{2, 3, FP8_DY, E5M2, 1.0f, false, 10, 1e-3, 5e-2};   // at the limits: not above
     Fp8TensorStats sat = ok, flush = ok;
     sat.saturated = 2e-3;
     flush.flushed = 0.5;
     flush.tensor = FP8_X;
+    flush.format = E4M3;
     const int expected[] = {0, 0, 1, 0, 0, 0, 0, 0, 1};   // warnings per sample: saturated at samples 1-5, ok at 6, again 7-9
     std::vector<std::string> lines;
     for (int i = 0; i < 9; i++) {
@@ -5077,6 +5255,36 @@ HOST_TEST(fp8_doctor_warns_once_per_streak) {
     expect(w.size() == 1 && w[0].find("layer 2 w_down X (E4M3): 5.00e-01 of its values flushed to zero") != std::string::npos &&
                w[0].find("--smooth-quant") != std::string::npos, "a flushing X: one warning with the smooth-quant advice: %s",
            w.empty() ? "(none)" : w[0].c_str());
+    // block scaling (--smooth-quant refused there): a flushing X is sent to the probe; a dY in E4M3 (--dy-format e4m3) is
+    // named by its record's format; saturation is said to be block scaling's
+    Fp8Doctor g;
+    g.after = 1;
+    g.block = true;
+    Fp8TensorStats x = flush, dy = sat;
+    x.block_scaled = dy.block_scaled = true;
+    dy.format = E4M3;
+    w = fp8_doctor_check(&g, {x, dy}, 8);
+    expect(w.size() == 2 && w[0].find("layer 2 w_down X (E4M3): 5.00e-01 of its values flushed") != std::string::npos &&
+               w[0].find("--smooth-quant") == std::string::npos && w[0].find("probe") != std::string::npos &&
+               w[1].find("layer 2 w_down dY (E4M3): 2.00e-03 of its values saturated") != std::string::npos &&
+               w[1].find("block scaling saturates only") != std::string::npos,
+           "block scaling's warnings: %s | %s", w.size() > 0 ? w[0].c_str() : "(none)", w.size() > 1 ? w[1].c_str() : "(none)");
+}
+
+// fp8_stats.csv's rows (fp8_stats_write_csv): a per-tensor record with its scale's exponent; a block-scaled one, a dY in
+// E4M3 (--dy-format e4m3), with scale_log2 empty (its tiles have theirs); each tensor's format from its record.
+HOST_TEST(fp8_stats_csv_rows) {
+    TempDir dir;
+    FILE* f = fopen(dir.file("fp8_stats.csv").c_str(), "w");
+    expect(f != nullptr, "cannot write %s", dir.file("fp8_stats.csv").c_str());
+    if (!f) return;
+    fp8_stats_write_csv(f, 40, {Fp8TensorStats{2, 3, FP8_DY, E5M2, 0.25f, false, 10, 1e-3, 5e-2},
+                                Fp8TensorStats{1, 0, FP8_DY, E4M3, 3.5f, true, 0, 0.0, 0.125}});
+    fclose(f);
+    const std::vector<char> bytes = read_whole_file(dir.file("fp8_stats.csv"));
+    const std::string got(bytes.begin(), bytes.end()),
+        want = "40,2,w_down,dY,E5M2,2.500000e-01,10,1.000000e-03,5.000000e-02\n40,1,wqkv,dY,E4M3,3.500000e+00,,0.000000e+00,1.250000e-01\n";
+    expect(got == want, "fp8_stats.csv:\n%swant:\n%s", got.c_str(), want.c_str());
 }
 
 // The doctor on the GPU's own counts: a synthetic X of layer 1's wo, cast with a delayed scale too large for it at
@@ -5094,8 +5302,8 @@ GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
     const Param wo = m.layers[1].wo, wqkv = m.layers[0].wqkv;
     const std::vector<bf16> host_x = to_bf16(random_normal((size_t)N * c.dim, 3.0f));
     DeviceBuffer<bf16> x(host_x);
-    double saturated = 0;   // the fraction of |x| * 512 beyond 448: about 0.77 of N(0, 3)
-    for (bf16 v : host_x) saturated += fabsf(to_float(v) * 512.0f) > 448.0f;
+    double saturated = 0;   // the fraction of x * 512 that rounds beyond 448: about 0.77 of N(0, 3)
+    for (bf16 v : host_x) saturated += ref_fp8_saturates(to_float(v) * 512.0f, E4M3);
     saturated /= host_x.size();
     Fp8Meta too_large = fp8_meta_initial();
     too_large.scale = 512.0f;
@@ -5129,6 +5337,50 @@ GPU_TEST(fp8_doctor_warns_once_on_saturating_tensor) {
            warnings_at.empty() ? -1 : warnings_at[0]);
     expect(first.find("layer 1 wo X (E4M3)") != std::string::npos && first.find("saturated") != std::string::npos,
            "the warning names layer 1 wo X saturating: %s", first.c_str());
+    model_destroy(&m);
+}
+
+// The doctor under block scaling, on the model's own casts: a training micro-batch of tiny with every layer FP8 and dY in
+// E4M3 (--dy-format e4m3), then W cast again (as after an optimizer step), all counted. Every X, W and dY of every linear
+// has a record, block-scaled, in its format, with a finite amax and nothing saturated (every tile is finite); W's
+// fractions and amax are the reference's on the model's BF16 weights (both layouts' codes).
+GPU_TEST(fp8_doctor_counts_block_scaled_model) {
+    const int B = 2, T = 64, N = B * T;
+    const ModelConfig c = model_config_preset("tiny", 256);
+    Fp8Options opts;
+    opts.all_layers = true;
+    opts.fast_accum = false;
+    opts.block_scaling = true;
+    opts.dy_format = E4M3;
+    Model m;
+    model_create(&m, c, B, T, opts);
+    model_upload_weights(&m, model_init_weights(c, TEST_SEED).data());
+    DeviceBuffer<int> inputs(model_test_tokens(N, 256)), targets(model_test_tokens(N, 256));
+    model_fp8_stats_begin(&m);
+    model_zero_grads(&m);
+    model_forward_backward(&m, inputs.ptr, targets.ptr, 1.0f / N);
+    model_weights_changed(&m);
+    const std::vector<Fp8TensorStats> stats = model_fp8_stats_read(&m);
+    model_fp8_stats_end(&m);
+    expect(stats.size() == (size_t)c.n_layers * LINEARS_PER_LAYER * 3, "%zu records, expected X, W and dY of %d linears", stats.size(),
+           c.n_layers * LINEARS_PER_LAYER);
+    for (const Fp8TensorStats& t : stats) {
+        const std::string name = strprintf("layer %d %s %s", t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor]);
+        expect(t.block_scaled && t.format == E4M3 && std::isfinite(t.amax) && t.amax > 0 && t.saturated == 0,
+               "%s: block-scaled %d, %s (want E4M3), amax %g, saturated %g", name.c_str(), t.block_scaled, fp8_name(t.format), t.amax,
+               t.saturated);
+        if (t.tensor != FP8_W) continue;
+        const Param* p = layer_linears(m.layers[t.layer])[t.linear];
+        const TensorSpec& w = m.params[p->index];
+        std::vector<bf16> wb((size_t)w.rows * w.cols);
+        cudaCheck(cudaMemcpy(wb.data(), p->w, wb.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+        const Fp8BlockRule rule{E4M3};
+        const RefBlockOperand op = ref_block_quantize(wb, w.rows, w.cols, false, FP8_BLOCKS_128x128, rule),
+                              op_t = ref_block_quantize(wb, w.rows, w.cols, true, FP8_BLOCKS_128x128, rule);
+        const double codes = 2.0 * wb.size(), flushed = (op.flushed + op_t.flushed) / codes;
+        expect(t.flushed == flushed && same_bits(t.amax, host_amax(wb)), "%s: flushed %.9g (reference %.9g), amax %g (%g)", name.c_str(),
+               t.flushed, flushed, t.amax, host_amax(wb));
+    }
     model_destroy(&m);
 }
 #endif
@@ -5254,8 +5506,130 @@ GPU_TEST(sqnr_on_device_matches_host) {
     expect(std::isnan(nan_db), "an all-zero reference: %g dB, expected NaN", nan_db);
 }
 
+// The probe's table and probe.csv (train_fp8.cu section 4) from results by hand: where the shapes tile, the block columns
+// and block minus per-tensor (dY in E5M2 both; Y's E4M3-dY figure is its block one); where they do not, "-" and empty
+// cells, no block scaling's weakest GEMMs, and one line saying why.
+HOST_TEST(probe_table_and_csv_block_columns) {
+    ProbeRow tiled{1, 2, 28.5, 24.25, 24.0, true};
+    tiled.y_db_block = 30.0;
+    tiled.dx_db_block[0] = 25.0, tiled.dx_db_block[1] = 27.5;
+    tiled.dw_db_block[0] = 26.0, tiled.dw_db_block[1] = 28.0;
+    ProbeResult r;
+    r.rows = {tiled};
+    const std::string csv = probe_csv(r), table = probe_table(r);
+    const std::string want_csv = "layer,linear,gemm,sqnr_db,block_sqnr_db,block_gain_db,block_e4m3_dy_sqnr_db\n"
+                                 "1,w_gate_up,Y,28.5000,30.0000,1.5000,30.0000\n"
+                                 "1,w_gate_up,dX,24.2500,25.0000,0.7500,27.5000\n"
+                                 "1,w_gate_up,dW,24.0000,26.0000,2.0000,28.0000\n";
+    expect(csv == want_csv, "probe.csv:\n%swant:\n%s", csv.c_str(), want_csv.c_str());
+    const std::string row = "    1  w_gate_up    28.50   24.25   24.00 |   30.00   25.00   26.00 |   +1.50   +0.75   +2.00 |   27.50   28.00\n";
+    expect(table.find(row) != std::string::npos && table.find("lowest under block scaling, E4M3 dY: layer 1 w_gate_up dX 27.50 dB") !=
+           std::string::npos && table.find("empty") == std::string::npos, "the table of a tiled shape:\n%s", table.c_str());
+    ProbeResult untiled;
+    untiled.rows = {ProbeRow{0, 0, 20.0, 18.0, 17.0, false}};
+    untiled.block_problem = model_block_scaling_problem(model_config_preset("tiny", 256), 1, 64);
+    const std::string csv2 = probe_csv(untiled), table2 = probe_table(untiled);
+    expect(csv2.substr(csv2.find('\n') + 1) == "0,wqkv,Y,20.0000,,,\n0,wqkv,dX,18.0000,,,\n0,wqkv,dW,17.0000,,,\n", "probe.csv without blocks:\n%s",
+           csv2.c_str());
+    expect(table2.find("    0  wqkv         20.00   18.00   17.00 |       -       -       - |       -       -       - |       -       -   (BF16 in the recipe)\n") !=
+               std::string::npos &&
+               table2.find("the block columns are empty, block scaling does not fit this shape: B*T = 64 tokens") != std::string::npos &&
+               table2.find("under block scaling") == std::string::npos,
+           "the table without blocks:\n%s", table2.c_str());
+}
+
+// The probe's figures for one linear's operands X [N,in], W [out,in], dY [N,out], on the host: each operand cast by the host
+// codec with the host scale rule (one scale per tensor) and, with block, by the reference block casts (fp8_kernels.cuh 3b;
+// both layouts, dY in E5M2 then E4M3), multiplied in float64, rounded as the GPU's outputs are (Y and dX to BF16, dW in
+// FP32), and each FP8 result's SQNR against the BF16 operands' products.
+static ProbeRow host_probe_row(const std::vector<bf16>& x, const std::vector<bf16>& w, const std::vector<bf16>& dy, int N, int in, int out,
+                               bool block) {
+    auto db = [](const std::vector<double>& got, const std::vector<double>& ref) { return sqnr_db(got.data(), ref.data(), ref.size()); };
+    const std::vector<double> xe = to_double(x), we = to_double(w), dye = to_double(dy);
+    const std::vector<double> y16 = bf16_rounded(ref_matmul_values(xe, we, N, out, in)),
+                              dx16 = bf16_rounded(ref_matmul_values(dye, host_transpose(we, out, in), N, in, out)),
+                              dw16 = ref_matmul_values(host_transpose(dye, N, out), host_transpose(xe, N, in), out, in, N);
+    RefScaleLog gx, gw, gdy;
+    const std::vector<double> xq = host_fp8_roundtrip(x, E4M3, &gx), wq = host_fp8_roundtrip(w, E4M3, &gw), dyq = host_fp8_roundtrip(dy, E5M2, &gdy);
+    ProbeRow row{0, 0, db(bf16_rounded(ref_matmul_values(xq, wq, N, out, in)), y16),
+                 db(bf16_rounded(ref_matmul_values(dyq, host_transpose(wq, out, in), N, in, out)), dx16),
+                 db(ref_matmul_values(host_transpose(dyq, N, out), host_transpose(xq, N, in), out, in, N), dw16), true};
+    if (!block) return row;
+    const Fp8BlockRule e4m3{E4M3}, e5m2{E5M2};
+    const RefBlockOperand xb = ref_block_quantize(x, N, in, false, FP8_TILES_1x128, e4m3), xtb = ref_block_quantize(x, N, in, true, FP8_TILES_1x128, e4m3),
+                          wb = ref_block_quantize(w, out, in, false, FP8_BLOCKS_128x128, e4m3),
+                          wtb = ref_block_quantize(w, out, in, true, FP8_BLOCKS_128x128, e4m3);
+    row.y_db_block = db(bf16_rounded(ref_matmul_values(xb.values, wb.values, N, out, in)), y16);
+    for (int f = 0; f < 2; f++) {
+        const RefBlockOperand dyb = ref_block_quantize(dy, N, out, false, FP8_TILES_1x128, f ? e4m3 : e5m2),
+                              dytb = ref_block_quantize(dy, N, out, true, FP8_TILES_1x128, f ? e4m3 : e5m2);
+        row.dx_db_block[f] = db(bf16_rounded(ref_matmul_values(dyb.values, wtb.values, N, in, out)), dx16);
+        row.dw_db_block[f] = db(ref_matmul_values(dytb.values, xtb.values, out, in, N), dw16);
+    }
+    return row;
+}
+
+// Operands with one large outlier each that sets its tensor's scale and feeds no output: X [256, 256] and W [384, 256]
+// N(0, 1) with 2^16 at X (5, 7) and W (11, 13), dY [256, 384] N(0, 1) with 2^32 at (17, 19), and zero where an outlier
+// would multiply into a product (W's column 7 and row 19, X's column 13 and row 17, dY's column 11 and row 5), so that an
+// SQNR measures what the outlier's scale costs the other values. One scale per tensor (2^-8 for X and W, 2^-17 for dY)
+// puts the others near 2^-8 and 2^-17, among FP8's subnormals; block scaling only those in the outlier's tile (X, dY) or
+// block (W).
+struct ProbeOutlierCase { int N = 256, in = 256, out = 384; std::vector<bf16> x, w, dy; };
+static ProbeOutlierCase probe_outlier_case() {
+    ProbeOutlierCase k;
+    const int N = k.N, in = k.in, out = k.out;
+    std::vector<float> x = random_normal((size_t)N * in, 1.0f), w = random_normal((size_t)out * in, 1.0f), dy = random_normal((size_t)N * out, 1.0f);
+    x[5 * in + 7] = w[11 * in + 13] = 65536.0f;
+    dy[17 * out + 19] = 4294967296.0f;
+    for (int r = 0; r < out; r++) w[(size_t)r * in + 7] = 0.0f;
+    for (int i = 0; i < N; i++) x[(size_t)i * in + 13] = 0.0f, dy[(size_t)i * out + 11] = 0.0f;
+    for (int c = 0; c < in; c++) w[19 * in + c] = x[17 * in + c] = 0.0f;
+    for (int c = 0; c < out; c++) dy[5 * out + c] = 0.0f;
+    k.x = to_bf16(x), k.w = to_bf16(w), k.dy = to_bf16(dy);
+    return k;
+}
+// On the host: block scaling keeps each GEMM at least 10 dB above per-tensor scaling on those operands (the GPU test below
+// measures the probe against these figures; this one says they test something).
+HOST_TEST(probe_outliers_cost_per_tensor_scaling_more) {
+    const ProbeOutlierCase k = probe_outlier_case();
+    const ProbeRow h = host_probe_row(k.x, k.w, k.dy, k.N, k.in, k.out, true);
+    const double gain[3] = {h.y_db_block - h.y_db, h.dx_db_block[0] - h.dx_db, h.dw_db_block[0] - h.dw_db};
+    printf("    per tensor: Y %.2f dB, dX %.2f, dW %.2f; block: Y %.2f, dX %.2f, dW %.2f (E4M3 dY: dX %.2f, dW %.2f)\n", h.y_db, h.dx_db, h.dw_db,
+           h.y_db_block, h.dx_db_block[0], h.dw_db_block[0], h.dx_db_block[1], h.dw_db_block[1]);
+    for (int g = 0; g < 3; g++) expect(gain[g] >= 10.0, "%s: block scaling gains %.2f dB, expected at least 10", PROBE_GEMMS[g], gain[g]);
+}
+
 // Tests of the whole model's FP8 layers: only the FP8 build has them (the BF16 build's model has no FP8 linear to test).
 #if defined(PRECISION_FP8)
+// The eight figures of a probe row and their names, in ProbeRow's order.
+static std::vector<std::pair<const char*, double>> probe_row_figures(const ProbeRow& r) {
+    return {{"Y", r.y_db}, {"dX", r.dx_db}, {"dW", r.dw_db}, {"block Y", r.y_db_block}, {"block dX", r.dx_db_block[0]},
+            {"block dW", r.dw_db_block[0]}, {"block dX (E4M3 dY)", r.dx_db_block[1]}, {"block dW (E4M3 dY)", r.dw_db_block[1]}};
+}
+// probe_linear on the outlier operands above: its eight figures within the host's, to the GPU's accumulation (as in
+// probe_matches_host_reference, below), and so block scaling at least 10 dB above one scale per tensor in each GEMM.
+GPU_TEST(probe_block_scaling_holds_outliers) {
+    const ProbeOutlierCase k = probe_outlier_case();
+    const ProbeRow want = host_probe_row(k.x, k.w, k.dy, k.N, k.in, k.out, true);
+    DeviceBuffer<bf16> x(k.x), w(k.w), dy(k.dy);
+    MatmulContext mm;
+    matmul_context_create(&mm);
+    ProbeBuffers b = probe_buffers_create(k.N, k.in, k.out);
+    const ProbeRow got = probe_linear(&mm, &b, x.ptr, w.ptr, dy.ptr, k.N, k.in, k.out, false, true, 0);
+    probe_buffers_destroy(&b);
+    matmul_context_destroy(&mm);
+    const auto g = probe_row_figures(got), h = probe_row_figures(want);
+    double worst = 0;
+    for (size_t i = 0; i < g.size(); i++) {
+        printf("    %-18s %8.4f dB (host %8.4f)\n", g[i].first, g[i].second, h[i].second);
+        worst = std::isnan(g[i].second) ? INFINITY : std::max(worst, fabs(g[i].second - h[i].second));
+    }
+    expect(worst < 0.012, "the probe's SQNRs differ from the host's by up to %.4f dB", worst);
+    const double gain[3] = {got.y_db_block - got.y_db, got.dx_db_block[0] - got.dx_db, got.dw_db_block[0] - got.dw_db};
+    for (int i = 0; i < 3; i++) expect(gain[i] >= 10.0, "%s: block scaling gains %.2f dB, expected at least 10", PROBE_GEMMS[i], gain[i]);
+}
+
 // The precision probe (train_fp8.cu section 4) against the host: the operands each linear got in the BF16 pass
 // (captured here through Model::linear_probe from a model of their own), quantized by the host codec with the
 // host scale rule, multiplied in float64 and rounded as the GPU's outputs are (Y and dX to BF16, dW in FP32), and
@@ -5307,42 +5681,11 @@ GPU_TEST(probe_matches_host_reference) {
         const ProbeRow& row = r.rows[i];
         expect(row.layer * LINEARS_PER_LAYER + row.linear == k.index && row.fp8_in_recipe, "row %zu: layer %d linear %d", i, row.layer,
                row.linear);
-        RefScaleLog gx, gw, gdy;
-        const std::vector<double> xq = host_fp8_roundtrip(k.x, E4M3, &gx), wq = host_fp8_roundtrip(k.w, E4M3, &gw),
-                                  dyq = host_fp8_roundtrip(k.dy, E5M2, &gdy);
-        const std::vector<double> xe = to_double(k.x), we = to_double(k.w), dye = to_double(k.dy);
-        std::vector<double> y8((size_t)N * k.out), y16(y8.size()), dx8((size_t)N * k.in), dx16(dx8.size()), dw8((size_t)k.out * k.in),
-            dw16(dw8.size());
-        ref_matmul(y8.data(), xq.data(), wq.data(), N, k.out, k.in);
-        ref_matmul(y16.data(), xe.data(), we.data(), N, k.out, k.in);
-        ref_matmul(dx8.data(), dyq.data(), host_transpose(wq, k.out, k.in).data(), N, k.in, k.out);
-        ref_matmul(dx16.data(), dye.data(), host_transpose(we, k.out, k.in).data(), N, k.in, k.out);
-        ref_matmul(dw8.data(), host_transpose(dyq, N, k.out).data(), host_transpose(xq, N, k.in).data(), k.out, k.in, N);
-        ref_matmul(dw16.data(), host_transpose(dye, N, k.out).data(), host_transpose(xe, N, k.in).data(), k.out, k.in, N);
-        auto db = [](const std::vector<double>& got, const std::vector<double>& ref) { return sqnr_db(got.data(), ref.data(), ref.size()); };
-        const double host[3] = {db(bf16_rounded(y8), bf16_rounded(y16)), db(bf16_rounded(dx8), bf16_rounded(dx16)), db(dw8, dw16)};
-        const double probe[3] = {row.y_db, row.dx_db, row.dw_db};
-        printf("    layer %d %-9s Y %.4f dB (host %.4f), dX %.4f (%.4f), dW %.4f (%.4f)\n", row.layer, LINEAR_NAMES[row.linear], probe[0],
-               host[0], probe[1], host[1], probe[2], host[2]);
-        for (int g = 0; g < 3; g++) worst = std::max(worst, fabs(probe[g] - host[g]));
-        // block scaling's columns: the reference casts (fp8_kernels.cuh 3b) of both layouts, dY in E5M2 then E4M3
-        const Fp8BlockRule e4m3{E4M3}, e5m2{E5M2};
-        const RefBlockOperand xb = ref_block_quantize(k.x, N, k.in, false, FP8_TILES_1x128, e4m3),
-                              xtb = ref_block_quantize(k.x, N, k.in, true, FP8_TILES_1x128, e4m3),
-                              wb = ref_block_quantize(k.w, k.out, k.in, false, FP8_BLOCKS_128x128, e4m3),
-                              wtb = ref_block_quantize(k.w, k.out, k.in, true, FP8_BLOCKS_128x128, e4m3);
-        const double y_block = db(bf16_rounded(ref_matmul_values(xb.values, wb.values, N, k.out, k.in)), bf16_rounded(y16));
-        auto note = [&](double got, double want) { worst = std::isnan(got) ? INFINITY : std::max(worst, fabs(got - want)); };
-        printf("    %25s block Y %.4f dB (host %.4f)", "", row.y_db_block, y_block);
-        note(row.y_db_block, y_block);
-        for (int f = 0; f < 2; f++) {
-            const RefBlockOperand dyb = ref_block_quantize(k.dy, N, k.out, false, FP8_TILES_1x128, f ? e4m3 : e5m2),
-                                  dytb = ref_block_quantize(k.dy, N, k.out, true, FP8_TILES_1x128, f ? e4m3 : e5m2);
-            const double dx_block = db(bf16_rounded(ref_matmul_values(dyb.values, wtb.values, N, k.in, k.out)), bf16_rounded(dx16)),
-                         dw_block = db(ref_matmul_values(dytb.values, xtb.values, k.out, k.in, N), dw16);
-            printf(", %s dY: dX %.4f (%.4f), dW %.4f (%.4f)", f ? "E4M3" : "E5M2", row.dx_db_block[f], dx_block, row.dw_db_block[f], dw_block);
-            note(row.dx_db_block[f], dx_block);
-            note(row.dw_db_block[f], dw_block);
+        const auto got = probe_row_figures(row), want = probe_row_figures(host_probe_row(k.x, k.w, k.dy, N, k.in, k.out, true));
+        printf("    layer %d %-9s", row.layer, LINEAR_NAMES[row.linear]);
+        for (size_t f = 0; f < got.size(); f++) {
+            printf("%s %s %.4f (host %.4f)", f ? "," : "", got[f].first, got[f].second, want[f].second);
+            worst = std::isnan(got[f].second) ? INFINITY : std::max(worst, fabs(got[f].second - want[f].second));
         }
         printf("\n");
     }
@@ -6372,7 +6715,7 @@ HOST_TEST(train_parse_rejects_bad_values) {
 }
 
 // --scaling block, --block-scale-pow2 and --dy-format: their values, the flags they exclude, the shapes they need, each refusal
-// naming the flags; accepted, block scaling turns --fp8-stats off (its casts count nothing).
+// naming the flags; accepted, with the doctor on (its default --fp8-stats 50, or one given: the block casts count).
 HOST_TEST(train_block_scaling_flags) {
     std::vector<ParseRefusal> cases = {{{"--scaling", "tiles"}, {"--scaling tiles", "tensor or block"}},
                                {{"--dy-format", "e3m4"}, {"--dy-format e3m4", "e5m2 or e4m3"}}};
@@ -6385,7 +6728,6 @@ HOST_TEST(train_block_scaling_flags) {
             {{"--scaling", "block", "--smooth-quant", "0.5"}, {"--scaling block", "--smooth-quant"}},
             {{"--scaling", "block", "--tp-amax-sync"}, {"--scaling block", "--tp-amax-sync"}},
             {{"--scaling", "block", "--fp8-fast-accum", "1"}, {"--scaling block", "--fp8-fast-accum 1"}},
-            {{"--scaling", "block", "--fp8-stats", "10"}, {"--scaling block", "--fp8-stats 10"}},
             {{"--scaling", "block", "--model", "tiny", "--batch", "1", "--seq", "64"}, {"--scaling block", "B*T = 64", "multiple of 128"}},
             {{"--scaling", "block", "--model", "tiny", "--dim", "192", "--heads", "3", "--kv-heads", "3", "--batch", "2", "--seq", "64"},
              {"--scaling block", "[576, 192]", "multiples of 128"}},
@@ -6400,9 +6742,11 @@ HOST_TEST(train_block_scaling_flags) {
     expect_parse_refusals(cases);
     if constexpr (BUILD_FP8) {
         TrainOptions o;
-        const std::string err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--block-scale-pow2",
-                                            "--dy-format", "e4m3", "--fp8-fast-accum", "0"}, &o);
-        expect(err.empty() && o.fp8_stats == 0, "the tiny model under block scaling: refused (%s), or --fp8-stats %d left on", err.c_str(), o.fp8_stats);
+        std::string err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--block-scale-pow2",
+                                      "--dy-format", "e4m3", "--fp8-fast-accum", "0"}, &o);
+        expect(err.empty() && o.fp8_stats == 50, "the tiny model under block scaling: refused (%s), or --fp8-stats %d, not 50", err.c_str(), o.fp8_stats);
+        err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--fp8-stats", "10"}, &o);
+        expect(err.empty() && o.fp8_stats == 10, "block scaling with --fp8-stats 10: refused (%s), or --fp8-stats %d", err.c_str(), o.fp8_stats);
     }
 }
 

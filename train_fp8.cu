@@ -202,10 +202,10 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_int("--amax-history", "N", "FP8 scales from the max of the last N amaxes (1 = current scaling; FP8 build)", &o->amax_history, 1, FP8_MAX_HISTORY),
         flag_int("--quant-interval", "N", "FP8 delayed scaling: new scales every N steps (FP8 build)", &o->quant_interval, 1, BIG),
         flag_int("--fp8-fast-accum", "0|1", "fast accumulation in the forward FP8 GEMMs (backward: always split; FP8 build)", &o->fp8_fast_accum, 0, 1),
-        flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation, no --fp8-stats; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
+        flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
         flag_switch("--block-scale-pow2", "--scaling block: each tile's and block's scale rounded down to a power of two (default: 448 or 57344 / amax in FP32; FP8 build)", &o->block_scale_pow2),
         flag_string("--dy-format", "e5m2|e4m3", "FP8 format of the output gradients dY: e5m2, or e4m3 (one more mantissa bit, the range of a tile being narrow; --scaling block only; FP8 build)", &o->dy_format),
-        flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
+        flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (--scaling block: no scale, the tiles have theirs; both layouts' codes counted; 0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_double("--fp8-warn-saturated", "F", "warn when an FP8 tensor's saturated fraction is above F at --fp8-warn-after --fp8-stats steps in a row (FP8 build)", &o->fp8_warn_saturated, 0, 1),
         flag_double("--fp8-warn-flushed", "F", "warn when an FP8 tensor's fraction of non-zero values flushed to zero is above F, likewise (FP8 build)", &o->fp8_warn_flushed, 0, 1),
         flag_int("--fp8-warn-after", "N", "the --fp8-stats steps in a row that make a warning; one per tensor until it recovers (FP8 build)", &o->fp8_warn_after, 1, BIG),
@@ -263,8 +263,10 @@ inline void print_help(const char* argv0, const TrainOptions& o) {
                "  one batch (the first of --val-data) through the model in BF16; each linear's X, W and dY from that pass through\n"
                "  its FP8 GEMMs (E4M3 X and W, E5M2 dY, scales from each tensor's amax; and block scaling's, 1x128 tiles and 128x128\n"
                "  blocks with dY in E5M2 and in E4M3, where the widths and B x T are multiples of 128) and its BF16 GEMMs: the SQNR of FP8\n"
-               "  against BF16 in dB for Y, dX and dW of every linear of every layer (a table; DIR/probe.csv with --out DIR,\n"
-               "  drawn by scripts/plot_fp8_stats.py probe), and the loss of the FP8 recipe against all-BF16 linears on that batch.\n"
+               "  against BF16 in dB for Y, dX and dW of every linear of every layer under each scaling, and what blocks gain over\n"
+               "  one scale per tensor (a table; DIR/probe.csv with --out DIR, drawn by scripts/plot_fp8_stats.py probe), and the\n"
+               "  loss of the FP8 recipe against all-BF16 linears on that batch. A shape that does not tile leaves the block columns\n"
+               "  empty and says why.\n"
                "  CKPT: a checkpoint file or a run's folder (its newest); none: the weights of --init and --seed\n", argv0);
         print_flags({"--val-data", "--batch", "--seq", "--fp8-all-layers"});
         printf("  %-22s write the table to DIR/probe.csv (replacing one there)\n", "--out DIR");
@@ -423,7 +425,7 @@ inline std::string probe_args_problem(const TrainOptions& o, const std::vector<s
 // --scaling block against the other FP8 flags, and its shapes: "" or what is wrong. A tile's scale comes from the tile's own
 // amax at every cast: no amax history (--amax-history, --quant-interval, --amax-warmup), no tensor amax to share over a TP
 // group, no SmoothQuant (its channel scales are per-tensor casts'), no fast accumulation (cuBLASLt's block-scaled GEMMs have
-// none); the block casts count no --fp8-stats, which is off under it. --block-scale-pow2 and --dy-format e4m3 need it.
+// none). --block-scale-pow2 and --dy-format e4m3 need it.
 inline std::string train_block_scaling_problem(TrainOptions* o, const std::vector<std::string>& given) {
     if (o->scaling != "block") {
         if (o->block_scale_pow2) return "--block-scale-pow2 rounds the scales of --scaling block's tiles: add --scaling block";
@@ -439,10 +441,6 @@ inline std::string train_block_scaling_problem(TrainOptions* o, const std::vecto
     if (o->tp_amax_sync) return "--scaling block with --tp-amax-sync: a tile's scale needs no amax from the other GPUs; drop --tp-amax-sync";
     if (was_given("--fp8-fast-accum") && o->fp8_fast_accum == 1)
         return "--scaling block with --fp8-fast-accum 1: cuBLASLt's block-scaled GEMMs accumulate split only; drop --fp8-fast-accum";
-    if (was_given("--fp8-stats") && o->fp8_stats > 0)
-        return strprintf("--scaling block with --fp8-stats %d: the block casts count no saturated or flushed values; drop --fp8-stats",
-                         o->fp8_stats);
-    o->fp8_stats = 0;
     const std::string problem = model_block_scaling_problem(model_config_from_options(*o, BYTE_VOCAB), std::max(1, o->tp), (long)o->batch * o->seq);
     return problem.empty() ? "" : "--scaling block: " + problem;
 }
@@ -1002,13 +1000,16 @@ inline void on_ranks(std::vector<TrainRank>& ranks, const std::function<void(Tra
 // goes to OUT/fp8_stats.csv (scripts/plot_fp8_stats.py draws it) and a summary line, and a tensor whose saturated or
 // flushed fraction stays above its threshold for --fp8-warn-after such steps in a row gets one warning line,
 // counted in log.csv: one per tensor and kind until the fraction comes back below (the streaks start over at a resume).
+// fp8_stats.csv, a row per FP8 tensor and --fp8-stats step: step, layer, linear, tensor (X, W, dY), its format; amax
+// (per-tensor scaling: its last cast's; block scaling: the largest |x| of the step's casts); scale_log2, the exponent of
+// its one scale (empty under block scaling: each tile has its own); the fractions of its codes saturated and flushed.
 inline std::string fp8_tensor_name(const Fp8TensorStats& t) {
     return strprintf("layer %d %s %s", t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor]);
 }
 inline void fp8_stats_write_csv(FILE* csv, int step, const std::vector<Fp8TensorStats>& stats) {
     for (const Fp8TensorStats& t : stats)
-        fprintf(csv, "%d,%d,%s,%s,%s,%.6e,%d,%.6e,%.6e\n", step, t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor],
-                fp8_name(fp8_tensor_format(t.tensor)), t.amax, t.scale_log2, t.saturated, t.flushed);
+        fprintf(csv, "%d,%d,%s,%s,%s,%.6e,%s,%.6e,%.6e\n", step, t.layer, LINEAR_NAMES[t.linear], FP8_TENSOR_NAMES[t.tensor],
+                fp8_name(t.format), t.amax, t.block_scaled ? "" : std::to_string(t.scale_log2).c_str(), t.saturated, t.flushed);
     fflush(csv);
 }
 inline std::string fp8_stats_summary(const std::vector<Fp8TensorStats>& stats) {
@@ -1026,21 +1027,23 @@ struct Fp8Doctor {
     double saturated_limit = FP8_WARN_SATURATED, flushed_limit = FP8_WARN_FLUSHED;
     int after = FP8_WARN_AFTER;    // samples in a row above a limit that make a warning
     bool delayed = false;          // the recipe scales X and dY from an amax history (--amax-history > 1)
+    bool block = false;            // --scaling block: a scale per tile (no --smooth-quant)
     std::map<std::pair<int, int>, int> streak;   // (tensor: 12 layer + 3 linear + X/W/dY, kind: 0 saturated, 1 flushed) -> samples in a row above
 };
 // What to try, by kind and tensor. Saturation clips the largest values: the scale came from an amax smaller than
-// the tensor's (delayed scaling lagging a growing amax). Flushing zeroes the smallest: the tensor spans more than
-// the format's range below its amax (E4M3 2^-9..448, 2^17.8; E5M2 2^-16..57344, 2^31.8).
+// the tensor's (delayed scaling lagging a growing amax). Flushing zeroes the smallest: the tensor (block scaling: a
+// tile) spans more than the format's range below its amax (E4M3 2^-9..448, 2^17.8; E5M2 2^-16..57344, 2^31.8).
 inline std::string fp8_doctor_advice(const Fp8Doctor& d, const Fp8TensorStats& t, bool saturated) {
     if (saturated)
         return d.delayed ? "its amax grows faster than delayed scaling follows: try a shorter --amax-history or --quant-interval, "
                            "or current scaling (--amax-history 1)"
-                         : "current scaling saturates only when the amax was not finite: look at the loss and grad norm";
-    if (t.tensor == FP8_X)
+                         : strprintf("%s scaling saturates only when the amax was not finite: look at the loss and grad norm",
+                                     d.block ? "block" : "current");
+    if (t.tensor == FP8_X && !d.block)
         return "its outliers set the scale and its small values fall below E4M3's smallest code: try --smooth-quant 0.5, "
                "and ./train_fp8 probe to see what the layer's GEMMs lose";
     return strprintf("its values span more than %s's range: ./train_fp8 probe shows what the layer's GEMMs lose; the recipe "
-                     "keeps such layers in BF16 (the first and last by default)", fp8_name(fp8_tensor_format(t.tensor)));
+                     "keeps such layers in BF16 (the first and last by default)", fp8_name(t.format));
 }
 // One --fp8-stats step's records in; the warning lines due at this step out.
 inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector<Fp8TensorStats>& stats, int step) {
@@ -1052,7 +1055,7 @@ inline std::vector<std::string> fp8_doctor_check(Fp8Doctor* d, const std::vector
             n = frac > limit ? n + 1 : 0;
             if (n != d->after) continue;
             warnings.push_back(strprintf("step %5d | fp8 warning: %s (%s): %.2e of its values %s (above %.0e) at %d --fp8-stats steps "
-                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), fp8_name(fp8_tensor_format(t.tensor)),
+                                         "in a row; %s", step, fp8_tensor_name(t).c_str(), fp8_name(t.format),
                                          frac, kind == 0 ? "saturated" : "flushed to zero", limit, d->after,
                                          fp8_doctor_advice(*d, t, kind == 0).c_str()));
         }
@@ -1551,6 +1554,7 @@ inline void train_open_logs(TrainRun* run) {
     run->doctor.flushed_limit = o.fp8_warn_flushed;
     run->doctor.after = o.fp8_warn_after;
     run->doctor.delayed = o.amax_history > 1 || o.quant_interval > 1;
+    run->doctor.block = o.scaling == "block";
     run->flops_per_token = model_flops_per_token(run->config, run->T);   // the whole model's: TFLOP/s of all GPUs together
     run->tokens_per_step = (double)o.total_batch;
     run->grad_scale = 1.0f / ((float)run->B * run->T * run->accum);
@@ -1949,7 +1953,8 @@ inline TrainResult train(const TrainOptions& o) {
 // what they add up to. A freshly initialised model measures about 28 dB forward (two E4M3 operands) and 24.5 dB
 // backward (E5M2 dY, 2 mantissa bits): the formats' own precision. A GEMM well below that has outliers that set its scale.
 // The same operands also go through block scaling's GEMMs (fp8_kernels.cuh 3b: 1x128 tiles, 128x128 blocks; FP32 scales),
-// with dY in E5M2 and then in E4M3, where the linear's widths and the batch's tokens are multiples of 128.
+// with dY in E5M2 and then in E4M3, where the model's shape allows block scaling (model_block_scaling_problem: widths and
+// tokens multiples of 128); block minus per-tensor, in dB, is what the finer scales buy that GEMM.
 
 struct ProbeRow {
     int layer, linear;           // linear: LINEAR_NAMES' index
@@ -1961,9 +1966,31 @@ struct ProbeRow {
 struct ProbeResult {
     std::vector<ProbeRow> rows;   // by layer, then linear
     float loss_fp8 = 0, loss_bf16 = 0;
+    std::string block_problem;    // why the block columns are empty ("": they are not)
 };
+constexpr const char* PROBE_GEMMS[3] = {"Y", "dX", "dW"};
+// A row's SQNR of GEMM g (PROBE_GEMMS' index) under per-tensor scaling, or under block scaling with dY in E5M2 (dy 0) or
+// in E4M3 (dy 1); Y reads no dY.
+inline double probe_db(const ProbeRow& row, int g, bool block, int dy = 0) {
+    if (!block) return g == 0 ? row.y_db : g == 1 ? row.dx_db : row.dw_db;
+    return g == 0 ? row.y_db_block : g == 1 ? row.dx_db_block[dy] : row.dw_db_block[dy];
+}
+// DIR/probe.csv: a row per GEMM of each linear; its SQNR in dB under per-tensor scaling (sqnr_db), under block scaling
+// (block_sqnr_db, dY in E5M2 as per tensor), block minus per-tensor (block_gain_db), and under block scaling with dY in
+// E4M3 (block_e4m3_dy_sqnr_db; Y's is block_sqnr_db). The block columns are empty where the shapes do not tile.
+inline std::string probe_csv(const ProbeResult& r) {
+    std::string csv = "layer,linear,gemm,sqnr_db,block_sqnr_db,block_gain_db,block_e4m3_dy_sqnr_db\n";
+    auto cell = [](double v) { return std::isnan(v) ? std::string() : strprintf("%.4f", v); };
+    for (const ProbeRow& row : r.rows)
+        for (int g = 0; g < 3; g++) {
+            const double tensor = probe_db(row, g, false), block = probe_db(row, g, true);
+            csv += strprintf("%d,%s,%s,%.4f,%s,%s,%s\n", row.layer, LINEAR_NAMES[row.linear], PROBE_GEMMS[g], tensor, cell(block).c_str(),
+                             cell(block - tensor).c_str(), cell(probe_db(row, g, true, 1)).c_str());
+        }
+    return csv;
+}
 
-// The FP8 and the BF16 linear's outputs and the FP8 operands, sized for the model's widest linear.
+// The FP8 and the BF16 linear's outputs and the FP8 operands, sized for the widest linear (in, out) of N tokens.
 struct ProbeBuffers {
     bf16 *y8 = nullptr, *y16 = nullptr, *dx8 = nullptr, *dx16 = nullptr;
     float *dw8 = nullptr, *dw16 = nullptr;
@@ -1972,8 +1999,7 @@ struct ProbeBuffers {
     Fp8Meta* metas = nullptr;   // [3]: X, W, dY
     double* sums = nullptr;     // [2]: sqnr_db_on_device's
 };
-inline ProbeBuffers probe_buffers_create(const ModelConfig& c, int N) {
-    const size_t in = std::max(c.dim, c.ffn_dim), out = std::max({(size_t)model_qkv_dim(c), 2 * (size_t)c.ffn_dim, (size_t)c.dim});
+inline ProbeBuffers probe_buffers_create(int N, size_t in, size_t out) {
     ProbeBuffers b;
     for (bf16** p : {&b.y8, &b.y16}) cudaCheck(cudaMalloc(p, N * out * sizeof(bf16)));
     for (bf16** p : {&b.dx8, &b.dx16}) cudaCheck(cudaMalloc(p, N * in * sizeof(bf16)));
@@ -2001,9 +2027,10 @@ inline void probe_buffers_destroy(ProbeBuffers* b) {
     *b = ProbeBuffers();
 }
 
-// One linear: X [N,in], W [out,in], dY [N,out] through the FP8 GEMMs and the BF16 GEMMs; the three SQNRs.
+// One linear: X [N,in], W [out,in], dY [N,out] through the FP8 GEMMs and the BF16 GEMMs; the three SQNRs, and with
+// block (N, in and out multiples of 128) block scaling's five.
 inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, const bf16* w, const bf16* dy, int N, int in, int out,
-                             bool fast_accum, cudaStream_t s) {
+                             bool fast_accum, bool block, cudaStream_t s) {
     const Fp8Meta fresh[3] = {fp8_meta_initial(), fp8_meta_initial(), fp8_meta_initial()};
     cudaCheck(cudaMemcpyAsync(b->metas, fresh, sizeof(fresh), cudaMemcpyHostToDevice, s));
     Fp8Linear lin{b->w8, b->w8_t, b->metas, nullptr};
@@ -2018,7 +2045,7 @@ inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, 
     row.y_db = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
     row.dx_db = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);
     row.dw_db = sqnr_db_on_device(b->dw8, b->dw16, (size_t)out * in, b->sums, s);
-    if (in % SCALE_BLOCK == 0 && out % SCALE_BLOCK == 0 && N % SCALE_BLOCK == 0) {   // block scaling, the same operands
+    if (block) {   // block scaling, the same operands
         Fp8Linear blin{b->w8, b->w8_t, nullptr, nullptr, b->w8_s, b->w8_t_s};
         fp8_block_weight_update(&blin, w, out, in, Fp8BlockRule{E4M3}, s);
         const Fp8BlockCastOut xo{b->x8, b->x8_s, b->x8_t, b->x8_t_s, FP8_TILES_1x128, {E4M3}};
@@ -2046,6 +2073,7 @@ inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& w
     cudaCheck(cudaMemcpy(d_tokens, inputs.data(), (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
     cudaCheck(cudaMemcpy(d_tokens + N, targets.data(), (size_t)N * sizeof(int), cudaMemcpyHostToDevice));
     ProbeResult r;
+    r.block_problem = model_block_scaling_problem(c, 1, N);
     Model m;
     model_create(&m, c, B, T, fp8);
     model_upload_weights(&m, weights.data());
@@ -2055,10 +2083,10 @@ inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& w
     bf16_only.enabled = false;
     model_create(&m, c, B, T, bf16_only);
     model_upload_weights(&m, weights.data());
-    ProbeBuffers buffers = probe_buffers_create(c, N);
+    ProbeBuffers buffers = probe_buffers_create(N, std::max(c.dim, c.ffn_dim), std::max({(size_t)model_qkv_dim(c), 2 * (size_t)c.ffn_dim, (size_t)c.dim}));
     m.linear_probe = [&](const Param& p, const bf16* x, const bf16* dy, int n) {
         const TensorSpec& w = m.params[p.index];
-        ProbeRow row = probe_linear(&m.matmul, &buffers, x, p.w, dy, n, w.cols, w.rows, fp8.fast_accum, m.stream);
+        ProbeRow row = probe_linear(&m.matmul, &buffers, x, p.w, dy, n, w.cols, w.rows, fp8.fast_accum, r.block_problem.empty(), m.stream);
         const int i = model_linear_index(&m, p.index);
         row.layer = i / LINEARS_PER_LAYER;
         row.linear = i % LINEARS_PER_LAYER;
@@ -2074,6 +2102,46 @@ inline ProbeResult probe_model(const ModelConfig& c, const std::vector<float>& w
         return std::make_pair(a.layer, a.linear) < std::make_pair(b.layer, b.linear);
     });
     return r;
+}
+
+// The probe's table: per layer and linear the SQNRs of both scalings and block minus per-tensor ("-" where the block
+// columns are empty, and a line saying why), then the five weakest GEMMs of each scaling.
+inline std::string probe_table(const ProbeResult& r) {
+    std::string t = "SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better): per-tensor and block "
+                    "scaling (dY in E5M2), what block scaling gains, and block scaling with dY in E4M3:\n";
+    t += strprintf("%5s  %-9s  %-23s | %-23s | %-23s | %s\n", "", "", "per tensor", "block", "block - per tensor", "block, E4M3 dY");
+    t += strprintf("%5s  %-9s  %7s %7s %7s | %7s %7s %7s | %7s %7s %7s | %7s %7s\n", "layer", "linear", "Y", "dX", "dW", "Y", "dX", "dW", "Y",
+                   "dX", "dW", "dX", "dW");
+    auto db = [](double v, const char* format) { return std::isnan(v) ? strprintf("%7s", "-") : strprintf(format, v); };
+    for (const ProbeRow& row : r.rows) {
+        std::string line = strprintf("%5d  %-9s ", row.layer, LINEAR_NAMES[row.linear]);
+        for (int g = 0; g < 3; g++) line += strprintf(" %7.2f", probe_db(row, g, false));
+        line += " |";
+        for (int g = 0; g < 3; g++) line += " " + db(probe_db(row, g, true), "%7.2f");
+        line += " |";
+        for (int g = 0; g < 3; g++) line += " " + db(probe_db(row, g, true) - probe_db(row, g, false), "%+7.2f");
+        line += " |";
+        for (int g = 1; g < 3; g++) line += " " + db(probe_db(row, g, true, 1), "%7.2f");
+        t += line + (row.fp8_in_recipe ? "" : "   (BF16 in the recipe)") + "\n";
+    }
+    if (!r.block_problem.empty()) t += "the block columns are empty, block scaling does not fit this shape: " + r.block_problem + "\n";
+    // the five weakest GEMMs of a scaling (dy: the block columns' dY format)
+    auto lowest = [&](const char* what, bool block, int dy) {
+        std::vector<std::pair<double, std::string>> gemms;
+        for (const ProbeRow& row : r.rows)
+            for (int g = 0; g < 3; g++)
+                gemms.push_back({probe_db(row, g, block, dy), strprintf("layer %d %s %s", row.layer, LINEAR_NAMES[row.linear], PROBE_GEMMS[g])});
+        gemms.erase(std::remove_if(gemms.begin(), gemms.end(), [](const auto& g) { return std::isnan(g.first); }), gemms.end());
+        if (gemms.empty()) return;
+        std::sort(gemms.begin(), gemms.end());
+        t += strprintf("lowest%s:", what);
+        for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) t += strprintf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
+        t += "\n";
+    };
+    lowest("", false, 0);
+    lowest(" under block scaling, E5M2 dY", true, 0);
+    lowest(" under block scaling, E4M3 dY", true, 1);
+    return t;
 }
 
 // ./train_fp8 probe [CKPT] [flags]: the checks, then probe_model, the table, DIR/probe.csv with --out.
@@ -2123,41 +2191,11 @@ inline ProbeResult probe_main(const TrainOptions& o) {
     ProbeResult r = probe_model(c, weights, fp8, o.batch, o.seq, val.inputs, val.targets);
     dataloader_free(&val);
 
-    printf("SQNR of each FP8 GEMM against the BF16 GEMM on the same operands, dB (higher is better): per-tensor scaling (E5M2 dY), "
-           "block scaling with dY in E5M2, and with dY in E4M3 (- where the shapes do not tile by 128):\n");
-    printf("%5s  %-9s  %7s  %7s  %7s | %7s  %7s  %7s | %7s  %7s\n", "layer", "linear", "Y", "dX", "dW", "Y", "dX", "dW", "dX", "dW");
-    auto db = [](double v) { return std::isnan(v) ? std::string("-") : strprintf("%.2f", v); };
-    for (const ProbeRow& row : r.rows)
-        printf("%5d  %-9s  %7.2f  %7.2f  %7.2f | %7s  %7s  %7s | %7s  %7s%s\n", row.layer, LINEAR_NAMES[row.linear], row.y_db, row.dx_db,
-               row.dw_db, db(row.y_db_block).c_str(), db(row.dx_db_block[0]).c_str(), db(row.dw_db_block[0]).c_str(),
-               db(row.dx_db_block[1]).c_str(), db(row.dw_db_block[1]).c_str(), row.fp8_in_recipe ? "" : "   (BF16 in the recipe)");
-    // the five weakest GEMMs of a scaling (dy: the block columns' dY format)
-    auto lowest = [&](const char* what, bool block, int dy) {
-        std::vector<std::pair<double, std::string>> gemms;
-        for (const ProbeRow& row : r.rows) {
-            const std::string at = strprintf("layer %d %s", row.layer, LINEAR_NAMES[row.linear]);
-            gemms.push_back({block ? row.y_db_block : row.y_db, at + " Y"});
-            gemms.push_back({block ? row.dx_db_block[dy] : row.dx_db, at + " dX"});
-            gemms.push_back({block ? row.dw_db_block[dy] : row.dw_db, at + " dW"});
-        }
-        gemms.erase(std::remove_if(gemms.begin(), gemms.end(), [](const auto& g) { return std::isnan(g.first); }), gemms.end());
-        if (gemms.empty()) return;
-        std::sort(gemms.begin(), gemms.end());
-        printf("lowest%s:", what);
-        for (size_t i = 0; i < std::min<size_t>(5, gemms.size()); i++) printf("%s %s %.2f dB", i ? "," : "", gemms[i].second.c_str(), gemms[i].first);
-        printf("\n");
-    };
-    lowest("", false, 0);
-    lowest(" under block scaling, E5M2 dY", true, 0);
-    lowest(" under block scaling, E4M3 dY", true, 1);
+    printf("%s", probe_table(r).c_str());
     printf("loss on this batch: FP8 recipe %.5f, BF16 linears %.5f, difference %+.5f (%+.3f%%)\n", r.loss_fp8, r.loss_bf16,
            r.loss_fp8 - r.loss_bf16, 100.0 * (r.loss_fp8 - r.loss_bf16) / r.loss_bf16);
     if (!o.out.empty()) {
-        std::string csv = "layer,linear,gemm,sqnr_db\n";
-        for (const ProbeRow& row : r.rows)
-            for (int g = 0; g < 3; g++)
-                csv += strprintf("%d,%s,%s,%.4f\n", row.layer, LINEAR_NAMES[row.linear], g == 0 ? "Y" : g == 1 ? "dX" : "dW",
-                                 g == 0 ? row.y_db : g == 1 ? row.dx_db : row.dw_db);
+        const std::string csv = probe_csv(r);
         const std::string path = o.out + "/probe.csv";
         write_file_durably(path, [&](FILE* f, const std::string& tmp) { write_bytes(f, csv.data(), csv.size(), tmp); });
         printf("wrote %s (python3 scripts/plot_fp8_stats.py probe %s draws it)\n", path.c_str(), path.c_str());

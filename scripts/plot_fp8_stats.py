@@ -4,13 +4,16 @@
     scripts/plot_fp8_stats.py DIR [-o OUT.png] [--tensor "LAYER LINEAR TENSOR"]
         DIR/fp8_stats.csv (./train_fp8 --fp8-stats K --out DIR) -> DIR/fp8_stats.png. For each of a layer's 12 FP8
         tensors (X, W, dY of wqkv, wo, w_gate_up, w_down) a heatmap layer x step of the scale's exponent, of the
-        fraction of values saturated and of the fraction flushed to zero; below, one tensor's amax over the steps
+        fraction of codes saturated and of the fraction flushed to zero; below, one tensor's amax over the steps
         against the largest value its scale represents (the format's max / scale): the headroom. That tensor is
         --tensor (e.g. "5 w_down dY"), by default the one with the highest mean saturated fraction, or the last FP8
-        layer's w_down dY if nothing saturated.
+        layer's w_down dY if nothing saturated. A run under --scaling block has no scale per tensor (scale_log2 is
+        empty: each tile has its own): its scale heatmap says so and the bottom panel draws the amax alone.
     scripts/plot_fp8_stats.py probe FILE.csv [-o OUT.png]
-        the precision probe's CSV (layer, linear, gemm, sqnr_db) -> FILE.png (default): the SQNR in dB of each FP8
-        GEMM (Y forward, dX and dW backward) against BF16, a heatmap layer x (linear, GEMM); prints the 5 worst.
+        the precision probe's CSV (layer, linear, gemm, sqnr_db, block_sqnr_db, block_gain_db, block_e4m3_dy_sqnr_db)
+        -> FILE.png (default): the SQNR in dB of each FP8 GEMM (Y forward, dX and dW backward) against BF16 under
+        per-tensor scaling, a heatmap layer x (linear, GEMM), and where the block columns are filled the same under
+        block scaling and block minus per-tensor; prints the 5 worst of each scaling.
     scripts/plot_fp8_stats.py test       checks of this script on synthetic files (host only; make test runs it)
 
 A layer without rows is one train_fp8 keeps in BF16 (drawn grey): without rows for layer 0 the first and last layers
@@ -44,10 +47,10 @@ LINEARS = ["wqkv", "wo", "w_gate_up", "w_down"]
 TENSORS = ["X", "W", "dY"]
 TENSOR_KEYS = [(linear, tensor) for linear in LINEARS for tensor in TENSORS]   # train_fp8's order in a layer
 GEMMS = ["Y", "dX", "dW"]
-FORMAT = {"X": "E4M3", "W": "E4M3", "dY": "E5M2"}
+FORMATS = {"X": ["E4M3"], "W": ["E4M3"], "dY": ["E5M2", "E4M3"]}   # dY in E4M3: --scaling block --dy-format e4m3
 FORMAT_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
 STATS_HEADER = "step,layer,linear,tensor,format,amax,scale_log2,saturated_frac,flushed_frac"
-PROBE_HEADER = "layer,linear,gemm,sqnr_db"
+PROBE_HEADER = "layer,linear,gemm,sqnr_db,block_sqnr_db,block_gain_db,block_e4m3_dy_sqnr_db"
 STATS_SOURCE = "./train_fp8 --fp8-stats K --out DIR writes it, FP8 build"
 PROBE_SOURCE = "train_fp8's precision probe writes it"
 AMAX, SCALE, SATURATED, FLUSHED = range(4)   # the values of a row, in the CSV's order
@@ -108,14 +111,19 @@ def layer_count(layers):
 
 def load_stats(path):
     by_step = {}   # step -> {(layer, linear, tensor): (amax, scale_log2, saturated, flushed)}, both in file order
+    formats = {}   # TENSOR_KEYS' index -> the format of its rows
     for number, f in read_csv(path, STATS_HEADER, STATS_SOURCE):
         step = parse(path, number, "step", f[0], int, lambda v: v >= 0, "a step (an integer >= 0)")
         key = parse_key(path, number, f[1], f[2], f[3], TENSORS)
-        fmt = FORMAT[key[2]]
-        parse(path, number, "format", f[4], str, fmt.__eq__, f"{fmt} (the format of {key[2]})")
+        k = TENSOR_KEYS.index(key[1:])
+        fmt = parse(path, number, "format", f[4], str, FORMATS[key[2]].__contains__,
+                    f"{' or '.join(FORMATS[key[2]])} (a format of {key[2]})")
+        if formats.setdefault(k, fmt) != fmt:
+            fail(f"{path}, line {number}: {key[1]} {key[2]} in {fmt}, in {formats[k]} before; move the file away")
         fraction = (float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
         values = (parse(path, number, "amax", f[5], float, lambda v: not v < 0, "a number >= 0 (inf, nan allowed)"),
-                  parse(path, number, "scale_log2", f[6], int, lambda v: True, "an integer"),
+                  math.nan if f[6] == "" else   # block scaling: a scale per tile, none per tensor
+                  parse(path, number, "scale_log2", f[6], int, lambda v: True, "an integer or empty"),
                   parse(path, number, "saturated_frac", f[7], *fraction),
                   parse(path, number, "flushed_frac", f[8], *fraction))
         last = next(reversed(by_step), step)
@@ -139,7 +147,7 @@ def load_stats(path):
         for (layer, linear, tensor), v in by_step[step].items():
             values[:, TENSOR_KEYS.index((linear, tensor)), layer, j] = v
     return SimpleNamespace(path=path, steps=np.array(steps), n_layers=values.shape[2], fp8_layers=fp8_layers,
-                           values=values)   # values [AMAX..FLUSHED, tensor, layer, step]
+                           values=values, formats=formats)   # values [AMAX..FLUSHED, tensor, layer, step]
 
 
 def default_tensor(stats):
@@ -149,7 +157,7 @@ def default_tensor(stats):
     if total.max() > 0:
         k, layer = np.unravel_index(np.argmax(total), total.shape)
         return int(layer), int(k), "the highest mean saturated fraction"
-    has_rows = ~np.isnan(stats.values[SCALE]).all(axis=2)   # [tensor, layer]
+    has_rows = ~np.isnan(stats.values[SATURATED]).all(axis=2)   # [tensor, layer]
     layer = np.flatnonzero(has_rows.any(axis=0))[-1]
     return int(layer), int(np.flatnonzero(has_rows[:, layer])[-1]), "nothing saturated: the last FP8 tensor"
 
@@ -159,7 +167,7 @@ def chosen_tensor(text, stats):
     f = text.split()
     if len(f) == 3 and f[0].isdigit() and int(f[0]) < stats.n_layers and (f[1], f[2]) in TENSOR_KEYS:
         k = TENSOR_KEYS.index((f[1], f[2]))
-        if not np.isnan(stats.values[SCALE, k, int(f[0])]).all():
+        if not np.isnan(stats.values[SATURATED, k, int(f[0])]).all():
             return int(f[0]), k, "--tensor"
     fail(f"--tensor '{text}': expected \"LAYER LINEAR TENSOR\" (LINEAR one of {', '.join(LINEARS)}, TENSOR one of "
          f"{', '.join(TENSORS)}) with rows in {stats.path} (layers {stats.fp8_layers[0]}-{stats.fp8_layers[-1]})")
@@ -202,45 +210,60 @@ def plot_stats(stats, out, choice):
     row_height = 0.5 + 0.045 * n_layers
     fig = plt.figure(figsize=(16, 12 * row_height + 5), layout="constrained")
     grid = fig.add_gridspec(len(TENSOR_KEYS) + 1, 3, height_ratios=[row_height] * len(TENSOR_KEYS) + [3.2])
-    lo, hi = np.nanmin(stats.values[SCALE]), np.nanmax(stats.values[SCALE])
-    scale_cmap = plt.get_cmap("turbo", int(hi - lo) + 1)   # one colour per exponent
-    columns = [(SCALE, "log2(scale): the exponent of the power-of-two scale", scale_cmap,
-                BoundaryNorm(np.arange(lo - 0.5, hi + 1), scale_cmap.N), "", False),
-               (SATURATED, "saturated fraction: |x·scale| beyond the format's max", "viridis",
+    block = np.isnan(stats.values[SCALE]).all()   # --scaling block: a scale per tile, none per tensor
+    if block:   # the first column: the amax's exponent instead
+        first = np.log2(np.where(stats.values[AMAX] > 0, stats.values[AMAX], np.nan))
+        lo, hi = np.nanmin(first), np.nanmax(first)
+        first_column = (first, "log2(amax): block scaling has a scale per tile, none per tensor", "turbo",
+                        Normalize(lo, max(hi, lo + 1)), "", False)
+    else:
+        lo, hi = np.nanmin(stats.values[SCALE]), np.nanmax(stats.values[SCALE])
+        scale_cmap = plt.get_cmap("turbo", int(hi - lo) + 1)   # one colour per exponent
+        first_column = (stats.values[SCALE], "log2(scale): the exponent of the power-of-two scale", scale_cmap,
+                        BoundaryNorm(np.arange(lo - 0.5, hi + 1), scale_cmap.N), "", False)
+    columns = [first_column,
+               (stats.values[SATURATED], "saturated fraction: x·scale rounds beyond the format's max", "viridis",
                 *fraction_norm(stats.values[SATURATED]), True),
-               (FLUSHED, "flushed fraction: x ≠ 0 cast to 0", "viridis", *fraction_norm(stats.values[FLUSHED]), True)]
+               (stats.values[FLUSHED], "flushed fraction: x ≠ 0 cast to 0", "viridis",
+                *fraction_norm(stats.values[FLUSHED]), True)]
     axes = [[fig.add_subplot(grid[i, j]) for j in range(3)] for i in range(len(TENSOR_KEYS))]
-    for j, (value, label, cmap, norm, empty, zero_blank) in enumerate(columns):
+    for j, (values, label, cmap, norm, empty, zero_blank) in enumerate(columns):
         for i, (linear, tensor) in enumerate(TENSOR_KEYS):
             ax = axes[i][j]
-            mesh = heatmap(ax, x_edges, stats.values[value, i], cmap, norm, zero_blank)
+            mesh = heatmap(ax, x_edges, values[i], cmap, norm, zero_blank)
             layer_ticks(ax, n_layers, stats.fp8_layers, max(1, round(n_layers / 5)))
             ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
             ax.tick_params(labelsize=7, labelleft=j == 0, labelbottom=i == len(TENSOR_KEYS) - 1)
             if j == 0:
-                ax.set_ylabel(f"{linear} {tensor}\n{FORMAT[tensor]}", rotation=0, ha="right", va="center", fontsize=9)
+                ax.set_ylabel(f"{linear} {tensor}\n{stats.formats.get(i, FORMATS[tensor][0])}", rotation=0, ha="right",
+                              va="center", fontsize=9)
         axes[-1][j].set_xlabel("step")
         bar = fig.colorbar(mesh, ax=[row[j] for row in axes], location="top", aspect=30, pad=0.01,
-                           ticks=MaxNLocator(integer=True, min_n_ticks=1) if value == SCALE else None)
+                           ticks=MaxNLocator(integer=True, min_n_ticks=1) if j == 0 else None)
         bar.set_label(label + empty, fontsize=10)
-    # the chosen tensor's amax against the largest value its scale represents
+    # the chosen tensor's amax against the largest value its scale represents (block scaling: each tile's scale brings
+    # the tile's amax to the max, so the amax alone)
     layer, k, why = choice
     linear, tensor = TENSOR_KEYS[k]
-    fmt = FORMAT[tensor]
+    fmt = stats.formats[k]
     amax, saturated = stats.values[AMAX, k, layer], stats.values[SATURATED, k, layer]
-    ceiling = FORMAT_MAX[fmt] / 2.0 ** stats.values[SCALE, k, layer]
     ax = fig.add_subplot(grid[-1, :])
-    ax.plot(steps, ceiling, marker=".", color="tab:green",
-            label=f"{fmt} max / scale = {FORMAT_MAX[fmt]:g} / 2^scale_log2: the largest value the scale represents")
     ax.plot(steps, amax, marker=".", color="tab:blue", label="amax = max |x|")
-    ax.fill_between(steps, amax, ceiling, where=amax <= ceiling, color="tab:green", alpha=0.15, label="headroom")
     hit = saturated > 0
     ax.scatter(steps[hit], amax[hit], color="tab:red", marker="x", s=40, zorder=3, label="a step with saturated values")
-    ok = np.isfinite(amax) & (amax > 0)
-    headroom = np.log2(ceiling[ok] / amax[ok])
-    room = f"min {headroom.min():.2f}, median {np.median(headroom):.2f}" if ok.any() else "none: no amax above 0"
+    if block:
+        room = "the amax (block scaling fits each tile's scale to the tile: no headroom per tensor)"
+    else:
+        ceiling = FORMAT_MAX[fmt] / 2.0 ** stats.values[SCALE, k, layer]
+        ax.plot(steps, ceiling, marker=".", color="tab:green",
+                label=f"{fmt} max / scale = {FORMAT_MAX[fmt]:g} / 2^scale_log2: the largest value the scale represents")
+        ax.fill_between(steps, amax, ceiling, where=amax <= ceiling, color="tab:green", alpha=0.15, label="headroom")
+        ok = np.isfinite(amax) & (amax > 0)
+        headroom = np.log2(ceiling[ok] / amax[ok])
+        room = "headroom log2(ceiling / amax) " + (f"min {headroom.min():.2f}, median {np.median(headroom):.2f}" if ok.any()
+                                                   else "none: no amax above 0")
     ax.set(yscale="log", xlabel="step", ylabel="value", xlim=(x_edges[0], x_edges[-1]),
-           title=f"layer {layer} {linear} {tensor} ({fmt}; {why}): headroom log2(ceiling / amax) {room}")
+           title=f"layer {layer} {linear} {tensor} ({fmt}; {why}): {room}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -252,78 +275,108 @@ def plot_stats(stats, out, choice):
     print(f"wrote {out}")
 
 
+PROBE_PANELS = ["per tensor", "block", "block - per tensor"]   # the probe's pictures, from its first three dB columns
+
+
 def load_probe(path):
-    sqnr = {}   # (layer, linear, gemm) -> dB
+    """The probe's CSV: for each (layer, linear, gemm) its SQNR under per-tensor scaling, block scaling, block minus
+    per-tensor and block scaling with dY in E4M3 (the block ones nan where train_fp8 left them empty: no tiling)."""
+    sqnr = {}   # (layer, linear, gemm) -> (per tensor, block, gain, block E4M3 dY) dB
     for number, f in read_csv(path, PROBE_HEADER, PROBE_SOURCE):
         key = parse_key(path, number, f[0], f[1], f[2], GEMMS)
         if key in sqnr:
             fail(f"{path}, line {number}: a second row for layer {' '.join(map(str, key))}; move the file away")
-        sqnr[key] = parse(path, number, "sqnr_db", f[3], float, lambda v: not math.isnan(v), "dB (inf allowed)")
+        db = (float, lambda v: not math.isnan(v), "dB (inf allowed)")
+        block = [math.nan if text == "" else parse(path, number, name, text, *db[:2], "dB (inf allowed) or empty")
+                 for name, text in zip(PROBE_HEADER.split(",")[4:], f[4:])]
+        if (math.isnan(block[0]), math.isnan(block[1]), math.isnan(block[2])).count(True) not in (0, 3):
+            fail(f"{path}, line {number}: block_sqnr_db, block_gain_db and block_e4m3_dy_sqnr_db are all filled or all "
+                 "empty (no tiling), not some")
+        sqnr[key] = (parse(path, number, "sqnr_db", f[3], *db), *block)
     fp8_layers = sorted({key[0] for key in sqnr})
-    grid = np.full((layer_count(fp8_layers), len(LINEARS) * len(GEMMS)), np.nan)   # [layer, (linear, gemm)]
-    for (layer, linear, gemm), db in sqnr.items():
-        grid[layer, LINEARS.index(linear) * len(GEMMS) + GEMMS.index(gemm)] = db
+    grid = np.full((len(PROBE_PANELS), layer_count(fp8_layers), len(LINEARS) * len(GEMMS)), np.nan)   # [panel, layer, (linear, gemm)]
+    for (layer, linear, gemm), dbs in sqnr.items():
+        grid[:, layer, LINEARS.index(linear) * len(GEMMS) + GEMMS.index(gemm)] = dbs[:len(PROBE_PANELS)]
     return SimpleNamespace(path=path, sqnr=sqnr, grid=grid, fp8_layers=fp8_layers)
 
 
 def plot_probe(probe, out):
-    grid, (n_layers, n_columns) = probe.grid, probe.grid.shape
-    finite = grid[np.isfinite(grid)]
+    n_layers, n_columns = probe.grid.shape[1:]
+    panels = [p for p in range(len(PROBE_PANELS)) if p == 0 or not np.isnan(probe.grid[p]).all()]   # block: where it tiled
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, len(panels) * (0.32 * n_layers + 2.4)), layout="constrained",
+                             squeeze=False)
+    finite = probe.grid[:2][np.isfinite(probe.grid[:2])]   # both scalings on one colour scale
     lo, hi = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
-    norm, cmap = Normalize(lo, max(hi, lo + 1)), plt.get_cmap("RdYlBu")   # red: low SQNR, the worst
-    shown = np.where(np.isposinf(grid), norm.vmax, grid)   # inf: FP8 equals BF16, drawn as the best
-    fig, ax = plt.subplots(figsize=(12, 0.32 * n_layers + 2.4), layout="constrained")
-    mesh = heatmap(ax, np.arange(n_columns + 1) - 0.5, shown, cmap, norm, False)
-    for layer in range(n_layers):
-        if layer not in probe.fp8_layers:
-            ax.text(-0.4, layer, "kept in BF16: no FP8 GEMM", ha="left", va="center", fontsize=8)
-        for c in np.flatnonzero(~np.isnan(grid[layer])):
-            r, g, b, _ = cmap(norm(shown[layer, c]))   # white text on dark cells
-            ax.text(c, layer, f"{grid[layer, c]:.1f}", ha="center", va="center", fontsize=8,
-                    color="white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black")
-    for c in range(len(GEMMS), n_columns, len(GEMMS)):
-        ax.axvline(c - 0.5, color="black", linewidth=1.5)
-    ax.set_xticks(range(n_columns), GEMMS * len(LINEARS))
-    top = ax.secondary_xaxis("top")
-    top.set_xticks([i * len(GEMMS) + 1 for i in range(len(LINEARS))], LINEARS)
-    top.tick_params(length=0)
-    layer_ticks(ax, n_layers, probe.fp8_layers, 1)
-    ax.set(xlabel="GEMM: Y forward output, dX input gradient, dW weight gradient", ylabel="layer")
-    fig.colorbar(mesh, ax=ax, label="SQNR, dB")
-    ax.set_title(f"SQNR of FP8 against BF16, dB (higher is better)\n{probe.path}")
+    for ax, p in zip(axes[:, 0], panels):
+        grid = probe.grid[p]
+        if p == 2:   # the gain: blue where block scaling is better, red where worse
+            span = max(1.0, np.nanmax(np.abs(np.where(np.isfinite(grid), grid, np.nan)), initial=0.0))
+            norm, cmap = Normalize(-span, span), plt.get_cmap("RdBu")
+        else:   # red: low SQNR, the worst
+            norm, cmap = Normalize(lo, max(hi, lo + 1)), plt.get_cmap("RdYlBu")
+        shown = np.clip(grid, norm.vmin, norm.vmax)   # inf: FP8 equals BF16, drawn as the best
+        mesh = heatmap(ax, np.arange(n_columns + 1) - 0.5, shown, cmap, norm, False)
+        for layer in range(n_layers):
+            if layer not in probe.fp8_layers:
+                ax.text(-0.4, layer, "kept in BF16: no FP8 GEMM", ha="left", va="center", fontsize=8)
+            for c in np.flatnonzero(~np.isnan(grid[layer])):
+                r, g, b, _ = cmap(norm(shown[layer, c]))   # white text on dark cells
+                ax.text(c, layer, f"{grid[layer, c]:{'+' if p == 2 else ''}.1f}", ha="center", va="center", fontsize=8,
+                        color="white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black")
+        for c in range(len(GEMMS), n_columns, len(GEMMS)):
+            ax.axvline(c - 0.5, color="black", linewidth=1.5)
+        ax.set_xticks(range(n_columns), GEMMS * len(LINEARS))
+        top = ax.secondary_xaxis("top")
+        top.set_xticks([i * len(GEMMS) + 1 for i in range(len(LINEARS))], LINEARS)
+        top.tick_params(length=0)
+        layer_ticks(ax, n_layers, probe.fp8_layers, 1)
+        ax.set(xlabel="GEMM: Y forward output, dX input gradient, dW weight gradient", ylabel="layer")
+        fig.colorbar(mesh, ax=ax, label="dB" if p == 2 else "SQNR, dB")
+        ax.set_title(["SQNR of FP8 against BF16 under per-tensor scaling, dB (higher is better)",
+                      "the same under block scaling (1x128 tiles of X and dY, 128x128 blocks of W; dY in E5M2)",
+                      "block minus per-tensor scaling, dB (blue: block scaling loses less)"][p]
+                     + (f"\n{probe.path}" if p == 0 else ""))
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    print(f"wrote {out}\nworst SQNR:")
-    for (layer, linear, gemm), db in sorted(probe.sqnr.items(), key=lambda item: item[1])[:5]:
-        print(f"  layer {layer} {linear} {gemm}: {db:.2f} dB")
+    print(f"wrote {out}")
+    for p in panels[:2]:
+        print(f"worst SQNR, {PROBE_PANELS[p]} scaling:")
+        rows = [item for item in probe.sqnr.items() if not math.isnan(item[1][p])]
+        for (layer, linear, gemm), dbs in sorted(rows, key=lambda item: item[1][p])[:5]:
+            print(f"  layer {layer} {linear} {gemm}: {dbs[p]:.2f} dB")
+    if len(panels) == 1:
+        print("no block scaling columns: the probe's shapes did not tile by 128 (its output says why)")
 
 
 # ---- the test: synthetic files shaped like train_fp8's
 
-def write_stats(path, n_layers, steps, all_layers=False, saturating=(), cut=False):
+def write_stats(path, n_layers, steps, all_layers=False, saturating=(), cut=False, block=False):
     """fp8_stats.csv of a run: amax drifting up, layer 1 flushing nothing; the tensors of `saturating` ((layer,
-    linear, tensor) each) under-scaled and saturating in the second half; cut: the last step stops mid-line."""
+    linear, tensor) each) under-scaled and saturating in the second half; cut: the last step stops mid-line; block:
+    --scaling block --dy-format e4m3 (no scale_log2, dY in E4M3)."""
     rng = np.random.default_rng(1)
     lines = [STATS_HEADER]
     for j, step in enumerate(steps):
         first_of_step = len(lines)
         for layer in range(n_layers) if all_layers else range(1, n_layers - 1):
             for i, (linear, tensor) in enumerate(TENSOR_KEYS):
-                fmt, drift = FORMAT[tensor], 2 * j / len(steps) + 0.1 * rng.standard_normal()
+                fmt, drift = FORMATS[tensor][-1 if block else 0], 2 * j / len(steps) + 0.1 * rng.standard_normal()
                 amax = {"X": 8.0, "W": 0.1, "dY": 1e-4}[tensor] * (1 + layer) * 2 ** drift
                 scale_log2 = math.floor(math.log2(FORMAT_MAX[fmt] / amax))
                 flushed = 0.0 if layer == 1 else 10 ** (i / 4 - 6 + layer / n_layers + 0.2 * rng.standard_normal())
                 saturated = 0.0
                 if (layer, linear, tensor) in saturating and j >= len(steps) // 2:
                     scale_log2, saturated = scale_log2 + 1, 10 ** rng.uniform(-6, -3)
-                lines.append(f"{step},{layer},{linear},{tensor},{fmt},{amax:.6e},{scale_log2},{saturated:.6e},"
-                             f"{flushed:.6e}")
+                lines.append(f"{step},{layer},{linear},{tensor},{fmt},{amax:.6e},{'' if block else scale_log2},"
+                             f"{saturated:.6e},{flushed:.6e}")
     text = "\n".join(lines) + "\n"
     with open(path, "w") as f:   # cut: a third of the last step's rows, and part of the next
         f.write(text[:text.index(lines[first_of_step + (len(lines) - first_of_step) // 3]) + 10] if cut else text)
 
 
-def write_probe(path, n_layers, worst):
+def write_probe(path, n_layers, worst, block=True):
+    """probe.csv: per-tensor SQNRs around the formats' own, `worst` far below; block scaling 2-4 dB above (its worst
+    GEMM's 20 dB), or with block False its columns empty (no tiling)."""
     rng = np.random.default_rng(2)
     with open(path, "w") as f:
         f.write(PROBE_HEADER + "\n")
@@ -331,7 +384,9 @@ def write_probe(path, n_layers, worst):
             for linear in LINEARS:
                 for gemm in GEMMS:
                     db = 8.0 if (layer, linear, gemm) == worst else {"Y": 31, "dX": 27, "dW": 24}[gemm] + rng.normal()
-                    f.write(f"{layer},{linear},{gemm},{db:.3f}\n")
+                    gain = 12.0 if (layer, linear, gemm) == worst else rng.uniform(2, 4)
+                    cells = f"{db + gain:.3f},{gain:.3f},{db + gain + 1:.3f}" if block else ",,"
+                    f.write(f"{layer},{linear},{gemm},{db:.3f},{cells}\n")
 
 
 def run_test():
@@ -385,10 +440,28 @@ def run_test():
         check(stats.n_layers == 2 and default_tensor(stats)[:2] == (1, TENSOR_KEYS.index(("w_down", "dY"))),
               "2 FP8 layers, nothing saturated: the default is layer 1's w_down dY")
         write_probe(probe, 5, worst=(3, "w_gate_up", "dX"))
+        loaded = load_probe(probe)
+        check(loaded.sqnr[(3, "w_gate_up", "dX")] == (8.0, 20.0, 12.0, 21.0), "a row's four figures")
         _, printed = quiet(lambda: main(["probe", probe]))
-        check(printed.split("worst SQNR:\n")[1].startswith("  layer 3 w_gate_up dX: 8.00 dB")
-              and printed.count(" dB\n") == 5, f"the 5 worst SQNR, layer 3 w_gate_up dX first: '{printed}'")
+        check(printed.split("worst SQNR, per tensor scaling:\n")[1].startswith("  layer 3 w_gate_up dX: 8.00 dB")
+              and printed.split("worst SQNR, block scaling:\n")[1].startswith("  layer 3 w_gate_up dX: 20.00 dB")
+              and printed.count(" dB\n") == 10, f"the 5 worst SQNR of each scaling, layer 3 w_gate_up dX first: '{printed}'")
         picture(os.path.join(tmp, "probe.png"))
+        write_probe(probe, 5, worst=(2, "wo", "Y"), block=False)
+        loaded, printed = quiet(lambda: (load_probe(probe), main(["probe", probe, "-o", os.path.join(tmp, "p.png")]))[0])
+        check(np.isnan(loaded.grid[1:]).all() and not np.isnan(loaded.grid[0, 1:4]).any(), "empty block columns read as nan")
+        check("block scaling:" not in printed and printed.count(" dB\n") == 5 and "did not tile" in printed,
+              f"without block columns: per-tensor's 5 worst and why no block picture: '{printed}'")
+        picture(os.path.join(tmp, "p.png"))
+        block_run = os.path.join(tmp, "block")
+        os.mkdir(block_run)
+        write_stats(os.path.join(block_run, "fp8_stats.csv"), 4, [0, 5, 10], block=True)
+        stats, _ = quiet(lambda: load_stats(os.path.join(block_run, "fp8_stats.csv")))
+        check(np.isnan(stats.values[SCALE]).all() and not np.isnan(stats.values[AMAX, :, 1:3]).any()
+              and stats.formats[TENSOR_KEYS.index(("wo", "dY"))] == "E4M3", "a block run: no scales, amaxes, dY in E4M3")
+        check(default_tensor(stats)[:2] == (2, TENSOR_KEYS.index(("w_down", "dY"))), "a block run's default tensor")
+        quiet(lambda: main([block_run]))
+        picture(os.path.join(block_run, "fp8_stats.png"))
         row = "5,1,wqkv,X,E4M3,1.0e+00,8,0.0e+00,1.0e-04"
         for load, header, bad in [(load_stats, STATS_HEADER, [
                 (STATS_HEADER.replace("scale_log2", "scale") + "\n" + row, "a wrong header"), ("", "an empty file"),
@@ -396,11 +469,13 @@ def run_test():
                 (row.replace("1.0e+00", "1.0e+00x"), "a non-numeric amax"), (row + ",1", "10 fields"),
                 (row.replace("wqkv", "w_up"), "an unknown linear"), (row.replace(",X,", ",dX,"), "an unknown tensor"),
                 (row.replace("E4M3", "E5M2"), "X in E5M2"), (row.replace("1.0e-04", "2.0"), "a fraction above 1"),
+                ("5,1,wqkv,dY,E5M2,1.0e+00,8,0.0e+00,1.0e-04\n6,1,wqkv,dY,E4M3,1.0e+00,8,0.0e+00,1.0e-04", "dY in two formats"),
                 (row + "\n" + row, "a row twice"), (row + "\n" + row.replace("5", "4", 1), "a step going back")]),
-                (load_probe, PROBE_HEADER, [("layer,linear,gemm,sqnr\n1,wo,dW,23.5", "a wrong header"),
-                ("", "an empty file"), ("1,wo,dW,high", "a non-numeric sqnr_db"), ("1,wo,dW,nan", "a nan sqnr_db"),
-                ("1,w_o,dW,23.5", "an unknown linear"), ("1,wo,dY,23.5", "an unknown gemm"),
-                ("1,wo,dW,23.5\n1,wo,dW,23.5", "a row twice")])]:
+                (load_probe, PROBE_HEADER, [("layer,linear,gemm,sqnr_db\n1,wo,dW,23.5", "the header of before the block columns"),
+                ("", "an empty file"), ("1,wo,dW,high,,,", "a non-numeric sqnr_db"), ("1,wo,dW,nan,,,", "a nan sqnr_db"),
+                ("1,wo,dW,23.5,25,x,26", "a non-numeric block_gain_db"), ("1,wo,dW,23.5,25,1.5,", "one block column empty"),
+                ("1,wo,dW,23.5", "4 fields"), ("1,w_o,dW,23.5,,,", "an unknown linear"), ("1,wo,dY,23.5,,,", "an unknown gemm"),
+                ("1,wo,dW,23.5,,,\n1,wo,dW,23.5,,,", "a row twice")])]:
             for text, what in bad:
                 with open(csv, "w") as f:   # a body without a header gets the right one
                     f.write((text if text.startswith(header[:5]) or not text else header + "\n" + text) + "\n")
