@@ -9,6 +9,7 @@
 #include <cublasLt.h>
 #include <nccl.h>
 #include <nvtx3/nvToolsExt.h>
+#include <cub/device/device_radix_sort.cuh>   // the embedding backward's sort (before fail(): it includes <ios>)
 #include <climits>
 #include <cstdint>
 #include <cstdio>

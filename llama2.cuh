@@ -348,15 +348,12 @@ inline int grid_for(size_t threads, int block) { return ceil_div((long)threads, 
 // ---- Embedding: out[n,:] = tok_embedding[token[n],:]. A token id outside [0, V) gives a NaN row (and a
 // NaN loss), never a read out of bounds.
 // Backward: d_tok_embedding[v,:] += the sum of dout[n,:] over the n with token[n] == v, in increasing n,
-// without atomics. A block owns EMB_BWD_ROWS vocabulary rows x EMB_BWD_THREADS*8 columns, with FP32
-// accumulators in shared memory (each column owned by one thread). It reads every token id, a tile at a time:
-// the positions of its own tokens are listed in increasing order (warp ballots), then their rows of dout are
-// added, EMB_BWD_INFLIGHT loads in flight at a time. The result is the same on every run.
-// Cost: every block reads all N ids (V/8 x D/1024 blocks); a token that is a large share of the batch is
-// summed by one thread per 8 columns, one row after another.
+// without atomics: the positions are sorted by token (cub's radix sort, which is stable: equal tokens keep their
+// positions' order), then one block per run of equal tokens adds their rows of dout into FP32 registers, in that
+// order, EMB_BWD_INFLIGHT loads in flight, and adds the sum to the token's row. The result is the same on every run.
+// Cost: dout read once; a token that is a large share of the batch is summed by one block, one row after another.
 constexpr int EMB_THREADS = 256;
-constexpr int EMB_BWD_ROWS = 8;
-constexpr int EMB_BWD_THREADS = 128;   // x 8 columns: 1024 columns per block; accumulators 32 KiB
+constexpr int EMB_BWD_THREADS = 128;
 constexpr int EMB_BWD_INFLIGHT = 8;
 
 __global__ void embedding_forward_kernel(bf16* out, const bf16* emb, const int* tokens, int N, int V, int D) {
@@ -375,60 +372,44 @@ __global__ void embedding_forward_kernel(bf16* out, const bf16* emb, const int* 
     store128(out + n * D + c, v);
 }
 
-__global__ void __launch_bounds__(EMB_BWD_THREADS) embedding_backward_kernel(float* demb, const bf16* dout,
-                                                                             const int* tokens, int N, int V, int D) {
-    __shared__ float acc[EMB_BWD_ROWS][BF16_PER_16B][EMB_BWD_THREADS];   // [row][k][thread]: no bank conflicts
-    __shared__ int match_pos[EMB_BWD_THREADS], match_row[EMB_BWD_THREADS];
-    __shared__ int warp_hits[EMB_BWD_THREADS / 32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int v0 = blockIdx.x * EMB_BWD_ROWS;
-    const int c = (blockIdx.y * EMB_BWD_THREADS + threadIdx.x) * BF16_PER_16B;
-    const bool active = c < D;
-    for (int r = 0; r < EMB_BWD_ROWS; r++)
-        for (int k = 0; k < BF16_PER_16B; k++) acc[r][k][threadIdx.x] = 0.0f;
-    unsigned int touched = 0;   // bit r: vocabulary row v0 + r occurs
-    for (int t0 = 0; t0 < N; t0 += EMB_BWD_THREADS) {
-        // 1. the positions of this tile whose token is one of the block's rows, in increasing order
-        const int t = t0 + threadIdx.x;
-        const int r = t < N ? tokens[t] - v0 : -1;
-        const bool hit = r >= 0 && r < EMB_BWD_ROWS;
-        const unsigned int ballot = __ballot_sync(0xffffffffu, hit);
-        __syncthreads();   // the previous tile's list has been used by all
-        if (lane == 0) warp_hits[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0, hits = 0;
-        for (int w = 0; w < EMB_BWD_THREADS / 32; w++) {
-            before += w < warp ? warp_hits[w] : 0;
-            hits += warp_hits[w];
-        }
-        if (hit) {
-            int i = before + __popc(ballot & ((1u << lane) - 1u));
-            match_pos[i] = t;
-            match_row[i] = r;
-        }
-        __syncthreads();
-        // 2. their rows of dout, added in that order
-        for (int i0 = 0; i0 < hits; i0 += EMB_BWD_INFLIGHT) {
-            Packed128<bf16> g[EMB_BWD_INFLIGHT] = {};
+// Block i sums the run of sorted tokens that starts at i (other blocks return): positions[i..] in sorted order.
+__global__ void __launch_bounds__(EMB_BWD_THREADS) embedding_backward_kernel(float* demb, const bf16* dout, const int* sorted_tokens,
+                                                                             const int* positions, int N, int V, int D) {
+    const int i = blockIdx.x, token = sorted_tokens[i];
+    if ((i > 0 && sorted_tokens[i - 1] == token) || token < 0 || token >= V) return;
+    int end = i + 1;
+    while (end < N && sorted_tokens[end] == token) end++;
+    for (int c = threadIdx.x * BF16_PER_16B; c < D; c += EMB_BWD_THREADS * BF16_PER_16B) {
+        float acc[BF16_PER_16B] = {};
+        for (int j0 = i; j0 < end; j0 += EMB_BWD_INFLIGHT) {
+            Packed128<bf16> g[EMB_BWD_INFLIGHT];
 #pragma unroll
             for (int u = 0; u < EMB_BWD_INFLIGHT; u++)
-                if (active && i0 + u < hits) g[u] = load128(dout + (size_t)match_pos[i0 + u] * D + c);
+                if (j0 + u < end) g[u] = load128(dout + (size_t)positions[j0 + u] * D + c);
 #pragma unroll
-            for (int u = 0; u < EMB_BWD_INFLIGHT; u++) {
-                if (i0 + u >= hits) break;
-                const int row = match_row[i0 + u];
-                touched |= 1u << row;
-                for (int k = 0; k < BF16_PER_16B; k++) acc[row][k][threadIdx.x] += to_float(g[u].v[k]);
-            }
+            for (int u = 0; u < EMB_BWD_INFLIGHT; u++)
+                if (j0 + u < end)
+                    for (int k = 0; k < BF16_PER_16B; k++) acc[k] += to_float(g[u].v[k]);
         }
-    }
-    if (!active) return;
-    for (int r = 0; r < EMB_BWD_ROWS; r++) {
-        if (!((touched >> r) & 1u) || v0 + r >= V) continue;
-        float* row = demb + (size_t)(v0 + r) * D + c;
-        for (int k = 0; k < BF16_PER_16B; k++) row[k] += acc[r][k][threadIdx.x];
+        float* row = demb + (size_t)token * D + c;
+        for (int k = 0; k < BF16_PER_16B; k++) row[k] += acc[k];
     }
 }
+
+// 0, 1, ..., N - 1: the positions, the sort's values.
+__global__ void embedding_positions_kernel(int* positions, int N) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n < N) positions[n] = n;
+}
+
+// The backward's scratch for N tokens, in bytes: the sorted tokens, the positions before and after the sort, and
+// cub's temporary storage.
+inline size_t embedding_backward_sort_bytes(int N) {
+    size_t bytes = 0;
+    cudaCheck(cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr, (int*)nullptr, N));
+    return bytes;
+}
+inline size_t embedding_backward_scratch_bytes(int N) { return 3 * (size_t)ceil_div(N, 64) * 64 * sizeof(int) + embedding_backward_sort_bytes(N); }
 
 inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int N, int V, int D, cudaStream_t s) {
     check_rows("embedding_forward", D, {out, emb});
@@ -437,12 +418,20 @@ inline void embedding_forward(bf16* out, const bf16* emb, const int* tokens, int
     embedding_forward_kernel<<<grid_for(threads, EMB_THREADS), EMB_THREADS, 0, s>>>(out, emb, tokens, N, V, D);
     cudaCheckLaunch();
 }
-// demb [V,D] FP32 accumulates.
-inline void embedding_backward(float* demb, const bf16* dout, const int* tokens, int N, int V, int D, cudaStream_t s) {
+// demb [V,D] FP32 accumulates; scratch: embedding_backward_scratch_bytes(N) bytes (256-byte aligned).
+inline void embedding_backward(float* demb, const bf16* dout, const int* tokens, int N, int V, int D, void* scratch, cudaStream_t s) {
     check_rows("embedding_backward", D, {demb, dout});
     ProfileRange range(PHASE_EMBEDDING, s);
-    dim3 grid(ceil_div(V, EMB_BWD_ROWS), ceil_div(D, EMB_BWD_THREADS * BF16_PER_16B));
-    embedding_backward_kernel<<<grid, EMB_BWD_THREADS, 0, s>>>(demb, dout, tokens, N, V, D);
+    const size_t ints = (size_t)ceil_div(N, 64) * 64;   // each array 256-byte aligned
+    int* sorted_tokens = (int*)scratch;
+    int* positions = sorted_tokens + ints;
+    int* sorted_positions = positions + ints;
+    size_t sort_bytes = embedding_backward_sort_bytes(N);
+    embedding_positions_kernel<<<grid_for(N, EMB_THREADS), EMB_THREADS, 0, s>>>(positions, N);
+    cudaCheckLaunch();
+    cudaCheck(cub::DeviceRadixSort::SortPairs(sorted_positions + ints, sort_bytes, tokens, sorted_tokens, positions, sorted_positions, N, 0,
+                                              (int)sizeof(int) * 8, s));
+    embedding_backward_kernel<<<N, EMB_BWD_THREADS, 0, s>>>(demb, dout, sorted_tokens, sorted_positions, N, V, D);
     cudaCheckLaunch();
 }
 
@@ -1286,6 +1275,7 @@ struct ModelActivations {
     fp8* att_fp8;          // --fp8-attention: the FP8 forward's Q, K, V^T and their scales (attention_fp8_scratch_bytes)
     float* norm_scratch;   // FP32, rmsnorm_backward's partial dw rows (rmsnorm_backward_scratch)
     float* qk_norm_scratch;   // --qk-norm: qk_norm_backward's partial dw rows
+    void* emb_scratch;     // embedding_backward's sort (embedding_backward_scratch_bytes)
     float* logits;         // [chunk,V]  FP32, one chunk of lm_head's output
     bf16* dlogits;         // [chunk,V]
     float* losses;         // [N]        FP32
@@ -1759,6 +1749,7 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
          (void**)&a.att_fp8},
         {"norm_scratch", DT_FP32, rmsnorm_backward_scratch((int)N, (int)D), (void**)&a.norm_scratch},
         {"qk_norm_scratch", DT_FP32, c.qk_norm ? qk_norm_backward_scratch((int)N, c.head_dim) : 0, (void**)&a.qk_norm_scratch},
+        {"emb_scratch", DT_E4M3 /* bytes */, embedding_backward_scratch_bytes((int)N), (void**)&a.emb_scratch},
         {"logits", DT_FP32, chunk * V, (void**)&a.logits},
         {"dlogits", DT_BF16, chunk * V, (void**)&a.dlogits},
         {"losses", DT_FP32, N, (void**)&a.losses},
@@ -2251,7 +2242,7 @@ inline void model_micro_batch(Model* m, const int* d_inputs, const int* d_target
         rmsnorm_backward(a.dresid, w.attn_norm.grad, a.norm_scratch, a.dnorm, la.resid_attn, la.attn_rstd, w.attn_norm.w, N, D, s,
                          m->accumulate_grads);
     }
-    embedding_backward(m->tok_embedding.grad, a.dresid, d_inputs, N, c.vocab_size, D, s);
+    embedding_backward(m->tok_embedding.grad, a.dresid, d_inputs, N, c.vocab_size, D, a.emb_scratch, s);
     m->accumulate_grads = true;   // every gradient has been written: the next micro-batch adds
     m->fp8.training = false;
     model_loss_mean(m, N);

@@ -3917,13 +3917,14 @@ GPU_TEST(embedding_forward_backward) {
         DeviceBuffer<int> d_tokens(tokens);
         DeviceBuffer<bf16> d_emb(emb), d_out((size_t)N * D), d_dout(dout);
         DeviceBuffer<float> d_demb(demb0);
+        DeviceBuffer<char> d_scratch(embedding_backward_scratch_bytes(N));
         d_out.poison();
         embedding_forward(d_out.ptr, d_emb.ptr, d_tokens.ptr, N, V, D, 0);
         std::vector<bf16> out = d_out.download(), want((size_t)N * D);
         for (int n = 0; n < N; n++) std::copy(emb.begin() + (size_t)tokens[n] * D, emb.begin() + (size_t)(tokens[n] + 1) * D, want.begin() + (size_t)n * D);
         expect(model_test_same_bits(out, want), "embedding_forward is not an exact copy of the rows");
 
-        embedding_backward(d_demb.ptr, d_dout.ptr, d_tokens.ptr, N, V, D, 0);
+        embedding_backward(d_demb.ptr, d_dout.ptr, d_tokens.ptr, N, V, D, d_scratch.ptr, 0);
         std::vector<float> demb = d_demb.download();
         std::vector<double> ref = to_double(demb0);
         for (int n = 0; n < N; n++)
@@ -3931,7 +3932,7 @@ GPU_TEST(embedding_forward_backward) {
         // FP32 sums of at most ~120 BF16-exact terms: relative error ~sqrt(n) 2^-24 < 1e-6
         expect_close("d_tok_embedding (accumulated)", demb.data(), ref.data(), ref.size(), 1e-7, 1.5e-7);   // measured 2.5e-8, 4.9e-8 (FP32 sums)
         d_demb.upload(demb0);
-        embedding_backward(d_demb.ptr, d_dout.ptr, d_tokens.ptr, N, V, D, 0);
+        embedding_backward(d_demb.ptr, d_dout.ptr, d_tokens.ptr, N, V, D, d_scratch.ptr, 0);
         expect(model_test_same_bits(d_demb.download(), demb), "embedding_backward differs between two runs");
     }
     // an id outside the vocabulary gives a NaN row, not a read out of bounds
