@@ -1757,11 +1757,13 @@ inline std::vector<ActivationSpec> model_activation_specs(Model* m) {
     };
 }
 
-// Tokens per lm_head + cross-entropy chunk: as many as keep [chunk,V] within 2^25 elements (128 MiB of FP32
-// logits and 64 MiB of BF16 dlogits), at least 16, at most N; a multiple of 16.
+// Tokens per lm_head + cross-entropy chunk: N split into the fewest equal chunks that keep [chunk,V] within 2^27
+// elements (512 MiB of FP32 logits and 256 MiB of BF16 dlogits), a multiple of 16 and at least 16. Few chunks
+// matter: each one reads and writes lm_head's whole FP32 gradient [V,D] once more, and a short chunk is a thin GEMM.
 inline int model_ce_chunk(int N, int V) {
-    long fit = ((1L << 25) / V) / 16 * 16;
-    return (int)std::min<long>(N, std::max<long>(16, fit));
+    const long fit = std::max<long>(16, ((1L << 27) / V) / 16 * 16);
+    const long chunks = ceil_div((long)N, fit);
+    return (int)std::min<long>(fit, ceil_div(ceil_div((long)N, chunks), 16L) * 16);
 }
 
 // Block scaling: the scale tensors of each FP8 linear's W8, W8^T and saved X8^T, and of the scratch casts X8, dY8 and
