@@ -646,8 +646,8 @@ inline size_t fp8_scale_count(Fp8Granularity g, int rows, int k) {
 // its own). A thread holds 16 consecutive columns of 4 rows (32 rows apart) in registers; the amax of a row's 128 values
 // is a max over the row's 8 threads (lanes 8k..8k+7 of one warp), of a column's 128 values over its 4 lanes of each warp
 // then the 8 warps through shared memory. Codes go to out with the row scales, and through a shared tile (pitch 132
-// bytes) to out_t with the column scales (blocks: one scale for both). health: --fp8-stats counts of both layouts' codes
-// and the tiles' amax, or nullptr.
+// bytes) to out_t with the column scales (blocks: one scale for both), transposed 4 x 4 bytes at a time in registers.
+// health: --fp8-stats counts of both layouts' codes and the tiles' amax, or nullptr.
 constexpr int BC_PITCH = SCALE_BLOCK + 4;
 template <Fp8Format F, Fp8Granularity G, class P>
 __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p, fp8* out, float* out_inv_scale, fp8* out_t,
@@ -755,13 +755,29 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
         for (int k = 0; k < CAST_VEC / 4; k++) tile_row_words[k] = reinterpret_cast<const uint32_t*>(q)[k];
     }
     __syncthreads();
-    const fp8(*tile)[BC_PITCH] = reinterpret_cast<const fp8(*)[BC_PITCH]>(tile_words);
-    for (int j = threadIdx.x; j < SCALE_BLOCK * THREADS_PER_ROW; j += CAST_THREADS) {   // 16 rows of one column each
-        const int c = j / THREADS_PER_ROW, rg = (j % THREADS_PER_ROW) * CAST_VEC;
-        alignas(16) fp8 q[CAST_VEC];
+    {   // out_t: a thread reads a 16-row x 4-column patch of the tile (16 words), transposes it in registers, and
+        // writes 16 codes to each of 4 rows of out_t. Lanes 0-15 and 16-31 of a warp take row groups 16 apart and 16
+        // neighbouring words: with the pitch of 33 words their reads hit 32 distinct banks.
+        static_assert(CAST_THREADS == (SCALE_BLOCK / 16) * (SCALE_BLOCK / 4), "one 16 x 4 patch a thread");
+        const int word = (warp % 2) * 16 + lane % 16, rg = ((warp / 2) * 2 + lane / 16) * 16;
+        uint32_t col_words[4][4];   // [column of the patch][4 rows of it]
 #pragma unroll
-        for (int k = 0; k < CAST_VEC; k++) q[k] = tile[rg + k][c];
-        *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + c) * rows + r0 + rg) = *reinterpret_cast<const uint4*>(q);
+        for (int g = 0; g < 4; g++) {
+            uint32_t a[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[i] = tile_words[(rg + 4 * g + i) * (BC_PITCH / 4) + word];
+            // 4 x 4 bytes transposed: column k of the 4 rows a[0..3] as one word (byte i from row i)
+            const uint32_t lo01 = __byte_perm(a[0], a[1], 0x5140), hi01 = __byte_perm(a[0], a[1], 0x7362);
+            const uint32_t lo23 = __byte_perm(a[2], a[3], 0x5140), hi23 = __byte_perm(a[2], a[3], 0x7362);
+            col_words[0][g] = __byte_perm(lo01, lo23, 0x5410);
+            col_words[1][g] = __byte_perm(lo01, lo23, 0x7632);
+            col_words[2][g] = __byte_perm(hi01, hi23, 0x5410);
+            col_words[3][g] = __byte_perm(hi01, hi23, 0x7632);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            *reinterpret_cast<uint4*>(out_t + (size_t)(c0 + 4 * word + k) * rows + r0 + rg) =
+                make_uint4(col_words[k][0], col_words[k][1], col_words[k][2], col_words[k][3]);
     }
     if (health) {   // the tile's amax is the largest of its rows'; 2 codes a value
         unsigned int m = 0u;
