@@ -3748,6 +3748,23 @@ HOST_TEST(model_presets_and_parameter_counts) {
            "tiny: vocab %d head_dim %d heads %d/%d", tiny.vocab_size, tiny.head_dim, tiny.n_heads, tiny.n_kv_heads);
 }
 
+HOST_TEST(lm_head_chunks_fewest_and_equal) {
+    // N split into the fewest chunks of at most 2^27 / V tokens (a multiple of 16, at least 16), all of one length
+    // but the last, shorter by less than 16 a chunk (each chunk's length rounded up to 16)
+    struct Case { int N, V, want; };
+    for (const Case& k : {Case{16384, 32000, 4096}, Case{4096, 32000, 4096}, Case{8384, 32000, 4192}, Case{4208, 32000, 2112},
+                          Case{16384, 50272, 2352}, Case{65536, 32000, 4096}, Case{400, 256, 400}, Case{32, 1 << 24, 16}}) {
+        const int chunk = model_ce_chunk(k.N, k.V);
+        const long fit = std::max<long>(16, ((1L << 27) / k.V) / 16 * 16);
+        const long chunks = (k.N + chunk - 1) / chunk, fewest = (k.N + fit - 1) / fit, last = k.N - (chunks - 1) * chunk;
+        printf("    N %6d V %8d: %d chunks of %d tokens (the last %ld), at most %ld a chunk\n", k.N, k.V, (int)chunks, chunk, last, fit);
+        expect(chunk == k.want, "N %d V %d: chunk %d, want %d", k.N, k.V, chunk, k.want);
+        expect(chunk % 16 == 0 && chunk >= 16 && chunk <= fit, "N %d V %d: chunk %d is not a multiple of 16 in [16, %ld]", k.N, k.V, chunk, fit);
+        expect(chunks == fewest && chunk - last < 16 * chunks, "N %d V %d: %ld chunks, last %ld of %d: want the fewest (%ld), equal within 16 each",
+               k.N, k.V, chunks, last, chunk, fewest);
+    }
+}
+
 HOST_TEST(model_param_layout_matches_reference) {
     ModelConfig c = model_config_preset("tiny", 256);
     c.qk_norm = true;   // its weights after all the others
