@@ -285,10 +285,8 @@ __device__ inline void fp8_cast_done(Fp8Meta* meta, Fp8Format f, const Fp8Recipe
 
 // Per-tensor FP8 health for --fp8-stats, counted by the casts with the scale they used: of the codes
 // written, how many saturated (fp8_saturates(x * scale)) and how many of a non-zero x flushed to zero (code +-0,
-// fp8_flushes_to_zero(x * scale)). Both are read off the value the cast converts, not off the codes in registers:
-// ptxas (CUDA 13.0, sm_90a) miscompiled the block cast's byte-wise count of its codes, reading code k-2 for code
-// k = 2 mod 4 (it packed that byte into the upper half of the register that holds codes k-2, k-1, then read the
-// lower half), so that one code in four was counted as its neighbour's while the codes written were right.
+// fp8_flushes_to_zero(x * scale)). Both are read off the value the cast converts, not off the packed codes:
+// ptxas (CUDA 13.0, sm_90a) miscounts a byte-wise read of codes packed four to a register.
 // A per-tensor cast writes one code a value (X8^T holds X8's codes); a block cast two (section 3b: X8 with its
 // row's tile's scale, X8^T with its column's), and both count. amax: the block casts' largest |x| (the bits of a
 // float; the per-tensor casts keep theirs in Fp8Meta). Integer atomics: exact and order-free.
