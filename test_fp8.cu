@@ -3782,11 +3782,13 @@ HOST_TEST(model_param_layout_matches_reference) {
 
 HOST_TEST(model_config_rejects_bad_shapes) {
     ModelConfig base = model_config_preset("tiny", 256);
-    struct Case { const char* what; ModelConfig c; const char* needle; };
+    struct Case { std::string what; ModelConfig c; std::string needle; };
     std::vector<Case> cases;
     ModelConfig c = base;
-    c.dim = 192; c.head_dim = 96;                     // 2 heads of 96
-    cases.push_back({"head_dim 96", c, "head_dim 96"});
+    for (int hd : {32, 96, 192, 256}) {               // the attention kernels take head dims 64 and 128 only
+        c = base; c.dim = 2 * hd; c.head_dim = hd;    // 2 heads of hd
+        cases.push_back({"head_dim " + std::to_string(hd), c, "head_dim " + std::to_string(hd)});
+    }
     c = base; c.n_kv_heads = 3;
     cases.push_back({"n_heads not a multiple of n_kv_heads", c, "n_kv_heads 3"});
     c = base; c.dim = 136;
@@ -3799,8 +3801,14 @@ HOST_TEST(model_config_rejects_bad_shapes) {
     cases.push_back({"head_dim x n_heads != dim", c, "dim 256"});
     for (const Case& k : cases) {
         std::string p = model_config_problem(k.c);
-        printf("    %-40s -> %s\n", k.what, p.c_str());
-        expect(p.find(k.needle) != std::string::npos, "%s: the message should name '%s', got '%s'", k.what, k.needle, p.c_str());
+        printf("    %-40s -> %s\n", k.what.c_str(), p.c_str());
+        expect(p.find(k.needle) != std::string::npos, "%s: the message should name '%s', got '%s'", k.what.c_str(),
+               k.needle.c_str(), p.c_str());
+    }
+    for (int hd : {64, 128}) {                        // and the two it takes pass
+        c = base; c.dim = 2 * hd; c.head_dim = hd;
+        std::string p = model_config_problem(c);
+        expect(p.empty(), "head_dim %d should be accepted, got '%s'", hd, p.c_str());
     }
 }
 
@@ -6307,6 +6315,22 @@ HOST_TEST(dataloader_state_resume) {
         dataloader_next_batch(&resumed);
         expect(resumed.inputs == want_in[i] && resumed.targets == want_tg[i], "resumed batch %d differs", i);
     }
+    for (int k = 1; k <= 6; k++) {   // saved after every batch of two epochs: at an epoch's end too (position 3 of 3)
+        DataLoader straight, from_k;
+        expect(dataloader_open(&straight, pattern.c_str(), B, T, 0, 1, 0, true, 42).empty() &&
+               dataloader_open(&from_k, pattern.c_str(), B, T, 0, 1, 0, true, 42).empty(), "open failed");
+        for (int i = 0; i < k; i++) dataloader_next_batch(&straight);
+        err = dataloader_set_state(&from_k, dataloader_get_state(&straight));
+        expect(err.empty(), "the state after %d batches (epoch %llu, position %llu) refused: %s", k,
+               (unsigned long long)straight.state.epoch, (unsigned long long)straight.state.position, err.c_str());
+        for (int i = 0; i < 4; i++) {
+            dataloader_next_batch(&straight);
+            dataloader_next_batch(&from_k);
+            expect(from_k.inputs == straight.inputs, "resumed after %d batches: batch %d differs", k, i);
+        }
+        dataloader_free(&straight);
+        dataloader_free(&from_k);
+    }
     err = dataloader_set_state(&resumed, DataLoaderState{0, 4});
     printf("    state beyond the epoch -> %s\n", err.c_str());
     expect(err.find("epoch has 3 batches") != std::string::npos, "a position past the epoch's end is accepted: '%s'", err.c_str());
@@ -6371,6 +6395,10 @@ HOST_TEST(dataloader_rejects_bad_input) {
     write_shard_or_die(p, good, 0);
     expect(truncate(p.c_str(), (off_t)(SHARD_HEADER_BYTES + 2 * good.size() - 2)) == 0, "truncate failed");
     expect_open_error("truncated", p, B, T, 0, 1, 0, {p, "wrong file size", "expected 1042 bytes", "found 1040"});
+
+    write_shard_or_die(p, good, 0);   // one token more than the header says
+    expect(truncate(p.c_str(), (off_t)(SHARD_HEADER_BYTES + 2 * good.size() + 2)) == 0, "truncate failed");
+    expect_open_error("longer than its header says", p, B, T, 0, 1, 0, {p, "wrong file size", "expected 1042 bytes", "found 1044"});
 
     expect(truncate(p.c_str(), 100) == 0, "truncate failed");
     expect_open_error("shorter than header", p, B, T, 0, 1, 0, {p, "100 bytes", "not a token shard"});
@@ -6474,7 +6502,10 @@ HOST_TEST(train_parse_defaults) {
     std::vector<TrainFlag> flags = train_flags(&o);
     for (size_t i = 0; i < flags.size(); i++) {
         expect(strncmp(flags[i].name, "--", 2) == 0 && strlen(flags[i].help) > 0, "flag %zu has no name or help", i);
-        for (size_t j = 0; j < i; j++) expect(strcmp(flags[i].name, flags[j].name) != 0, "flag %s listed twice", flags[i].name);
+        for (size_t j = 0; j < i; j++) {
+            expect(strcmp(flags[i].name, flags[j].name) != 0, "flag %s listed twice", flags[i].name);
+            expect(flags[i].target != flags[j].target, "%s writes the field of %s (a copied row?)", flags[i].name, flags[j].name);
+        }
     }
 }
 
@@ -6483,13 +6514,14 @@ HOST_TEST(train_parse_defaults) {
 // same default back.
 HOST_TEST(recipe_defaults_are_the_readmes_numbers) {
     const TrainOptions o;
-    const AdamWConfig a = adamw_config_from_options(o);
-    expect(a.beta1 == 0.9f && a.beta2 == 0.95f && a.eps == 1e-8f, "AdamW betas %g/%g, eps %g: want 0.9/0.95, 1e-8", a.beta1, a.beta2, a.eps);
-    expect(a.weight_decay == 0.1f && a.grad_clip == 1.0f && !a.update_clip && !a.use_atan2 && a.decay_lr == 0.0f,
-           "weight decay %g (0.1), clip %g (1.0), update clip %d, atan2 %d, decay lr %g: want 0, 0, 0", a.weight_decay, a.grad_clip,
-           a.update_clip, a.use_atan2, a.decay_lr);
-    expect(a.m_dtype == (BUILD_FP8 ? DT_E4M3 : DT_FP32) && a.v_dtype == (BUILD_FP8 ? DT_BF16 : DT_FP32),
-           "moments %s / %s: want %s", dtype_name(a.m_dtype), dtype_name(a.v_dtype), BUILD_FP8 ? "e4m3 / bf16" : "fp32 / fp32");
+    for (const AdamWConfig& a : {adamw_config_from_options(o), AdamWConfig()}) {   // a run's, and the tests' and benches'
+        expect(a.beta1 == 0.9f && a.beta2 == 0.95f && a.eps == 1e-8f, "AdamW betas %g/%g, eps %g: want 0.9/0.95, 1e-8", a.beta1, a.beta2, a.eps);
+        expect(a.weight_decay == 0.1f && a.grad_clip == 1.0f && !a.update_clip && !a.use_atan2 && a.decay_lr == 0.0f,
+               "weight decay %g (0.1), clip %g (1.0), update clip %d, atan2 %d, decay lr %g: want 0, 0, 0", a.weight_decay, a.grad_clip,
+               a.update_clip, a.use_atan2, a.decay_lr);
+        expect(a.m_dtype == (BUILD_FP8 ? DT_E4M3 : DT_FP32) && a.v_dtype == (BUILD_FP8 ? DT_BF16 : DT_FP32),
+               "moments %s / %s: want %s", dtype_name(a.m_dtype), dtype_name(a.v_dtype), BUILD_FP8 ? "e4m3 / bf16" : "fp32 / fp32");
+    }
     expect(o.lr == 6e-4f && o.warmup == 60 && o.final_lr_frac == 0.1f && o.steps == 600 && o.batch == 32 && o.seq == 512 &&
            o.total_batch == 0, "schedule and batch: lr %g, warm-up %d, final %g, steps %d, B %d, T %d, total %ld: want 6e-4, 60, 0.1, "
            "600, 32, 512, 0", o.lr, o.warmup, o.final_lr_frac, o.steps, o.batch, o.seq, o.total_batch);
@@ -6609,6 +6641,15 @@ HOST_TEST(train_flags_set_their_own_fields) {
     const AdamWConfig a = adamw_config_from_options(o);
     expect(a.weight_decay == 0.05f && a.grad_clip == 0.5f && a.decay_lr == 1e-3f && model_config_from_options(o, BYTE_VOCAB).qkv_clip == 4.0f,
            "values: weight decay %g, clip %g, decay lr %g (the peak lr)", a.weight_decay, a.grad_clip, a.decay_lr);
+    // --amax-warmup N: steps 1..N cast at current scaling, N + 1 on at delayed, whichever step a run or resume starts at
+    TrainOptions w;
+    w.amax_history = 16;
+    for (int n : {1, 3})
+        for (int first = 1; first <= n + 2; first++) {
+            w.amax_warmup = n;
+            expect(fp8_options_from_options(w, first).recipe.warmup == (first <= n), "--amax-warmup %d: a run from step %d %s",
+                   n, first, first <= n ? "should warm up" : "should not warm up");
+        }
 }
 
 // Accepted but worth a word: a checkpoint flag without --out saves nothing, and says so (once, naming the flag).
@@ -8306,6 +8347,12 @@ HOST_TEST(tokenizer_bpe_rules_by_hand) {
     for (const std::string s : {"abcd baaa cde  axy", " leading and trailing ", "tab\tnewline\n\xc3\xa9 \xf0\x9f\x99\x82 \xe6\x97\xa5"})
         expect(tokenizer_decode(t, tokenizer_encode(t, s)) == s, "round trip of \"%s\": \"%s\"", s.c_str(),
                tokenizer_decode(t, tokenizer_encode(t, s)).c_str());
+    // without byte fallback a symbol that is no piece is <unk>, a run of such symbols one <unk>
+    write_text_or_die(dir.file("no_fallback.model"), test_tokenizer_model(pieces, proto_int_field(35, 0)));
+    const Tokenizer nf = load_test_tokenizer(dir.file("no_fallback.model"));
+    const std::vector<int> want_nf = {id(S + "a"), t.unk_id, id("b"), id(S), t.unk_id};
+    expect(tokenizer_encode(nf, "a\xc3\xa9\xe6\x97\xa5" "b \xc3\xa9") == want_nf, "without byte fallback: a\\xc3\\xa9\\xe6\\x97\\xa5b \\xc3\\xa9 "
+           "should encode as ▁a <unk> b ▁ <unk>");
     // the bad files
     std::vector<TestPiece> no_byte = pieces, twice = pieces, empty = pieces;
     no_byte.erase(no_byte.begin() + 3 + 0x41);

@@ -70,8 +70,8 @@ struct TrainOptions {
     float lr = 6e-4f;
     int warmup = 60;
     float final_lr_frac = 0.1f;
-    float weight_decay = 0.1f;
-    float grad_clip = 1.0f;                  // global-norm clip; 0 = off
+    float weight_decay = AdamWConfig().weight_decay;   // the optimizer's recipe (adamw_fp8.cuh), one place
+    float grad_clip = AdamWConfig().grad_clip;         // global-norm clip; 0 = off
     long seed = 1337;
     std::string out;                         // DIR: log.csv and the checkpoints; empty = no files
     int eval_every = 100;                    // 0 = only at the last step
