@@ -10944,6 +10944,27 @@ struct BenchCastInputs {
     BenchCastInputs& operator=(const BenchCastInputs&) = delete;
 };
 
+// The bytes a cast fused into its producer must move on BenchCastInputs' shapes, reading the producer's inputs
+// `passes` times: 2 under current per-tensor scaling (the amax pass, then the cast), 1 under delayed scaling and under
+// block scaling (a tile's amax is its own thread block's). Each pass reads the inputs; the codes and their transpose
+// (1 + 1 bytes an element) are written once; block scaling's scales (a float per 128 codes, 1.6%) are left out.
+enum BenchCast { CAST_PLAIN_X, CAST_PLAIN_W, CAST_RMSNORM_X, CAST_SWIGLU_X, CAST_SWIGLU_BACKWARD_DY, CAST_ROPE_BACKWARD_DY };
+static double bench_cast_bytes(BenchCast k, int passes) {
+    using I = BenchCastInputs;
+    const double nd = (double)I::N * I::D, nf = (double)I::N * I::F, nqkv = (double)I::N * I::QKV, fd = (double)I::F * I::D;
+    switch (k) {
+        case CAST_PLAIN_X: return nd * (2 * passes + 2);
+        case CAST_PLAIN_W: return fd * (2 * passes + 2);
+        // the statistics kernel reads resid and branch and writes resid_out (gathering the amax on the way), the cast
+        // reads resid_out once: 10 bytes an element, whatever the scaling
+        case CAST_RMSNORM_X: return nd * 10;
+        case CAST_SWIGLU_X: return nf * (4 * passes + 2);             // gate_up read (4 bytes an output), codes (2)
+        case CAST_SWIGLU_BACKWARD_DY: return nf * (6 * passes + 4);   // g, u, dout read (6), two outputs' codes (4)
+        case CAST_ROPE_BACKWARD_DY: return nqkv * (2 * passes + 2);
+    }
+    return 0;
+}
+
 static void bench_fused_casts(double copy_gbs) {
     const BenchCastInputs in;
     const int N = in.N, D = in.D, F = in.F, NH = in.NH, NKV = in.NKV, HD = in.HD, T = in.T, QKV = in.QKV;
@@ -10961,12 +10982,11 @@ static void bench_fused_casts(double copy_gbs) {
         Fp8Recipe r;
         if (delayed) r.history_len = 16;
         const Fp8CastOut x_out{q, qt, E4M3, meta, r}, dy_out{q, qt, E5M2, meta, r};
-        // bytes: what the fused kernels read and write in current and in delayed scaling. unfused empty: a cast
-        // with no producer (nothing to fuse; the row gives its floor).
-        auto row = [&](const char* name, double current_bytes, double delayed_bytes, const std::function<void()>& unfused,
-                       const std::function<void()>& fused) {
+        // bytes: what the fused kernel reads and writes under this scaling. unfused empty: a cast with no producer
+        // (nothing to fuse; the row gives its floor).
+        auto row = [&](const char* name, double bytes, const std::function<void()>& unfused, const std::function<void()>& fused) {
             const float t_fused = bench_median_ms(fused);
-            const double floor_ms = (delayed ? delayed_bytes : current_bytes) / copy_gbs / 1e6;
+            const double floor_ms = bytes / copy_gbs / 1e6;
             printf("%-30s %-8s ", name, delayed ? "delayed" : "current");
             if (unfused) {
                 const float t_unfused = bench_median_ms(unfused);
@@ -10976,23 +10996,21 @@ static void bench_fused_casts(double copy_gbs) {
             }
             printf(" %9.3f %7.2fx\n", floor_ms, t_fused / floor_ms);
         };
-        const double nd = (double)N * D, nf = (double)N * F, nqkv = (double)N * QKV;
-        row("plain cast+transpose -> X", 6 * nd, 4 * nd, nullptr, [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); });
-        // The statistics kernel reads resid and branch and writes resid_out (and gathers the amax in current
-        // scaling); the cast reads resid_out once and writes X8 and X8^T: 10 bytes an element either way.
-        row("rmsnorm (+ add) -> X", 10 * nd, 10 * nd, [&] {
+        auto bytes = [&](BenchCast k) { return bench_cast_bytes(k, delayed ? 1 : 2); };
+        row("plain cast+transpose -> X", bytes(CAST_PLAIN_X), nullptr, [&] { fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0); });
+        row("rmsnorm (+ add) -> X", bytes(CAST_RMSNORM_X), [&] {
             rmsnorm_forward(resid_out, c, rstd, a, b, w, N, D, 1e-5f, 0);
             fp8_cast_transpose(q, qt, c, N, D, E4M3, meta, r, 0);
         }, [&] { rmsnorm_forward_fp8(x_out, resid_out, rstd, a, b, w, N, D, 1e-5f, 0); });
-        row("swiglu -> X", 10 * nf, 6 * nf, [&] {   // gate_up read per pass (4 bytes), codes written (2)
+        row("swiglu -> X", bytes(CAST_SWIGLU_X), [&] {
             swiglu_forward(c, a, N, F, 0);
             fp8_cast_transpose(q, qt, c, N, F, E4M3, meta, r, 0);
         }, [&] { swiglu_forward_fp8(x_out, a, N, F, 0); });
-        row("swiglu backward -> dY", 16 * nf, 10 * nf, [&] {   // g, u, dout read per pass (6), 2 outputs' codes (4)
+        row("swiglu backward -> dY", bytes(CAST_SWIGLU_BACKWARD_DY), [&] {
             swiglu_backward(c, b, a, N, F, 0);
             fp8_cast_transpose(q, qt, c, N, 2 * F, E5M2, meta, r, 0);
         }, [&] { swiglu_backward_fp8(dy_out, b, a, N, F, 0); });
-        row("rope backward -> dY", 6 * nqkv, 4 * nqkv, [&] {   // in place on c: a rotation keeps the values finite run after run
+        row("rope backward -> dY", bytes(CAST_ROPE_BACKWARD_DY), [&] {   // in place on c: a rotation keeps the values finite run after run
             rope_backward(c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0);
             fp8_cast_transpose(q, qt, c, N, QKV, E5M2, meta, r, 0);
         }, [&] { rope_backward_fp8(dy_out, c, d_cos, d_sin, N / T, T, NH, NKV, HD, 0); });
@@ -11460,26 +11478,27 @@ static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
     const Fp8CastOut x_tensor{q, qt, E4M3, meta, Fp8Recipe()}, dy_tensor{q, qt, E5M2, meta, Fp8Recipe()};
     const Fp8BlockCastOut x_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E4M3, 0, false}}, dy_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E5M2, 0, false}};
     const Fp8BlockCastOut w_block{q, s_q, qt, s_qt, FP8_BLOCKS_128x128, {E4M3, 0, false}};
-    printf("\nCasts, per-tensor current scaling against block scaling (1B shapes, %d tokens), median ms; GB/s of the plain casts: BF16 "
-           "read once + both FP8 layouts written, against the copy's %.0f GB/s\n", tokens, copy_gbs);
-    printf("%-30s %10s %10s %9s %10s\n", "producer -> FP8 tensor", "tensor ms", "block ms", "speed-up", "block GB/s");
-    auto row = [&](const char* name, double elements, const std::function<void()>& tensor_cast, const std::function<void()>& block_cast) {
+    printf("\nCasts, per-tensor current scaling against block scaling (1B shapes, %d tokens), median ms. floor: the bytes each must move\n"
+           "at the copy's %.0f GB/s (per-tensor reads its inputs twice, block once); 'at floors': the speed-up if both ran at their floors\n",
+           tokens, copy_gbs);
+    printf("%-30s %10s %10s %9s | %13s %13s %10s\n", "producer -> FP8 tensor", "tensor ms", "block ms", "speed-up", "tensor floor",
+           "block floor", "at floors");
+    auto row = [&](const char* name, BenchCast k, const std::function<void()>& tensor_cast, const std::function<void()>& block_cast) {
         const float t_tensor = bench_median_ms(tensor_cast), t_block = bench_median_ms(block_cast);
-        printf("%-30s %10.3f %10.3f %8.2fx ", name, t_tensor, t_block, t_tensor / t_block);
-        if (elements > 0) printf("%10.0f\n", 4.0 * elements / t_block / 1e6);
-        else printf("%10s\n", "-");
+        const double floor_tensor = bench_cast_bytes(k, 2) / copy_gbs / 1e6, floor_block = bench_cast_bytes(k, 1) / copy_gbs / 1e6;
+        printf("%-30s %10.3f %10.3f %8.2fx | %6.3f %5.2fx %6.3f %5.2fx %9.2fx\n", name, t_tensor, t_block, t_tensor / t_block, floor_tensor,
+               t_tensor / floor_tensor, floor_block, t_block / floor_block, floor_tensor / floor_block);
     };
-    const double nd = (double)tokens * D;
-    row("plain cast+transpose -> X", nd, [&] { fp8_cast_transpose(q, qt, c, tokens, D, E4M3, meta, Fp8Recipe(), 0); },
+    row("plain cast+transpose -> X", CAST_PLAIN_X, [&] { fp8_cast_transpose(q, qt, c, tokens, D, E4M3, meta, Fp8Recipe(), 0); },
         [&] { fp8_block_cast_produced(x_block, CastPlain<bf16>{c, D}, tokens, D, 0); });
-    row("W [5632, 2048] -> W8, W8^T", (double)F * D, [&] { fp8_cast_transpose(q, qt, c, F, D, E4M3, meta, Fp8Recipe(), 0); },
+    row("W [5632, 2048] -> W8, W8^T", CAST_PLAIN_W, [&] { fp8_cast_transpose(q, qt, c, F, D, E4M3, meta, Fp8Recipe(), 0); },
         [&] { fp8_block_cast_produced(w_block, CastPlain<bf16>{c, D}, F, D, 0); });
-    row("rmsnorm (+ add) -> X", 0, [&] { rmsnorm_forward_fp8(x_tensor, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); },
+    row("rmsnorm (+ add) -> X", CAST_RMSNORM_X, [&] { rmsnorm_forward_fp8(x_tensor, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); },
         [&] { rmsnorm_forward_fp8(x_block, resid_out, rstd, a, b, w, tokens, D, 1e-5f, 0); });
-    row("swiglu -> X", 0, [&] { swiglu_forward_fp8(x_tensor, a, tokens, F, 0); }, [&] { swiglu_forward_fp8(x_block, a, tokens, F, 0); });
-    row("swiglu backward -> dY", 0, [&] { swiglu_backward_fp8(dy_tensor, b, a, tokens, F, 0); },
+    row("swiglu -> X", CAST_SWIGLU_X, [&] { swiglu_forward_fp8(x_tensor, a, tokens, F, 0); }, [&] { swiglu_forward_fp8(x_block, a, tokens, F, 0); });
+    row("swiglu backward -> dY", CAST_SWIGLU_BACKWARD_DY, [&] { swiglu_backward_fp8(dy_tensor, b, a, tokens, F, 0); },
         [&] { swiglu_backward_fp8(dy_block, b, a, tokens, F, 0); });
-    row("rope backward -> dY", 0, [&] { rope_backward_fp8(dy_tensor, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); },
+    row("rope backward -> dY", CAST_ROPE_BACKWARD_DY, [&] { rope_backward_fp8(dy_tensor, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); },
         [&] { rope_backward_fp8(dy_block, c, d_cos, d_sin, tokens / T, T, NH, NKV, HD, 0); });
 }
 
