@@ -123,7 +123,7 @@ data: train_fp8
 	scripts/data.sh
 
 # The default run: the default preset on the King James Bible in the tokens of an 8192-piece tokenizer trained on it,
-# 200 steps (README "Tokenizers" says why; TRAIN_FLAGS adds or overrides flags). Into a folder that holds a run already,
+# 200 steps (README "Data and tokenizers" says why; TRAIN_FLAGS adds or overrides flags). Into a folder that holds a run already,
 # train_fp8 refuses to start and prints the command that resumes it (make train TRAIN_FLAGS="--resume out/default" does
 # the same); remove the folder to start over.
 TRAIN_FLAGS ?=

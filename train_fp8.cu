@@ -110,7 +110,7 @@ struct TrainOptions {
     // tensor parallelism (llama2.cuh, section 7)
     int tp = 1;                              // GPUs 0..tp-1 through NCCL; 0 = one GPU without NCCL
     bool tp_amax_sync = false;               // FP8: amax of the sharded X and dY = MAX over the TP group
-    // the published ablations (README, "Ablation flags"): each off by default
+    // the published ablations (README, "Build and flags" and "Recipe lab"): each off by default
     float smooth_quant = 0.0f;               // FP8: SmoothQuant's exponent alpha for the FP8 linears' inputs; 0 = off
     float qkv_clip = 0.0f;                   // clamp the QKV projection's output to [-C, C]; 0 = off
     bool qk_norm = false;                    // RMSNorm with a learned weight on each head of Q and K before RoPE
