@@ -6290,52 +6290,43 @@ HOST_TEST(dataloader_rank_slices) {
     expect((int)seen.size() == W, "the ranks saw %zu of the %d windows", seen.size(), W);
 }
 
-// A loader restored from a saved state (here mid-way through epoch 1) gives the same batches as the one
-// that kept going.
+// A loader restored from the state saved after any batch of two epochs (at an epoch's end too) gives the same batches
+// as the one that kept going; a position past the epoch's end is refused.
 HOST_TEST(dataloader_state_resume) {
     TempDir dir;
     const int B = 3, T = 5;
     write_shard_or_die(dir.file("s.bin"), counting_tokens(10 * T + 1 + 2, 0), 0);   // 10 windows: 3 batches per epoch
-    std::string pattern = dir.file("s.bin");
-    DataLoader run, resumed;
-    std::string err = dataloader_open(&run, pattern.c_str(), B, T, 0, 1, 0, true, 42);
-    expect(err.empty(), "open failed: %s", err.c_str());
-    if (!err.empty()) return;
-    for (int i = 0; i < 4; i++) dataloader_next_batch(&run);
-    DataLoaderState saved = dataloader_get_state(&run);
-    expect(saved.epoch == 1 && saved.position == 1, "after 4 batches: epoch %llu position %llu, want 1, 1",
-           (unsigned long long)saved.epoch, (unsigned long long)saved.position);
-    std::vector<std::vector<int>> want_in, want_tg;
-    for (int i = 0; i < 5; i++) { dataloader_next_batch(&run); want_in.push_back(run.inputs); want_tg.push_back(run.targets); }
-    err = dataloader_open(&resumed, pattern.c_str(), B, T, 0, 1, 0, true, 42);
-    expect(err.empty(), "open failed: %s", err.c_str());
-    err = dataloader_set_state(&resumed, saved);
-    expect(err.empty(), "set_state failed: %s", err.c_str());
-    for (int i = 0; i < 5; i++) {
-        dataloader_next_batch(&resumed);
-        expect(resumed.inputs == want_in[i] && resumed.targets == want_tg[i], "resumed batch %d differs", i);
-    }
-    for (int k = 1; k <= 6; k++) {   // saved after every batch of two epochs: at an epoch's end too (position 3 of 3)
+    const std::string pattern = dir.file("s.bin");
+    for (int k = 1; k <= 6; k++) {
         DataLoader straight, from_k;
-        expect(dataloader_open(&straight, pattern.c_str(), B, T, 0, 1, 0, true, 42).empty() &&
-               dataloader_open(&from_k, pattern.c_str(), B, T, 0, 1, 0, true, 42).empty(), "open failed");
+        std::string err = dataloader_open(&straight, pattern.c_str(), B, T, 0, 1, 0, true, 42);
+        if (err.empty()) err = dataloader_open(&from_k, pattern.c_str(), B, T, 0, 1, 0, true, 42);
+        expect(err.empty(), "open failed: %s", err.c_str());
+        if (!err.empty()) return;
         for (int i = 0; i < k; i++) dataloader_next_batch(&straight);
-        err = dataloader_set_state(&from_k, dataloader_get_state(&straight));
-        expect(err.empty(), "the state after %d batches (epoch %llu, position %llu) refused: %s", k,
-               (unsigned long long)straight.state.epoch, (unsigned long long)straight.state.position, err.c_str());
+        const DataLoaderState saved = dataloader_get_state(&straight);
+        const unsigned long long epoch = (k - 1) / 3, position = (k - 1) % 3 + 1;   // batch k ends at position 1..3
+        expect(saved.epoch == epoch && saved.position == position, "after %d batches: epoch %llu position %llu, want %llu, %llu",
+               k, (unsigned long long)saved.epoch, (unsigned long long)saved.position, epoch, position);
+        err = dataloader_set_state(&from_k, saved);
+        expect(err.empty(), "the state after %d batches refused: %s", k, err.c_str());
         for (int i = 0; i < 4; i++) {
             dataloader_next_batch(&straight);
             dataloader_next_batch(&from_k);
-            expect(from_k.inputs == straight.inputs, "resumed after %d batches: batch %d differs", k, i);
+            expect(from_k.inputs == straight.inputs && from_k.targets == straight.targets, "resumed after %d batches: batch %d differs",
+                   k, i);
         }
         dataloader_free(&straight);
         dataloader_free(&from_k);
     }
-    err = dataloader_set_state(&resumed, DataLoaderState{0, 4});
+    DataLoader dl;
+    std::string err = dataloader_open(&dl, pattern.c_str(), B, T, 0, 1, 0, true, 42);
+    expect(err.empty(), "open failed: %s", err.c_str());
+    if (!err.empty()) return;
+    err = dataloader_set_state(&dl, DataLoaderState{0, 4});
     printf("    state beyond the epoch -> %s\n", err.c_str());
     expect(err.find("epoch has 3 batches") != std::string::npos, "a position past the epoch's end is accepted: '%s'", err.c_str());
-    dataloader_free(&run);
-    dataloader_free(&resumed);
+    dataloader_free(&dl);
 }
 
 // Bytes in, two shards out: 90% / 10%, the bytes as tokens, vocab hint 256; and its errors.
