@@ -234,6 +234,7 @@ inline void profile_destroy(StepProfile* p) {
 struct PhaseFloor {
     double ms = -1;
     std::string basis;
+    double amax_reread_ms = 0;   // current scaling's amax pass re-reading the casts' inputs: the recipe's cost beyond the floor
 };
 // The recorded step, per phase: milliseconds and number of ranges; span: step_begin to step_end. floors: set by the caller.
 struct ProfileReport {
@@ -266,12 +267,17 @@ inline ProfileReport profile_report(const StepProfile* p) {
 inline std::string profile_table(const ProfileReport& r, const std::string& title) {
     std::string out = title + "\n";
     char line[512];
-    auto floor_cells = [&](double ms, double floor_ms, const std::string& basis) {
+    auto floor_cells = [&](double ms, double floor_ms, const std::string& basis, double reread_ms) {
         char f[32] = "-", x[32] = "-";
         if (floor_ms >= 0) snprintf(f, sizeof f, "%.3f", floor_ms);
         if (floor_ms > 0) snprintf(x, sizeof x, "%.2fx", ms / floor_ms);
-        snprintf(line, sizeof line, " %9s %8s  %s\n", f, x, basis.c_str());
+        snprintf(line, sizeof line, " %9s %8s  %s", f, x, basis.c_str());
         out += line;
+        if (reread_ms > 0 && floor_ms >= 0) {
+            snprintf(line, sizeof line, "; + %.3f ms of current scaling's amax reads: %.2fx both", reread_ms, ms / (floor_ms + reread_ms));
+            out += line;
+        }
+        out += "\n";
     };
     snprintf(line, sizeof line, "  %-42s %9s %7s %7s %9s %8s  %s\n", "phase", "ms", "%", "ranges", "floor ms", "x floor", "floor basis");
     out += line;
@@ -281,14 +287,14 @@ inline std::string profile_table(const ProfileReport& r, const std::string& titl
         snprintf(line, sizeof line, "  %-42s %9.3f %6.1f%% %7d", profile_phase_name((ProfilePhase)p), r.ms[p], 100.0 * r.ms[p] / r.span_ms,
                  r.ranges[p]);
         out += line;
-        floor_cells(r.ms[p], r.floors[p].ms, r.floors[p].basis.empty() ? "-" : r.floors[p].basis);
+        floor_cells(r.ms[p], r.floors[p].ms, r.floors[p].basis.empty() ? "-" : r.floors[p].basis, r.floors[p].amax_reread_ms);
         floor_sum += std::max(0.0, r.floors[p].ms);
     }
     snprintf(line, sizeof line, "  %-42s %9.3f %6.1f%%\n", "idle (GPU span - all ranges)", r.idle_ms(), 100.0 * r.idle_ms() / r.span_ms);
     out += line;
     snprintf(line, sizeof line, "  %-42s %9.3f %6.1f%% %7s", "GPU span of the step", r.span_ms, 100.0, "");
     out += line;
-    floor_cells(r.span_ms, floor_sum, "the floors above, summed");
+    floor_cells(r.span_ms, floor_sum, "the floors above, summed", 0);
     const double gemm_attn = r.ms[PHASE_GEMM_FWD] + r.ms[PHASE_GEMM_BWD] + r.ms[PHASE_LM_HEAD] + r.ms[PHASE_ATTN_FWD] + r.ms[PHASE_ATTN_BWD];
     snprintf(line, sizeof line, "  outside GEMMs and attention: %.3f ms busy, %.3f ms with idle\n", r.busy_ms - gemm_attn, r.span_ms - gemm_attn);
     return out + line;

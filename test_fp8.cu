@@ -7004,9 +7004,30 @@ HOST_TEST(train_step_work_1b) {
     expect(param_bytes == want_param_bytes, "AdamW with the build's moments (%s m, %s v): %.3f bytes a parameter, want %.0f",
            dtype_name(AdamWConfig().m_dtype), dtype_name(AdamWConfig().v_dtype), param_bytes, want_param_bytes);
     expect(w[PHASE_TP_COMM].unmodeled && w[PHASE_DATA].unmodeled, "the all-reduces and the input copies should have no floor");
+    // current scaling's amax reads (FP8 build): the casts alone 2 N 2048 each, 3 a layer in 20 layers = 4026531840; SwiGLU
+    // 20 x (4 + 6) N F = 18454937600; RoPE's backward 20 x 2 N 2560 = 1677721600; none elsewhere, in the BF16 build, or
+    // under delayed or block scaling
+    auto rereads_are = [&](const std::vector<PhaseWork>& v, double cast, double swiglu, double rope, const char* what) {
+        for (int p = 0; p < PHASE_COUNT; p++) {
+            const double want = p == PHASE_FP8_CAST ? cast : p == PHASE_SWIGLU ? swiglu : p == PHASE_ROPE ? rope : 0;
+            expect(v[p].amax_reread_bytes == want, "%s, %s: amax reads of %.0f bytes, want %.0f", what, profile_phase_name((ProfilePhase)p),
+                   v[p].amax_reread_bytes, want);
+        }
+    };
+    if (BUILD_FP8) rereads_are(w, 4026531840.0, 18454937600.0, 1677721600.0, "the recipe");
+    else rereads_are(w, 0, 0, 0, "the BF16 build");
     const std::vector<PhaseWork> two = step_work(c, 8, 2048, 2, 1, Fp8Options(), AdamWConfig());
-    expect(two[PHASE_NORM].bytes == 2 * w[PHASE_NORM].bytes && two[PHASE_OPTIMIZER].bytes == w[PHASE_OPTIMIZER].bytes,
-           "two micro-batches: the norms' bytes twice (%.0f), the optimizer's once (%.0f)", two[PHASE_NORM].bytes, two[PHASE_OPTIMIZER].bytes);
+    expect(two[PHASE_NORM].bytes == 2 * w[PHASE_NORM].bytes && two[PHASE_OPTIMIZER].bytes == w[PHASE_OPTIMIZER].bytes &&
+           two[PHASE_SWIGLU].amax_reread_bytes == 2 * w[PHASE_SWIGLU].amax_reread_bytes,
+           "two micro-batches: the norms' bytes twice (%.0f), the optimizer's once (%.0f), SwiGLU's amax reads twice (%.0f)",
+           two[PHASE_NORM].bytes, two[PHASE_OPTIMIZER].bytes, two[PHASE_SWIGLU].amax_reread_bytes);
+    if constexpr (BUILD_FP8) {
+        Fp8Options delayed, block;
+        delayed.recipe.history_len = 16;
+        block.block_scaling = true;
+        rereads_are(step_work(c, 8, 2048, 1, 1, delayed, AdamWConfig()), 0, 0, 0, "delayed scaling");
+        rereads_are(step_work(c, 8, 2048, 1, 1, block, AdamWConfig()), 0, 0, 0, "block scaling");
+    }
     if constexpr (BUILD_FP8) {
         Fp8Options all;
         all.all_layers = true;
@@ -7062,6 +7083,16 @@ HOST_TEST(train_profile_table_format) {
     std::string want;
     for (const char* l : lines) want += l;
     expect(table == want, "the table's lines differ from the ones scripts/results.py reads (above: the table as made)");
+    // a phase with current scaling's amax reads beside its floor (scripts/results.py's PROFILE_REREAD_ROW)
+    PhaseWork swiglu = norm;
+    swiglu.amax_reread_bytes = 3e9;   // 1 ms at 3000 GB/s
+    ProfileReport s;
+    s.span_ms = s.busy_ms = 6.0;
+    s.ms[PHASE_SWIGLU] = 6.0, s.ranges[PHASE_SWIGLU] = 44, s.floors[PHASE_SWIGLU] = phase_floor(swiglu, rates);
+    const std::string row = profile_table(s, "t").substr(2 + strlen(lines[1]));
+    const std::string want_row = "  SwiGLU (+ fused cast)                          6.000  100.0%      44     2.000    3.00x  6.00 GB at 3.00 TB/s; + "
+                                 "1.000 ms of current scaling's amax reads: 2.00x both\n";
+    expect(row.compare(0, want_row.size(), want_row) == 0, "a row with the amax reads: '%s', want '%s'", row.c_str(), want_row.c_str());
 }
 
 HOST_TEST(train_tokens_to_text) {

@@ -817,16 +817,19 @@ inline GpuPeak gpu_peak(const std::string& name, int major, int minor, int sms, 
 //                     2 B H T^2 HD forward (Q K^T and P V over the causal half) and 2.5x that backward (S again, dP, dV,
 //                     dQ, dK), the attention bench's convention (model_flops_per_token counts model work: 2x)
 //   the others        bytes: each tensor that the phase reads or writes, once, in its dtype. A second pass over a tensor
-//                     (current scaling's amax before its cast, the optimizer's moment statistics) is the kernels' cost,
-//                     which the ratio shows, not the work's. An FP8 cast with its transpose writes 1 + 1 bytes an element
-//                     where a BF16 tensor is 2, so a producer that casts (RMSNorm, SwiGLU) moves what it moves in the BF16
-//                     build. Left out: the norm weights and their gradients (D values each), the FP8 scales (a float a
-//                     tensor; under block scaling one per 128 values, 1.6% of a cast's bytes), the rows of the embedding's
-//                     gradient (one a distinct token: the data's, not the shape's)
+//                     (the optimizer's moment statistics) is the kernels' cost, which the ratio shows, not the work's; the
+//                     one the recipe asks for, current per-tensor scaling's amax pass over a cast's inputs before the cast
+//                     reads them again, is counted beside the floor (amax_reread_bytes) and the table gives the time over
+//                     both (test_fp8 --bench cast: the fused casts, current against delayed). An FP8 cast with its
+//                     transpose writes 1 + 1 bytes an element where a BF16 tensor is 2, so a producer that casts (RMSNorm,
+//                     SwiGLU) moves what it moves in the BF16 build. Left out: the norm weights and their gradients (D
+//                     values each), the FP8 scales (a float a tensor; under block scaling one per 128 values, 1.6% of a
+//                     cast's bytes), the rows of the embedding's gradient (one a distinct token: the data's, not the shape's)
 // and at the rates measured when the run starts (measure_gpu_rates): FLOPs at the GEMM peak of their precision, bytes at
 // the copy bandwidth. The tensor-parallel all-reduces (NCCL's links) and the input copies (the host's) have no floor.
 struct PhaseWork {
     double fp8_flops = 0, bf16_flops = 0, bytes = 0;
+    double amax_reread_bytes = 0;      // current per-tensor scaling's amax pass: the cast's inputs read a second time
     const char* unmodeled = nullptr;   // why the phase has no floor; nullptr: it has one
 };
 inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int accum, int tp_size, const Fp8Options& fp8,
@@ -836,6 +839,8 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
     const double NH = c.n_heads / tp_size, NKV = c.n_kv_heads / tp_size, F = c.ffn_dim / tp_size;
     const double QKV = (NH + 2 * NKV) * HD, QK = (NH + NKV) * HD;   // qkv's columns, and Q's and K's (RoPE's, the QK norm's)
     auto flops = [&](ProfilePhase p, bool fp8_cores, double f) { (fp8_cores ? w[p].fp8_flops : w[p].bf16_flops) += f; };
+    // 1 where X and dY get current per-tensor scaling (no amax history, no block scaling), else 0; W's amax comes from AdamW
+    const double reread = !fp8.block_scaling && !fp8.recipe.delayed() ? 1 : 0;
     // a micro-batch
     for (int l = 0; l < c.n_layers; l++) {
         const bool f8 = layer_fp8(fp8, c.n_layers, l);
@@ -844,9 +849,15 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
             flops(PHASE_GEMM_FWD, f8, 2 * N * lin.out * lin.in);
             flops(PHASE_GEMM_BWD, f8, 4 * N * lin.out * lin.in);
             if (!f8) continue;
-            // a cast of its own: the BF16 tensor read, its codes and their transpose written
-            if (!fp8_cast_fused(fp8, c, lin.kind, false)) w[PHASE_FP8_CAST].bytes += 4 * N * lin.in;
-            if (!fp8_cast_fused(fp8, c, lin.kind, true)) w[PHASE_FP8_CAST].bytes += 4 * N * lin.out;
+            // a cast of its own: the BF16 tensor read (twice under current scaling), its codes and their transpose written
+            if (!fp8_cast_fused(fp8, c, lin.kind, false)) {
+                w[PHASE_FP8_CAST].bytes += 4 * N * lin.in;
+                w[PHASE_FP8_CAST].amax_reread_bytes += reread * 2 * N * lin.in;
+            }
+            if (!fp8_cast_fused(fp8, c, lin.kind, true)) {
+                w[PHASE_FP8_CAST].bytes += 4 * N * lin.out;
+                w[PHASE_FP8_CAST].amax_reread_bytes += reread * 2 * N * lin.out;
+            }
             // --smooth-quant's gradient scales: dX [N, in] (BF16) and dW [out, in] (FP32) read and written
             if (fp8.smooth_quant > 0.0f) w[PHASE_OTHER].bytes += 4 * N * lin.in + 8 * lin.out * lin.in;
         }
@@ -860,6 +871,11 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
         w[PHASE_ROPE].bytes += N * (f8 && fp8_cast_fused(fp8, c, WQKV, true) ? 4 * QKV : 4 * QK);
         // SwiGLU: gate_up [N, 2F] read, the output [N, F] written; backward: gate_up and the output's gradient read, gate_up's written
         w[PHASE_SWIGLU].bytes += N * F * (4 + 2) + N * F * (4 + 2 + 4);
+        // current scaling's amax pass in the producers that cast: SwiGLU's reads gate_up again (forward) or gate_up and
+        // the output's gradient (backward); RoPE's backward, dqkv. RMSNorm's statistics kernel gathers its amax on its way.
+        if (f8 && fp8_cast_fused(fp8, c, W_DOWN, false)) w[PHASE_SWIGLU].amax_reread_bytes += reread * 4 * N * F;
+        if (f8 && fp8_cast_fused(fp8, c, W_GATE_UP, true)) w[PHASE_SWIGLU].amax_reread_bytes += reread * 6 * N * F;
+        if (f8 && fp8_cast_fused(fp8, c, WQKV, true)) w[PHASE_ROPE].amax_reread_bytes += reread * 2 * N * QKV;
         // --qk-norm, each way: Q and K read, written, and saved (forward) or read saved (backward); a float a head row
         if (c.qk_norm) w[PHASE_NORM].bytes += 2 * N * (6 * QK + 4 * (NH + NKV));
         // --qkv-clip: qkv read and written, a bit an element written; the backward reads the bits (it rewrites only clamped values)
@@ -881,6 +897,7 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
         p.fp8_flops *= accum;
         p.bf16_flops *= accum;
         p.bytes *= accum;
+        p.amax_reread_bytes *= accum;
     }
     // the update, once a step: the embedding's gradient zeroed (V x D floats); the gradient norm reads g; AdamW reads g, the
     // master weight and the moments, writes the master weight, the BF16 weight and the moments (adamw_fp8.cuh, section 3)
@@ -957,6 +974,7 @@ inline PhaseFloor phase_floor(const PhaseWork& w, const GpuRates& r) {
     if (w.bf16_flops > 0) part(w.bf16_flops / r.bf16_tflops / 1e9, strprintf("%.2f TFLOP at %.0f TFLOP/s (BF16)", w.bf16_flops / 1e12, r.bf16_tflops));
     if (w.bytes > 0) part(w.bytes / r.copy_gbs / 1e6, strprintf("%.2f GB at %.2f TB/s", w.bytes / 1e9, r.copy_gbs / 1e3));
     if (f.basis.empty()) f.basis = "no work";
+    f.amax_reread_ms = w.amax_reread_bytes / r.copy_gbs / 1e6;
     return f;
 }
 

@@ -525,6 +525,9 @@ PROFILE_ROWS = [
     "  idle (GPU span - all ranges)                   1.000    2.5%",
     "  GPU span of the step                          40.000  100.0%            17.000    2.35x  the floors above, summed",
 ]
+# a row with current scaling's amax reads beside its floor (test_fp8's train_profile_table_format pins it too)
+PROFILE_REREAD_ROW = ("  SwiGLU (+ fused cast)                          6.000  100.0%      44     2.000    3.00x  6.00 GB at 3.00 TB/s; + "
+                      "1.000 ms of current scaling's amax reads: 2.00x both")
 
 
 def self_test():
@@ -570,6 +573,8 @@ def self_test():
                "the baseline row, without a ratio to itself")
         expect("ours FP8 / PyTorch, torch.compile BF16: **1.98x (1.96x-2.00x)**" in md, "the ratio to torch.compile")
         expect("| ours, FP8 in every layer (--fp8-all-layers) | 0 | not run |" in md, "a row without runs says so")
+        expect(parse_profile("profile of step 5\n" + PROFILE_HEADER + "\n" + PROFILE_REREAD_ROW + "\n") ==
+               {"SwiGLU (+ fused cast)": (6.0, 2.0, "3.00x")}, "a profile row with the amax reads parses")
         expect("| PyTorch + torchao float8, rowwise | 0 | not run: failed at B 8, T 2048: OutOfMemoryError: CUDA out of memory |"
                in md, "a PyTorch mode that failed says why")
         expect("| phase | FP8 build | floor | x floor | BF16 build | floor | x floor | FP8 - BF16 |" in md and
