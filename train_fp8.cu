@@ -832,6 +832,22 @@ struct PhaseWork {
     double amax_reread_bytes = 0;      // current per-tensor scaling's amax pass: the cast's inputs read a second time
     const char* unmodeled = nullptr;   // why the phase has no floor; nullptr: it has one
 };
+// The producers of an FP8 cast, and what current per-tensor scaling's amax pass reads before the cast reads the same
+// inputs again, in bytes per element of the producer's output (SwiGLU's backward: per element of its input gradient
+// [N, F]): a plain cast and RoPE's backward, the BF16 tensor (2); SwiGLU, gate and up (4); its backward, gate, up and the
+// output's gradient (6); RMSNorm nothing (its statistics kernel gathers the amax as it writes resid_out). test_fp8's
+// cast benches count their floors with it too.
+enum CastProducer { CAST_PLAIN, CAST_RMSNORM, CAST_SWIGLU, CAST_SWIGLU_BACKWARD, CAST_ROPE_BACKWARD };
+inline double cast_amax_reread_bytes(CastProducer p) {
+    switch (p) {
+        case CAST_PLAIN: case CAST_ROPE_BACKWARD: return 2;
+        case CAST_SWIGLU: return 4;
+        case CAST_SWIGLU_BACKWARD: return 6;
+        case CAST_RMSNORM: return 0;
+    }
+    return 0;
+}
+
 inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int accum, int tp_size, const Fp8Options& fp8,
                                         const AdamWConfig& adamw) {
     std::vector<PhaseWork> w(PHASE_COUNT);
@@ -841,6 +857,9 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
     auto flops = [&](ProfilePhase p, bool fp8_cores, double f) { (fp8_cores ? w[p].fp8_flops : w[p].bf16_flops) += f; };
     // 1 where X and dY get current per-tensor scaling (no amax history, no block scaling), else 0; W's amax comes from AdamW
     const double reread = !fp8.block_scaling && !fp8.recipe.delayed() ? 1 : 0;
+    auto amax_reread = [&](ProfilePhase p, CastProducer k, double elements) {
+        w[p].amax_reread_bytes += reread * cast_amax_reread_bytes(k) * elements;
+    };
     // a micro-batch
     for (int l = 0; l < c.n_layers; l++) {
         const bool f8 = layer_fp8(fp8, c.n_layers, l);
@@ -852,11 +871,11 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
             // a cast of its own: the BF16 tensor read (twice under current scaling), its codes and their transpose written
             if (!fp8_cast_fused(fp8, c, lin.kind, false)) {
                 w[PHASE_FP8_CAST].bytes += 4 * N * lin.in;
-                w[PHASE_FP8_CAST].amax_reread_bytes += reread * 2 * N * lin.in;
+                amax_reread(PHASE_FP8_CAST, CAST_PLAIN, N * lin.in);
             }
             if (!fp8_cast_fused(fp8, c, lin.kind, true)) {
                 w[PHASE_FP8_CAST].bytes += 4 * N * lin.out;
-                w[PHASE_FP8_CAST].amax_reread_bytes += reread * 2 * N * lin.out;
+                amax_reread(PHASE_FP8_CAST, CAST_PLAIN, N * lin.out);
             }
             // --smooth-quant's gradient scales: dX [N, in] (BF16) and dW [out, in] (FP32) read and written
             if (fp8.smooth_quant > 0.0f) w[PHASE_OTHER].bytes += 4 * N * lin.in + 8 * lin.out * lin.in;
@@ -871,11 +890,10 @@ inline std::vector<PhaseWork> step_work(const ModelConfig& c, int B, int T, int 
         w[PHASE_ROPE].bytes += N * (f8 && fp8_cast_fused(fp8, c, WQKV, true) ? 4 * QKV : 4 * QK);
         // SwiGLU: gate_up [N, 2F] read, the output [N, F] written; backward: gate_up and the output's gradient read, gate_up's written
         w[PHASE_SWIGLU].bytes += N * F * (4 + 2) + N * F * (4 + 2 + 4);
-        // current scaling's amax pass in the producers that cast: SwiGLU's reads gate_up again (forward) or gate_up and
-        // the output's gradient (backward); RoPE's backward, dqkv. RMSNorm's statistics kernel gathers its amax on its way.
-        if (f8 && fp8_cast_fused(fp8, c, W_DOWN, false)) w[PHASE_SWIGLU].amax_reread_bytes += reread * 4 * N * F;
-        if (f8 && fp8_cast_fused(fp8, c, W_GATE_UP, true)) w[PHASE_SWIGLU].amax_reread_bytes += reread * 6 * N * F;
-        if (f8 && fp8_cast_fused(fp8, c, WQKV, true)) w[PHASE_ROPE].amax_reread_bytes += reread * 2 * N * QKV;
+        // current scaling's amax pass in the producers that cast (RMSNorm's reads nothing again)
+        if (f8 && fp8_cast_fused(fp8, c, W_DOWN, false)) amax_reread(PHASE_SWIGLU, CAST_SWIGLU, N * F);
+        if (f8 && fp8_cast_fused(fp8, c, W_GATE_UP, true)) amax_reread(PHASE_SWIGLU, CAST_SWIGLU_BACKWARD, N * F);
+        if (f8 && fp8_cast_fused(fp8, c, WQKV, true)) amax_reread(PHASE_ROPE, CAST_ROPE_BACKWARD, N * QKV);
         // --qk-norm, each way: Q and K read, written, and saved (forward) or read saved (backward); a float a head row
         if (c.qk_norm) w[PHASE_NORM].bytes += 2 * N * (6 * QK + 4 * (NH + NKV));
         // --qkv-clip: qkv read and written, a bit an element written; the backward reads the bits (it rewrites only clamped values)
