@@ -51,7 +51,8 @@
 //   232  i32  --dy-format e4m3 (0 = E5M2, 1 = E4M3)
 //   (files from before these three flags hold zeros in 224..235: per-tensor scaling, E5M2 dY)
 //   236  i32  --bf16-linears (0/1; files from before it hold zero: FP8 linears)
-//   240..247  zero
+//   240  i32  --block-dw-x blocks (0 = tiles, 1 = blocks; files from before it hold zero: tiles)
+//   244..247  zero
 //   248  u64  XXH64 (seed 0) of the header's bytes 0..247
 // The payload at P = 1:
 //   256    the optimizer state as adamw_save writes it (adamw_fp8.cuh, section 6): its 40-byte header ("ADMW",
@@ -76,7 +77,7 @@
 // 4 bytes per parameter more than P = 1.
 // A resumed run must match the checkpoint in everything that decides the numbers of the next step:
 // build precision, model config (--qk-norm and --qkv-clip included), B, T, total batch, seed, the FP8 recipe
-// (--amax-warmup, --smooth-quant, --scaling, --block-scale-pow2 and --dy-format included), fast accumulation, amax sync, the update rule (--update-clip,
+// (--amax-warmup, --smooth-quant, --scaling, --block-scale-pow2, --dy-format and --block-dw-x included), fast accumulation, amax sync, the update rule (--update-clip,
 // --adam-atan2) and --wd-constant-lr; --init only shaped the weights of step 0, which the checkpoint holds; --steps,
 // --lr, the schedule, --weight-decay and --grad-clip are hyperparameters that may change (the schedule is a function
 // of the step), though changing them breaks the equality with an uninterrupted run.
@@ -109,7 +110,8 @@ struct CheckpointHeader {
     int32_t update_clip, adam_atan2;
     int32_t block_scaling, block_scale_pow2, dy_e4m3;
     int32_t bf16_linears;
-    uint8_t reserved[8];
+    int32_t block_dw_x_blocks;
+    uint8_t reserved[4];
     uint64_t header_xxh64;
 };
 static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, vocab_size) == 16 &&
@@ -126,7 +128,8 @@ static_assert(sizeof(CheckpointHeader) == 256 && offsetof(CheckpointHeader, voca
               offsetof(CheckpointHeader, fp8_attention) == 212 && offsetof(CheckpointHeader, update_clip) == 216 &&
               offsetof(CheckpointHeader, adam_atan2) == 220 && offsetof(CheckpointHeader, block_scaling) == 224 &&
               offsetof(CheckpointHeader, block_scale_pow2) == 228 && offsetof(CheckpointHeader, dy_e4m3) == 232 &&
-              offsetof(CheckpointHeader, bf16_linears) == 236 && offsetof(CheckpointHeader, reserved) == 240 &&
+              offsetof(CheckpointHeader, bf16_linears) == 236 && offsetof(CheckpointHeader, block_dw_x_blocks) == 240 &&
+              offsetof(CheckpointHeader, reserved) == 244 &&
               offsetof(CheckpointHeader, header_xxh64) == 248,
               "the checkpoint header's layout is the one documented above");
 
@@ -243,6 +246,7 @@ inline CheckpointHeader checkpoint_header_for(const ModelConfig& c, const TrainO
     h.block_scale_pow2 = o.block_scale_pow2 ? 1 : 0;
     h.dy_e4m3 = o.dy_format == "e4m3" ? 1 : 0;
     h.bf16_linears = o.bf16_linears ? 1 : 0;
+    h.block_dw_x_blocks = o.block_dw_x == "blocks" ? 1 : 0;
     return h;
 }
 
@@ -277,6 +281,7 @@ inline std::string checkpoint_header_check(const CheckpointHeader& got, const Ch
         {"FP8 block scaling (--scaling block)", got.block_scaling, want.block_scaling},
         {"FP8 power-of-two block scales (--block-scale-pow2)", got.block_scale_pow2, want.block_scale_pow2},
         {"FP8 E4M3 output gradients (--dy-format e4m3)", got.dy_e4m3, want.dy_e4m3},
+        {"FP8 dW's X^T in 128x128 blocks (--block-dw-x blocks)", got.block_dw_x_blocks, want.block_dw_x_blocks},
         {"every linear in BF16 (--bf16-linears)", got.bf16_linears, want.bf16_linears},
         {"weight decay at the peak LR (--wd-constant-lr)", got.wd_constant_lr, want.wd_constant_lr},
         {"update clipping (--update-clip)", got.update_clip, want.update_clip},

@@ -610,7 +610,8 @@ void fp8_dequantize(T* out, const fp8* x, size_t n, Fp8Format f, const Fp8Meta* 
 // One read of a tensor [rows, cols] makes both its layouts: out [rows, cols] and out_t [cols, rows], each with its
 // own tiles along its own rows (tiles: out's 1x128 along cols, out_t's along rows, i.e. 128x1 columns of the input),
 // so that the dW GEMM's operands are tiled along the tokens. Blocks are square: out_t holds out's codes transposed and
-// the same scales, in out_t's layout.
+// the same scales, in out_t's layout. The two layouts may differ: X in tiles for the forward, X^T in blocks for dW
+// (--block-dw-x blocks).
 enum Fp8Granularity { FP8_PER_TENSOR = 0, FP8_TILES_1x128 = 1, FP8_BLOCKS_128x128 = 2 };
 inline const char* fp8_granularity_name(Fp8Granularity g) {
     return g == FP8_PER_TENSOR ? "per-tensor" : g == FP8_TILES_1x128 ? "1x128 tiles" : "128x128 blocks";
@@ -643,15 +644,16 @@ inline size_t fp8_scale_count(Fp8Granularity g, int rows, int k) {
 // thread block per 128 x 128 tile of the values (of one output: a producer of two outputs computes both, the block keeps
 // its own). A thread holds 16 consecutive columns of 4 rows (32 rows apart) in registers; the amax of a row's 128 values
 // is a max over the row's 8 threads (lanes 8k..8k+7 of one warp), of a column's 128 values over its 4 lanes of each warp
-// then the 8 warps through shared memory. Codes go to out with the row scales, and through a shared tile (pitch 132
-// bytes) to out_t with the column scales (blocks: one scale for both), transposed 4 x 4 bytes at a time in registers.
-// health: --fp8-stats counts of both layouts' codes and the tiles' amax, or nullptr.
+// then the 8 warps through shared memory. Codes go to out with the row scales (G: tiles) or the block's (G: blocks), and
+// through a shared tile (pitch 132 bytes) to out_t with the column scales (GT: tiles) or the block's (GT: blocks),
+// transposed 4 x 4 bytes at a time in registers. health: --fp8-stats counts of both layouts' codes and the tiles' amax, or nullptr.
 constexpr int BC_PITCH = SCALE_BLOCK + 4;
-template <Fp8Format F, Fp8Granularity G, class P>
+template <Fp8Format F, Fp8Granularity G, Fp8Granularity GT, class P>
 __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p, fp8* out, float* out_inv_scale, fp8* out_t,
                                                                             float* out_t_inv_scale, int rows, int cols, int margin,
                                                                             bool pow2, Fp8Health* health) {
-    static_assert(G == FP8_TILES_1x128 || G == FP8_BLOCKS_128x128, "block_cast_transpose_kernel casts tiles or blocks");
+    static_assert((G == FP8_TILES_1x128 || G == FP8_BLOCKS_128x128) && (GT == FP8_TILES_1x128 || GT == FP8_BLOCKS_128x128),
+                  "block_cast_transpose_kernel casts tiles or blocks");
     constexpr int O = P::outs;
     constexpr int THREADS_PER_ROW = SCALE_BLOCK / CAST_VEC;               // 8
     constexpr int ROWS_PER_PASS = CAST_THREADS / THREADS_PER_ROW;         // 32
@@ -698,19 +700,16 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
         col_amax_of_warp[0][threadIdx.x] = m;
     }
     __syncthreads();
-    float row_scale[PASSES], col_scale[CAST_VEC];
-    if constexpr (G == FP8_BLOCKS_128x128) {
+    float row_scale[PASSES], col_scale[CAST_VEC], block_scale = 0.0f;
+    if constexpr (G == FP8_BLOCKS_128x128 || GT == FP8_BLOCKS_128x128) {   // the block's amax: the largest column's
         unsigned int m = 0u;
         for (int c = 0; c < SCALE_BLOCK; c++) m = max(m, col_amax_of_warp[0][c]);
-        const float s = fp8_block_scale(__uint_as_float(m), F, margin, pow2);
+        block_scale = fp8_block_scale(__uint_as_float(m), F, margin, pow2);
+    }
+    if constexpr (G == FP8_BLOCKS_128x128) {
 #pragma unroll
-        for (int ps = 0; ps < PASSES; ps++) row_scale[ps] = s;
-#pragma unroll
-        for (int k = 0; k < CAST_VEC; k++) col_scale[k] = s;
-        if (threadIdx.x == 0) {
-            out_inv_scale[(size_t)blockIdx.y * block_scale_ld(width) + blockIdx.x] = 1.0f / s;
-            out_t_inv_scale[(size_t)blockIdx.x * block_scale_ld(rows) + blockIdx.y] = 1.0f / s;
-        }
+        for (int ps = 0; ps < PASSES; ps++) row_scale[ps] = block_scale;
+        if (threadIdx.x == 0) out_inv_scale[(size_t)blockIdx.y * block_scale_ld(width) + blockIdx.x] = 1.0f / block_scale;
     } else {
 #pragma unroll
         for (int ps = 0; ps < PASSES; ps++) {
@@ -718,6 +717,12 @@ __global__ void __launch_bounds__(CAST_THREADS) block_cast_transpose_kernel(P p,
             if (threadIdx.x % THREADS_PER_ROW == 0)
                 out_inv_scale[(size_t)blockIdx.x * rows + r0 + tr + ps * ROWS_PER_PASS] = 1.0f / row_scale[ps];
         }
+    }
+    if constexpr (GT == FP8_BLOCKS_128x128) {
+#pragma unroll
+        for (int k = 0; k < CAST_VEC; k++) col_scale[k] = block_scale;
+        if (threadIdx.x == 0) out_t_inv_scale[(size_t)blockIdx.x * block_scale_ld(rows) + blockIdx.y] = 1.0f / block_scale;
+    } else {
 #pragma unroll
         for (int k = 0; k < CAST_VEC; k++) col_scale[k] = fp8_block_scale(__uint_as_float(col_amax_of_warp[0][tc + k]), F, margin, pow2);
         if (threadIdx.x < SCALE_BLOCK)
@@ -793,34 +798,52 @@ struct Fp8BlockCastOut {
     float* q_inv_scale;  // its scales, as an operand [rows, K = outs * cols]
     fp8* q_t;            // [outs * cols, rows]
     float* q_t_inv_scale;   // its scales, as an operand [outs * cols, K = rows]
-    Fp8Granularity granularity;   // FP8_TILES_1x128 or FP8_BLOCKS_128x128
+    Fp8Granularity granularity;     // q's: FP8_TILES_1x128 or FP8_BLOCKS_128x128
+    Fp8Granularity granularity_t;   // q_t's: the same, or blocks where q has tiles (--block-dw-x blocks)
     Fp8BlockRule rule;
     Fp8Health* health = nullptr;  // --fp8-stats counts, or nullptr
 };
 
+// "" if the block cast of [rows, cols] into o has a kernel, else what is wrong: the layouts (both 1x128 tiles, both 128x128
+// blocks, or X's tiles with blocks^T, E4M3) and the shape.
+inline std::string fp8_block_cast_problem(const Fp8BlockCastOut& o, int rows, int cols) {
+    const Fp8Granularity g = o.granularity, gt = o.granularity_t;
+    char what[160];
+    snprintf(what, sizeof(what), "FP8 block cast of [%d, %d] (%s, %s^T, %s)", rows, cols, fp8_granularity_name(g), fp8_granularity_name(gt),
+             fp8_name(o.rule.format));
+    const std::string w = what;
+    const bool same = g == gt && (g == FP8_TILES_1x128 || g == FP8_BLOCKS_128x128), tiles_blocks_t = g == FP8_TILES_1x128 && gt == FP8_BLOCKS_128x128;
+    if (!same && !tiles_blocks_t) return w + ": the layouts must be both 1x128 tiles, both 128x128 blocks, or tiles and blocks^T";
+    if (tiles_blocks_t && o.rule.format != E4M3) return w + ": tiles with blocks^T are X's layouts (--block-dw-x blocks), E4M3 only";
+    if (rows <= 0 || cols <= 0 || rows % SCALE_BLOCK || cols % SCALE_BLOCK)
+        return w + ": both dimensions must be positive multiples of 128 (the tiles of both layouts are whole)";
+    if (rows / SCALE_BLOCK > 65535) return w + ": more than the grid's 65535 tiles of 128 rows";
+    return "";
+}
+
 // Producer p's values [rows, outs * cols] -> o's codes and scales in one launch (one read of the values).
 template <class P>
 void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int cols, cudaStream_t stream) {
-    if (o.granularity != FP8_TILES_1x128 && o.granularity != FP8_BLOCKS_128x128)
-        fail("FP8 block cast of [%d, %d]: granularity must be 1x128 tiles or 128x128 blocks, not %s", rows, cols, fp8_granularity_name(o.granularity));
-    if (rows <= 0 || cols <= 0 || rows % SCALE_BLOCK || cols % SCALE_BLOCK)
-        fail("FP8 block cast of [%d, %d]: both dimensions must be positive multiples of %d (the tiles of both layouts are whole)", rows, cols,
-             SCALE_BLOCK);
-    if (rows / SCALE_BLOCK > 65535) fail("FP8 block cast of %d rows: more than the grid's 65535 tiles of %d rows", rows, SCALE_BLOCK);
+    const std::string problem = fp8_block_cast_problem(o, rows, cols);
+    if (!problem.empty()) fail("%s", problem.c_str());
     check_cast_pointers("FP8 block cast", o.q, o.q_t);
     check_cast_pointers("FP8 block cast scales", o.q_inv_scale, o.q_t_inv_scale);
     const dim3 grid(P::outs * cols / SCALE_BLOCK, rows / SCALE_BLOCK);
-    const bool e4m3 = o.rule.format == E4M3, tiles = o.granularity == FP8_TILES_1x128;
+    const bool e4m3 = o.rule.format == E4M3, tiles = o.granularity == FP8_TILES_1x128 && o.granularity_t == FP8_TILES_1x128,
+               blocks = o.granularity == FP8_BLOCKS_128x128;
     const int m = o.rule.margin;
     const bool pw = o.rule.pow2;
+    constexpr Fp8Granularity TL = FP8_TILES_1x128, BL = FP8_BLOCKS_128x128;
     if (e4m3 && tiles)
-        block_cast_transpose_kernel<E4M3, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
+        block_cast_transpose_kernel<E4M3, TL, TL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
+    else if (e4m3 && blocks)
+        block_cast_transpose_kernel<E4M3, BL, BL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else if (e4m3)
-        block_cast_transpose_kernel<E4M3, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
+        block_cast_transpose_kernel<E4M3, TL, BL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else if (tiles)
-        block_cast_transpose_kernel<E5M2, FP8_TILES_1x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
+        block_cast_transpose_kernel<E5M2, TL, TL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else
-        block_cast_transpose_kernel<E5M2, FP8_BLOCKS_128x128><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
+        block_cast_transpose_kernel<E5M2, BL, BL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     cudaCheckLaunch();
 }
 
@@ -1114,26 +1137,27 @@ inline void fp8_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const fp
 }
 
 // Block scaling (section 3b): the same GEMMs on X8 and dY8 in 1x128 tiles along in and out (the K of Y and dX), on dY8^T
-// and X8^T in 1x128 tiles along the tokens (the K of dW), and on W8 and W8^T in 128x128 blocks; each cast's scale tensors
-// beside its codes (x, dy: where their casts went). No fast accumulation (cuBLASLt has none with block scales).
+// and X8^T in 1x128 tiles along the tokens (the K of dW; X8^T in 128x128 blocks under --block-dw-x blocks), and on W8 and
+// W8^T in 128x128 blocks; each cast's scale tensors and granularities beside its codes (x, dy: where their casts went).
+// No fast accumulation (cuBLASLt has none with block scales).
 inline void fp8_block_weight_update(Fp8Linear* lin, const bf16* w, int out, int in, const Fp8BlockRule& rule, cudaStream_t stream) {
-    fp8_block_cast_produced(Fp8BlockCastOut{lin->w8, lin->w8_scales, lin->w8_t, lin->w8_t_scales, FP8_BLOCKS_128x128, rule,
+    fp8_block_cast_produced(Fp8BlockCastOut{lin->w8, lin->w8_scales, lin->w8_t, lin->w8_t_scales, FP8_BLOCKS_128x128, FP8_BLOCKS_128x128, rule,
                                             lin->health ? &lin->health[FP8_W] : nullptr},
                             CastPlain<bf16>{w, in}, out, in, stream);
 }
 inline void fp8_block_linear_forward(MatmulContext* mm, bf16* y, const Fp8BlockCastOut& x, const Fp8Linear* lin, int N, int in, int out,
                                      cudaStream_t stream) {
     ProfileRange range(PHASE_GEMM_FWD, stream, "FP8 GEMM forward (block scaling)");
-    matmul(mm, y, DT_BF16, {x.q, DT_E4M3, false, x.q_inv_scale, FP8_TILES_1x128}, {lin->w8, DT_E4M3, false, lin->w8_scales, FP8_BLOCKS_128x128},
+    matmul(mm, y, DT_BF16, {x.q, DT_E4M3, false, x.q_inv_scale, x.granularity}, {lin->w8, DT_E4M3, false, lin->w8_scales, FP8_BLOCKS_128x128},
            N, out, in, false, false, stream);
 }
 inline void fp8_block_linear_backward(MatmulContext* mm, bf16* dx, float* dw, const Fp8BlockCastOut& dy, const Fp8BlockCastOut& x,
                                       const Fp8Linear* lin, int N, int in, int out, cudaStream_t stream, bool accumulate = true) {
     ProfileRange range(PHASE_GEMM_BWD, stream, "FP8 GEMMs backward (block scaling)");
     const DType dy_type = fp8_dtype(dy.rule.format);
-    matmul(mm, dx, DT_BF16, {dy.q, dy_type, false, dy.q_inv_scale, FP8_TILES_1x128},
+    matmul(mm, dx, DT_BF16, {dy.q, dy_type, false, dy.q_inv_scale, dy.granularity},
            {lin->w8_t, DT_E4M3, false, lin->w8_t_scales, FP8_BLOCKS_128x128}, N, in, out, false, false, stream);
-    matmul(mm, dw, DT_FP32, {dy.q_t, dy_type, false, dy.q_t_inv_scale, FP8_TILES_1x128}, {x.q_t, DT_E4M3, false, x.q_t_inv_scale, FP8_TILES_1x128},
+    matmul(mm, dw, DT_FP32, {dy.q_t, dy_type, false, dy.q_t_inv_scale, dy.granularity_t}, {x.q_t, DT_E4M3, false, x.q_t_inv_scale, x.granularity_t},
            out, in, N, accumulate, false, stream);
 }
 

@@ -1302,6 +1302,8 @@ struct Fp8Options {
                                 // false: one scale per tensor (recipe)
     bool block_scale_pow2 = false;   // --block-scale-pow2: the tiles' scales rounded down to powers of two
     Fp8Format dy_format = E5M2; // --dy-format: dY's format under block scaling (per-tensor scaling: E5M2 always)
+    Fp8Granularity block_dw_x = FP8_TILES_1x128;   // --block-dw-x: the saved X8^T, dW's operand, in 1x128 tiles along the
+                                                   // tokens or in 128x128 blocks (dW then pairs tiles with blocks, as Y and dX do)
 };
 
 // --smooth-quant, per FP8 linear of `in` input channels (section 5): s and 1/s [in], powers of two; the bits of the
@@ -1519,9 +1521,10 @@ inline Fp8BlockCastOut model_fp8_block_cast(Model* m, int param, bool dy) {
     const int i = model_linear_index(m, param);
     Fp8Health* health = f.linears[i].health ? &f.linears[i].health[dy ? FP8_DY : FP8_X] : nullptr;
     if (dy)
-        return Fp8BlockCastOut{f.dy8, f.dy8_scales, f.dy8_t, f.dy8_t_scales, FP8_TILES_1x128, {o.dy_format, o.recipe.margin, o.block_scale_pow2}, health};
-    return Fp8BlockCastOut{f.x8, f.x8_scales, f.saved_x8_t[i], f.saved_x8_t_scales[i], FP8_TILES_1x128, {E4M3, o.recipe.margin, o.block_scale_pow2},
-                           health};
+        return Fp8BlockCastOut{f.dy8, f.dy8_scales, f.dy8_t, f.dy8_t_scales, FP8_TILES_1x128, FP8_TILES_1x128,
+                               {o.dy_format, o.recipe.margin, o.block_scale_pow2}, health};
+    return Fp8BlockCastOut{f.x8, f.x8_scales, f.saved_x8_t[i], f.saved_x8_t_scales[i], FP8_TILES_1x128, o.block_dw_x,
+                           {E4M3, o.recipe.margin, o.block_scale_pow2}, health};
 }
 // cast(o) with o where FP8 linear `param`'s X (dy: its dY) goes under the model's scaling: model_fp8_block_cast's
 // Fp8BlockCastOut under block scaling, else model_fp8_cast's Fp8CastOut.
@@ -1766,8 +1769,8 @@ inline int model_ce_chunk(int N, int V) {
     return (int)std::min<long>(fit, ceil_div(ceil_div((long)N, chunks), 16L) * 16);
 }
 
-// Block scaling: the scale tensors of each FP8 linear's W8, W8^T and saved X8^T, and of the scratch casts X8, dY8 and
-// dY8^T (max_in, max_out: the widest linear's), in one zeroed allocation.
+// Block scaling: the scale tensors of each FP8 linear's W8, W8^T and saved X8^T (tiles or blocks: --block-dw-x), and of
+// the scratch casts X8, dY8 and dY8^T (max_in, max_out: the widest linear's), in one zeroed allocation.
 inline void model_fp8_block_scales_create(Model* m, int max_in, int max_out) {
     ModelFp8& f = m->fp8;
     const int N = m->B * m->T;
@@ -1781,7 +1784,7 @@ inline void model_fp8_block_scales_create(Model* m, int max_in, int max_out) {
                    round4(fp8_scale_count(FP8_TILES_1x128, max_out, N));
     for_each_fp8_linear([&](int, const TensorSpec& w) {
         total += round4(fp8_scale_count(FP8_BLOCKS_128x128, w.rows, w.cols)) + round4(fp8_scale_count(FP8_BLOCKS_128x128, w.cols, w.rows)) +
-                 round4(fp8_scale_count(FP8_TILES_1x128, w.cols, N));
+                 round4(fp8_scale_count(m->fp8_options.block_dw_x, w.cols, N));
     });
     cudaCheck(cudaMalloc(&f.block_scales, total * sizeof(float)));
     cudaCheck(cudaMemset(f.block_scales, 0, total * sizeof(float)));
@@ -1794,7 +1797,7 @@ inline void model_fp8_block_scales_create(Model* m, int max_in, int max_out) {
     for_each_fp8_linear([&](int i, const TensorSpec& w) {
         f.linears[i].w8_scales = take(fp8_scale_count(FP8_BLOCKS_128x128, w.rows, w.cols));
         f.linears[i].w8_t_scales = take(fp8_scale_count(FP8_BLOCKS_128x128, w.cols, w.rows));
-        f.saved_x8_t_scales[i] = take(fp8_scale_count(FP8_TILES_1x128, w.cols, N));
+        f.saved_x8_t_scales[i] = take(fp8_scale_count(m->fp8_options.block_dw_x, w.cols, N));
     });
 }
 
@@ -1959,6 +1962,8 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
     }
     if (fp8.dy_format != E5M2 && !fp8.block_scaling)
         fail("model_create: dY in %s needs block scaling (one scale per tensor casts dY to E5M2)", fp8_name(fp8.dy_format));
+    if (fp8.block_dw_x != FP8_TILES_1x128 && (!fp8.block_scaling || fp8.block_dw_x != FP8_BLOCKS_128x128))
+        fail("model_create: dW's X^T in %s needs block scaling, and is 1x128 tiles or 128x128 blocks", fp8_granularity_name(fp8.block_dw_x));
     if (fp8.attention && (!BUILD_FP8 || !attention_hopper_available))
         fail("model_create: FP8 attention (--fp8-attention) needs the FP8 build for GPU_ARCH=sm_90a (this one: %s%s)",
              BUILD_FP8 ? "FP8" : "PRECISION=BF16", attention_hopper_available ? ", sm_90a" : ", not sm_90a");
@@ -2027,7 +2032,8 @@ inline void model_create(Model* m, const ModelConfig& c, int B, int T, const Fp8
                "scratch %.1f MiB\n", fp8_layers, c.n_layers, !fp8.enabled ? "--bf16-linears" : fp8.all_layers ? "all layers" : "first and last in BF16",
                fp8.attention ? "FP8 too" : "BF16", m->fp8.weight_bytes / MiB, m->fp8.saved_bytes / MiB, m->fp8.scratch_bytes / MiB);
         if (fp8.block_scaling)
-            printf("model FP8 scales: one per 1x128 tile of X and dY (dY %s), per 128x128 block of W, %s\n", fp8_name(fp8.dy_format),
+            printf("model FP8 scales: one per 1x128 tile of X and dY (dY %s), per 128x128 block of W, per %s of dW's X^T, %s\n",
+                   fp8_name(fp8.dy_format), fp8.block_dw_x == FP8_BLOCKS_128x128 ? "128x128 block" : "1x128 tile",
                    fp8.block_scale_pow2 ? "powers of two" : "fmax / amax in FP32");
         printf("model activations kept for backward: %.1f MiB in this FP8 build, %.1f MiB in the BF16 build\n",
                (bytes + m->fp8.saved_bytes) / MiB, bf16_build / MiB);

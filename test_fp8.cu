@@ -2122,7 +2122,7 @@ struct BlockCastGot {
     std::vector<float> s, st;
 };
 static size_t compare_block_cast(const char* what, const BlockCastGot& got, const RefBlockOperand& want, const RefBlockOperand& want_t,
-                                 int rows, int cols, Fp8Granularity g) {
+                                 int rows, int cols, Fp8Granularity g, Fp8Granularity gt) {
     auto count = [&](const char* name, auto& a, auto& ref, int width) {
         size_t bad = 0;
         for (size_t i = 0; i < a.size(); i++) {
@@ -2136,40 +2136,74 @@ static size_t compare_block_cast(const char* what, const BlockCastGot& got, cons
     };
     const size_t n = (size_t)rows * cols, bad = count("q", got.q, want.codes, cols), bad_t = count("q_t", got.qt, want_t.codes, rows);
     const size_t bad_s = count("scales", got.s, want.inv_scale, g == FP8_TILES_1x128 ? rows : block_scale_ld(cols)),
-                 bad_st = count("scales_t", got.st, want_t.inv_scale, g == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
+                 bad_st = count("scales_t", got.st, want_t.inv_scale, gt == FP8_TILES_1x128 ? cols : block_scale_ld(rows));
     expect(bad + bad_t + bad_s + bad_st == 0, "%s: codes %zu + %zu (of %zu each), scales %zu + %zu differ", what, bad, bad_t, n, bad_s, bad_st);
     return bad + bad_t + bad_s + bad_st;
 }
 
+// The layouts of a block cast's two outputs (q's granularity, q_t's): both tiles, both blocks, or X's under --block-dw-x
+// blocks (tiles, blocks^T; E4M3 only).
+const Fp8Granularity BLOCK_CAST_LAYOUTS[][2] = {{FP8_TILES_1x128, FP8_TILES_1x128}, {FP8_BLOCKS_128x128, FP8_BLOCKS_128x128},
+                                                {FP8_TILES_1x128, FP8_BLOCKS_128x128}};
+static bool block_cast_layout_allowed(Fp8Granularity g, Fp8Granularity gt, Fp8Format f) { return g == gt || f == E4M3; }
+
 // The GPU cast (fp8_block_cast_produced) against the reference: codes and scale tensors of both layouts, bit for bit
 // (the outputs poisoned first: an unwritten code or scale, or a written padding, shows).
 template <class T>
-static void check_block_cast(int rows, int cols, Fp8Granularity g, const Fp8BlockRule& rule) {
+static void check_block_cast(int rows, int cols, Fp8Granularity g, Fp8Granularity gt, const Fp8BlockRule& rule) {
     std::vector<T> x;
     for (float v : block_test_values(rows, cols, 12, true)) x.push_back((T)v);
     DeviceBuffer<T> dx(x);
     const size_t n = (size_t)rows * cols;
     DeviceBuffer<fp8> dq(n), dqt(n);
-    DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(g, cols, rows));
+    DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(gt, cols, rows));
     dq.poison();
     dqt.poison();
     ds.poison();
     dst.poison();
-    fp8_block_cast_produced(Fp8BlockCastOut{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule}, CastPlain<T>{dx.ptr, cols}, rows, cols, 0);
-    const RefBlockOperand want = ref_block_quantize(x, rows, cols, false, g, rule), want_t = ref_block_quantize(x, rows, cols, true, g, rule);
-    char what[160];
-    snprintf(what, sizeof(what), "%s %s [%d,%d] %s margin %d%s", sizeof(T) == 4 ? "float" : "bf16", fp8_granularity_name(g), rows, cols,
-             fp8_name(rule.format), rule.margin, rule.pow2 ? " pow2" : "");
-    compare_block_cast(what, BlockCastGot{dq.download(), dqt.download(), ds.download(), dst.download()}, want, want_t, rows, cols, g);
+    fp8_block_cast_produced(Fp8BlockCastOut{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, gt, rule}, CastPlain<T>{dx.ptr, cols}, rows, cols, 0);
+    const RefBlockOperand want = ref_block_quantize(x, rows, cols, false, g, rule), want_t = ref_block_quantize(x, rows, cols, true, gt, rule);
+    char what[192];
+    snprintf(what, sizeof(what), "%s %s, %s^T [%d,%d] %s margin %d%s", sizeof(T) == 4 ? "float" : "bf16", fp8_granularity_name(g),
+             fp8_granularity_name(gt), rows, cols, fp8_name(rule.format), rule.margin, rule.pow2 ? " pow2" : "");
+    compare_block_cast(what, BlockCastGot{dq.download(), dqt.download(), ds.download(), dst.download()}, want, want_t, rows, cols, g, gt);
 }
 
 GPU_TEST(fp8_block_cast_bitexact) {
     const int shapes[][2] = {{128, 128}, {256, 384}, {384, 256}, {1024, 640}};
     const Fp8BlockRule rules[] = {{E4M3, 0, false}, {E4M3, 1, true}, {E5M2, 0, false}, {E5M2, 2, true}, {E4M3, 0, true}, {E5M2, 1, false}};
     for (auto& sh : shapes)
-        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
-            for (const Fp8BlockRule& rule : rules) check_block_cast<bf16>(sh[0], sh[1], g, rule);
-    for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128}) check_block_cast<float>(256, 384, g, Fp8BlockRule{E4M3, 0, false});
+        for (auto& l : BLOCK_CAST_LAYOUTS)
+            for (const Fp8BlockRule& rule : rules)
+                if (block_cast_layout_allowed(l[0], l[1], rule.format)) check_block_cast<bf16>(sh[0], sh[1], l[0], l[1], rule);
+    for (auto& l : BLOCK_CAST_LAYOUTS) check_block_cast<float>(256, 384, l[0], l[1], Fp8BlockRule{E4M3, 0, false});
+}
+
+// The block cast's rules (fp8_block_cast_problem, checked before a launch): the layouts that have a kernel, E4M3 for X's
+// tiles with blocks^T, whole tiles; each refusal names the shape and the layouts.
+HOST_TEST(fp8_block_cast_rules) {
+    auto problem = [](Fp8Granularity g, Fp8Granularity gt, Fp8Format f, int rows, int cols) {
+        return fp8_block_cast_problem(Fp8BlockCastOut{nullptr, nullptr, nullptr, nullptr, g, gt, {f}}, rows, cols);
+    };
+    const Fp8Granularity TL = FP8_TILES_1x128, BL = FP8_BLOCKS_128x128;
+    for (auto& l : BLOCK_CAST_LAYOUTS)
+        for (Fp8Format f : {E4M3, E5M2})
+            expect(problem(l[0], l[1], f, 256, 384).empty() == block_cast_layout_allowed(l[0], l[1], f), "%s, %s^T in %s: %s",
+                   fp8_granularity_name(l[0]), fp8_granularity_name(l[1]), fp8_name(f), problem(l[0], l[1], f, 256, 384).c_str());
+    struct Case { std::string err; std::vector<const char*> pieces; };
+    const Case cases[] = {
+        {problem(BL, TL, E4M3, 256, 384), {"[256, 384]", "128x128 blocks, 1x128 tiles^T", "tiles and blocks^T"}},
+        {problem(TL, FP8_PER_TENSOR, E4M3, 256, 384), {"per-tensor^T", "both 1x128 tiles"}},
+        {problem(TL, BL, E5M2, 256, 384), {"E5M2", "E4M3 only"}},
+        {problem(TL, TL, E4M3, 256, 320), {"[256, 320]", "multiples of 128"}},
+        {problem(BL, BL, E5M2, 0, 128), {"[0, 128]", "positive multiples of 128"}},
+        {problem(TL, TL, E4M3, 128 * 65536, 128), {"65535 tiles"}},
+    };
+    for (const Case& k : cases) {
+        bool ok = !k.err.empty();
+        for (const char* p : k.pieces) ok = ok && k.err.find(p) != std::string::npos;
+        expect(ok, "want an error naming %s, got '%s'", k.pieces[0], k.err.c_str());
+    }
 }
 
 // --fp8-stats under block scaling: the reference counts on the inputs the GPU test below casts. Tiles 2^+-24 apart in
@@ -2198,8 +2232,8 @@ HOST_TEST(fp8_block_reference_counts_health) {
 // Where a block cast's flushed count and its codes part: the GPU codes' own count (non-zero x, code +-0) over both layouts,
 // and the first elements whose status by the GPU's code differs from the reference's, with x, the scale, x * scale and both
 // codes. When the GPU's codes flush exactly what the reference's do, the kernel counted something other than what it wrote.
-static void explain_flushed(const char* what, const std::vector<bf16>& x, int rows, int cols, Fp8Granularity g, const BlockCastGot& got,
-                            const RefBlockOperand& op, const RefBlockOperand& op_t, unsigned long long counted) {
+static void explain_flushed(const char* what, const std::vector<bf16>& x, int rows, int cols, Fp8Granularity g, Fp8Granularity gt,
+                            const BlockCastGot& got, const RefBlockOperand& op, const RefBlockOperand& op_t, unsigned long long counted) {
     unsigned long long by_codes = 0;
     int shown = 0;
     for (int t = 0; t < 2; t++) {
@@ -2213,7 +2247,7 @@ static void explain_flushed(const char* what, const std::vector<bf16>& x, int ro
                 const bool gpu = xv != 0.0f && (q[i] & 0x7F) == 0, host = xv != 0.0f && (ref.codes[i] & 0x7F) == 0;
                 by_codes += gpu;
                 if (gpu != host && shown++ < 5) {
-                    const float sc = ref.scale[ref_block_scale_index(g, op_rows, op_k, r, k)];
+                    const float sc = ref.scale[ref_block_scale_index(t ? gt : g, op_rows, op_k, r, k)];
                     printf("    %s %s (%d, %d): x %a, scale %a, x * scale %a, GPU code 0x%02x, host code 0x%02x\n", what, t ? "q_t" : "q", r, k,
                            xv, sc, xv * sc, q[i], ref.codes[i]);
                 }
@@ -2232,32 +2266,34 @@ GPU_TEST(fp8_block_cast_counts_health) {
     for (bool specials : {false, true}) {
         const std::vector<bf16> x = to_bf16(block_test_values(rows, cols, 12, specials));
         DeviceBuffer<bf16> dx(x);
-        for (Fp8Granularity g : {FP8_TILES_1x128, FP8_BLOCKS_128x128})
+        for (auto& l : BLOCK_CAST_LAYOUTS)
             for (const Fp8BlockRule& rule : rules) {
-                char what[96];
-                snprintf(what, sizeof(what), "%s %s%s%s", fp8_name(rule.format), fp8_granularity_name(g), rule.pow2 ? " pow2" : "",
-                         specials ? ", specials" : "");
+                const Fp8Granularity g = l[0], gt = l[1];
+                if (!block_cast_layout_allowed(g, gt, rule.format)) continue;
+                char what[128];
+                snprintf(what, sizeof(what), "%s %s, %s^T%s%s", fp8_name(rule.format), fp8_granularity_name(g), fp8_granularity_name(gt),
+                         rule.pow2 ? " pow2" : "", specials ? ", specials" : "");
                 DeviceBuffer<fp8> dq(x.size()), dqt(x.size());
-                DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(g, cols, rows));
+                DeviceBuffer<float> ds(fp8_scale_count(g, rows, cols)), dst(fp8_scale_count(gt, cols, rows));
                 dq.poison();
                 dqt.poison();
                 ds.poison();
                 dst.poison();
                 DeviceBuffer<Fp8Health> h(std::vector<Fp8Health>{Fp8Health{0, 0, 0, 0}});
-                const Fp8BlockCastOut o{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, rule, h.ptr};
+                const Fp8BlockCastOut o{dq.ptr, ds.ptr, dqt.ptr, dst.ptr, g, gt, rule, h.ptr};
                 fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
                 const Fp8Health once = h.download()[0];
                 const BlockCastGot got{dq.download(), dqt.download(), ds.download(), dst.download()};
                 fp8_block_cast_produced(o, CastPlain<bf16>{dx.ptr, cols}, rows, cols, 0);
                 const Fp8Health twice = h.download()[0];
-                const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, rule), op_t = ref_block_quantize(x, rows, cols, true, g, rule);
-                compare_block_cast(what, got, op, op_t, rows, cols, g);
+                const RefBlockOperand op = ref_block_quantize(x, rows, cols, false, g, rule), op_t = ref_block_quantize(x, rows, cols, true, gt, rule);
+                compare_block_cast(what, got, op, op_t, rows, cols, g, gt);
                 const unsigned long long sat = op.saturated + op_t.saturated, flushed = op.flushed + op_t.flushed, total = 2ull * rows * cols;
                 const float amax = host_amax(x);
                 expect(once.saturated == sat && once.flushed == flushed && once.total == total && same_bits(float_from_bits(once.amax), amax),
                        "%s: saturated %llu (host %llu), flushed %llu (host %llu), total %llu (%llu), amax %g (%g)", what, once.saturated, sat,
                        once.flushed, flushed, once.total, total, float_from_bits(once.amax), amax);
-                if (once.flushed != flushed) explain_flushed(what, x, rows, cols, g, got, op, op_t, once.flushed);
+                if (once.flushed != flushed) explain_flushed(what, x, rows, cols, g, gt, got, op, op_t, once.flushed);
                 expect(twice.saturated == 2 * once.saturated && twice.flushed == 2 * once.flushed && twice.total == 2 * once.total &&
                            twice.amax == once.amax,
                        "%s: cast twice into one counter, the counts do not add (saturated %llu, flushed %llu, total %llu, amax %g after %llu, "
@@ -5146,7 +5182,7 @@ GPU_TEST(fp8_linear_vs_host) {
 }
 
 // Block scaling (fp8_kernels.cuh 3b, 5): the FP8 linear's forward and backward with their casts (X and dY in 1x128 tiles along
-// in and out, W in 128x128 blocks, dW's operands dY^T and X^T tiled along the tokens) against float64 GEMMs of the reference
+// in and out, W in 128x128 blocks, dW's operands dY^T and X^T tiled along the tokens, or X^T in 128x128 blocks: --block-dw-x) against float64 GEMMs of the reference
 // casts' values (ref_block_quantize), and against the exact layer. Tolerances: the GEMMs' (matmul_block_scaled_vs_float64):
 // BF16 outputs rel_l2 3e-3, max_rel BF16_ROUNDING_MAX_TOL; the FP32 dW BLOCK_GEMM_FP32_TOL_*. Against the exact layer, the per-tensor
 // bounds of fp8_linear_vs_host (22.8 dB for Y, 18.9 dB for dX and dW): each tile uses the format's whole range, so no
@@ -5154,8 +5190,10 @@ GPU_TEST(fp8_linear_vs_host) {
 GPU_TEST(fp8_block_linear_vs_host) {
     MatmulContext mm;
     matmul_context_create(&mm);
-    struct Case { int N, in, out; Fp8Format dy_format; bool pow2; };
-    for (const Case& k : {Case{256, 128, 384, E5M2, false}, Case{512, 768, 256, E4M3, true}, Case{256, 256, 128, E4M3, false}}) {
+    struct Case { int N, in, out; Fp8Format dy_format; bool pow2; Fp8Granularity x_t; };
+    const Fp8Granularity TL = FP8_TILES_1x128, BL = FP8_BLOCKS_128x128;
+    for (const Case& k : {Case{256, 128, 384, E5M2, false, TL}, Case{512, 768, 256, E4M3, true, TL}, Case{256, 256, 128, E4M3, false, TL},
+                          Case{384, 256, 384, E5M2, false, BL}, Case{512, 384, 256, E4M3, true, BL}}) {
         const int N = k.N, in = k.in, out = k.out;
         const Fp8BlockRule rule_x{E4M3, 0, k.pow2}, rule_dy{k.dy_format, 0, k.pow2};
         std::vector<bf16> x = to_bf16(block_test_values(N, in, 4, false)), w = to_bf16(random_normal((size_t)out * in, 0.02f));
@@ -5167,7 +5205,7 @@ GPU_TEST(fp8_block_linear_vs_host) {
             dy8t((size_t)N * out);
         auto zeros = [](size_t n) { return std::vector<float>(n, 0.0f); };
         DeviceBuffer<float> ws(zeros(fp8_scale_count(FP8_BLOCKS_128x128, out, in))), wts(zeros(fp8_scale_count(FP8_BLOCKS_128x128, in, out))),
-            xs(zeros(fp8_scale_count(FP8_TILES_1x128, N, in))), xts(zeros(fp8_scale_count(FP8_TILES_1x128, in, N))),
+            xs(zeros(fp8_scale_count(FP8_TILES_1x128, N, in))), xts(zeros(fp8_scale_count(k.x_t, in, N))),
             dys(zeros(fp8_scale_count(FP8_TILES_1x128, N, out))), dyts(zeros(fp8_scale_count(FP8_TILES_1x128, out, N)));
         Fp8Linear lin{w8.ptr, w8t.ptr, nullptr, nullptr};
         lin.w8_scales = ws.ptr;
@@ -5175,8 +5213,8 @@ GPU_TEST(fp8_block_linear_vs_host) {
         y_out.poison();
         ddx.poison();
         fp8_block_weight_update(&lin, dw_in.ptr, out, in, rule_x, 0);
-        const Fp8BlockCastOut xo{x8.ptr, xs.ptr, x8t.ptr, xts.ptr, FP8_TILES_1x128, rule_x};
-        const Fp8BlockCastOut dyo{dy8.ptr, dys.ptr, dy8t.ptr, dyts.ptr, FP8_TILES_1x128, rule_dy};
+        const Fp8BlockCastOut xo{x8.ptr, xs.ptr, x8t.ptr, xts.ptr, FP8_TILES_1x128, k.x_t, rule_x};
+        const Fp8BlockCastOut dyo{dy8.ptr, dys.ptr, dy8t.ptr, dyts.ptr, FP8_TILES_1x128, FP8_TILES_1x128, rule_dy};
         fp8_block_cast_produced(xo, CastPlain<bf16>{dx_in.ptr, in}, N, in, 0);
         fp8_block_linear_forward(&mm, y_out.ptr, xo, &lin, N, in, out, 0);
         fp8_block_cast_produced(dyo, CastPlain<bf16>{ddy.ptr, out}, N, out, 0);
@@ -5184,7 +5222,7 @@ GPU_TEST(fp8_block_linear_vs_host) {
 
         // host: the reference casts of both layouts, then float64 GEMMs; and the exact layer
         const RefBlockOperand xq = ref_block_quantize(x, N, in, false, FP8_TILES_1x128, rule_x),
-                              xtq = ref_block_quantize(x, N, in, true, FP8_TILES_1x128, rule_x),
+                              xtq = ref_block_quantize(x, N, in, true, k.x_t, rule_x),
                               wq = ref_block_quantize(w, out, in, false, FP8_BLOCKS_128x128, rule_x),
                               wtq = ref_block_quantize(w, out, in, true, FP8_BLOCKS_128x128, rule_x),
                               dyq = ref_block_quantize(dy, N, out, false, FP8_TILES_1x128, rule_dy),
@@ -5198,7 +5236,8 @@ GPU_TEST(fp8_block_linear_vs_host) {
         std::vector<double> dw_q(dw_q_only);
         for (size_t i = 0; i < dw_q.size(); i++) dw_q[i] += dw0[i];
 
-        printf("    N=%d in=%d out=%d, dY %s%s\n", N, in, out, fp8_name(k.dy_format), k.pow2 ? ", power-of-two scales" : "");
+        printf("    N=%d in=%d out=%d, dY %s%s, dW's X^T in %s\n", N, in, out, fp8_name(k.dy_format), k.pow2 ? ", power-of-two scales" : "",
+               fp8_granularity_name(k.x_t));
         const std::vector<bf16> y = y_out.download(), gdx = ddx.download();
         const std::vector<float> gdw = ddw.download();
         expect_close("Y vs dequantized operands", y.data(), y_q.data(), y_q.size(), 3e-3, BF16_ROUNDING_MAX_TOL);
@@ -5908,6 +5947,9 @@ GPU_TEST(fp8_model_fused_block_casts_match_unfused) {
     check_fused_model(2, block, "all layers FP8, block scaling, E4M3 dY, power-of-two scales", 64);
     block.all_layers = false;
     check_fused_model(4, block, "block scaling, the recipe (first and last layers BF16)", 64);
+    block.all_layers = true;
+    block.block_dw_x = FP8_BLOCKS_128x128;
+    check_fused_model(2, block, "all layers FP8, block scaling, dW's X^T in 128x128 blocks", 64);
 }
 
 GPU_TEST(fp8_model_vs_reference) {
@@ -5944,6 +5986,7 @@ GPU_TEST(fp8_model_block_scaling_vs_reference) {
     Fp8Options block;
     block.all_layers = true;
     block.block_scaling = true;
+    test_rng().seed(TEST_SEED);   // the same norm weights and tokens as the X^T-blocks run below
     const std::vector<float> e5m2 = check_fp8_block_model(2, block, "all layers FP8, block scaling, E5M2 dY", 64);
     block.dy_format = E4M3;
     const std::vector<float> e4m3 = check_fp8_block_model(2, block, "all layers FP8, block scaling, E4M3 dY", 64);
@@ -5952,6 +5995,29 @@ GPU_TEST(fp8_model_block_scaling_vs_reference) {
     check_fp8_block_model(2, block, "all layers FP8, block scaling, E4M3 dY, power-of-two scales", 64);
     block.all_layers = false;
     check_fp8_block_model(4, block, "block scaling, the recipe: first and last layers BF16", 64);
+    // dW's X^T in 128x128 blocks changes the FP8 linears' weight gradients and nothing else: the forward and every dX run the
+    // same GEMMs on the same codes, so every other gradient keeps its bits (against the first run's: E5M2 dY, tiles)
+    block = Fp8Options();
+    block.all_layers = true;
+    block.block_scaling = true;
+    block.block_dw_x = FP8_BLOCKS_128x128;
+    test_rng().seed(TEST_SEED);
+    const std::vector<float> x_t_blocks = check_fp8_block_model(2, block, "all layers FP8, block scaling, dW's X^T in 128x128 blocks", 64);
+    ModelConfig c = model_config_preset("tiny", 256);
+    c.n_layers = 2;
+    int linears_moved = 0, linears = 0, others_moved = 0;
+    const std::vector<TensorSpec> specs = model_param_specs(c);
+    for (size_t i = 0; i < specs.size(); i++) {
+        const LayerParam kind = param_place(c, (int)i).kind;
+        const bool linear = kind == WQKV || kind == WO || kind == W_GATE_UP || kind == W_DOWN;
+        const bool same = memcmp(e5m2.data() + specs[i].offset, x_t_blocks.data() + specs[i].offset, specs[i].numel * sizeof(float)) == 0;
+        linears += linear;
+        linears_moved += linear && !same;
+        others_moved += !linear && !same;
+        if (linear == same) printf("    %s: %s\n", specs[i].name.c_str(), same ? "the same bits as under tiles" : "moved");
+    }
+    expect(linears_moved == linears && others_moved == 0, "dW's X^T in blocks: %d of %d linears' gradients moved (want all), %d others (want 0)",
+           linears_moved, linears, others_moved);
 }
 
 // --smooth-quant's arithmetic: s against float64 (2^round(alpha log2 amax_X - (1 - alpha) log2 amax_W), the guards),
@@ -6528,9 +6594,10 @@ HOST_TEST(recipe_defaults_are_the_readmes_numbers) {
            f.attention, f.smooth_quant);
     expect(fp8_tensor_format(FP8_X) == E4M3 && fp8_tensor_format(FP8_W) == E4M3 && fp8_tensor_format(FP8_DY) == E5M2,
            "formats: X, W E4M3 and dY E5M2");
-    expect(o.scaling == "tensor" && !f.block_scaling && !f.block_scale_pow2 && f.dy_format == E5M2,
-           "scale granularity %s (block %d, pow2 %d), dY %s: want tensor, E5M2", o.scaling.c_str(), f.block_scaling, f.block_scale_pow2,
-           fp8_name(f.dy_format));
+    expect(o.scaling == "tensor" && !f.block_scaling && !f.block_scale_pow2 && f.dy_format == E5M2 && o.block_dw_x == "tiles" &&
+               f.block_dw_x == FP8_TILES_1x128,
+           "scale granularity %s (block %d, pow2 %d), dY %s, dW's X^T %s: want tensor, E5M2, 1x128 tiles", o.scaling.c_str(), f.block_scaling,
+           f.block_scale_pow2, fp8_name(f.dy_format), fp8_granularity_name(f.block_dw_x));
     expect(o.fp8_stats == (BUILD_FP8 ? 50 : 0) && o.fp8_warn_saturated == 1e-3 && o.fp8_warn_flushed == 5e-2 && o.fp8_warn_after == 3,
            "the doctor: every %d steps, saturated %g, flushed %g, %d in a row: want 50, 1e-3, 5e-2, 3", o.fp8_stats,
            o.fp8_warn_saturated, o.fp8_warn_flushed, o.fp8_warn_after);
@@ -6574,6 +6641,7 @@ static std::vector<std::string> config_fields_changed(const TrainOptions& o) {
     check("fp8.block_scaling", f.block_scaling != fd.block_scaling);
     check("fp8.block_scale_pow2", f.block_scale_pow2 != fd.block_scale_pow2);
     check("fp8.dy_format", f.dy_format != fd.dy_format);
+    check("fp8.block_dw_x", f.block_dw_x != fd.block_dw_x);
     check("model.dim", c.dim != cd.dim);
     check("model.n_layers", c.n_layers != cd.n_layers);
     check("model.n_heads", c.n_heads != cd.n_heads);
@@ -6612,6 +6680,7 @@ HOST_TEST(train_flags_set_their_own_fields) {
             {{"--scaling", "block"}, {"fp8.block_scaling"}},
             {{"--scaling", "block", "--block-scale-pow2"}, {"fp8.block_scaling", "fp8.block_scale_pow2"}},
             {{"--scaling", "block", "--dy-format", "e4m3"}, {"fp8.block_scaling", "fp8.dy_format"}},
+            {{"--scaling", "block", "--block-dw-x", "blocks"}, {"fp8.block_scaling", "fp8.block_dw_x"}},
             {{"--bf16-linears"}, {"fp8.enabled"}},
         });
     if (BUILD_FP8 && attention_hopper_available) cases.push_back({{"--fp8-attention"}, {"fp8.attention"}});
@@ -6764,15 +6833,17 @@ HOST_TEST(train_parse_rejects_bad_values) {
     expect_parse_refusals(cases);
 }
 
-// --scaling block, --block-scale-pow2 and --dy-format: their values, the flags they exclude, the shapes they need, each refusal
-// naming the flags; accepted, with the doctor on (its default --fp8-stats 50, or one given: the block casts count).
+// --scaling block, --block-scale-pow2, --dy-format and --block-dw-x: their values, the flags they exclude, the shapes they need,
+// each refusal naming the flags; accepted, with the doctor on (its default --fp8-stats 50, or one given: the block casts count).
 HOST_TEST(train_block_scaling_flags) {
     std::vector<ParseRefusal> cases = {{{"--scaling", "tiles"}, {"--scaling tiles", "tensor or block"}},
-                               {{"--dy-format", "e3m4"}, {"--dy-format e3m4", "e5m2 or e4m3"}}};
+                               {{"--dy-format", "e3m4"}, {"--dy-format e3m4", "e5m2 or e4m3"}},
+                               {{"--block-dw-x", "tile"}, {"--block-dw-x tile", "tiles or blocks"}}};
     if constexpr (BUILD_FP8)
         cases.insert(cases.end(), {
             {{"--block-scale-pow2"}, {"--block-scale-pow2", "--scaling block"}},
             {{"--dy-format", "e4m3"}, {"--dy-format e4m3", "--scaling block"}},
+            {{"--block-dw-x", "blocks"}, {"--block-dw-x blocks", "--scaling block"}},
             {{"--scaling", "block", "--amax-history", "16"}, {"--scaling block", "--amax-history", "own amax"}},
             {{"--scaling", "block", "--quant-interval", "4"}, {"--scaling block", "--quant-interval"}},
             {{"--scaling", "block", "--smooth-quant", "0.5"}, {"--scaling block", "--smooth-quant"}},
@@ -6788,12 +6859,13 @@ HOST_TEST(train_block_scaling_flags) {
         });
     else
         cases.insert(cases.end(), {{{"--scaling", "block"}, {"--scaling", "PRECISION=BF16"}},
-                                   {{"--dy-format", "e4m3"}, {"--dy-format", "PRECISION=BF16"}}});
+                                   {{"--dy-format", "e4m3"}, {"--dy-format", "PRECISION=BF16"}},
+                                   {{"--block-dw-x", "blocks"}, {"--block-dw-x", "PRECISION=BF16"}}});
     expect_parse_refusals(cases);
     if constexpr (BUILD_FP8) {
         TrainOptions o;
         std::string err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--block-scale-pow2",
-                                      "--dy-format", "e4m3", "--fp8-fast-accum", "0"}, &o);
+                                      "--dy-format", "e4m3", "--block-dw-x", "blocks", "--fp8-fast-accum", "0"}, &o);
         expect(err.empty() && o.fp8_stats == 50, "the tiny model under block scaling: refused (%s), or --fp8-stats %d, not 50", err.c_str(), o.fp8_stats);
         err = parse_list({"--scaling", "block", "--model", "tiny", "--batch", "2", "--seq", "64", "--fp8-stats", "10"}, &o);
         expect(err.empty() && o.fp8_stats == 10, "block scaling with --fp8-stats 10: refused (%s), or --fp8-stats %d", err.c_str(), o.fp8_stats);
@@ -6856,19 +6928,22 @@ HOST_TEST(train_checkpoint_header) {
     expect(parse_list({"--model", "tiny", "--batch", "4", "--seq", "32", "--adam-atan2"}, &update_rule).empty(), "--adam-atan2");
     u = checkpoint_header_for(c, update_rule);
     expect(u.update_clip == 0 && u.adam_atan2 == 1, "--adam-atan2: header update_clip %d, adam_atan2 %d", u.update_clip, u.adam_atan2);
-    expect(want.block_scaling == 0 && want.block_scale_pow2 == 0 && want.dy_e4m3 == 0, "the default scaling's header: block %d, pow2 %d, dY E4M3 %d",
-           want.block_scaling, want.block_scale_pow2, want.dy_e4m3);
+    expect(want.block_scaling == 0 && want.block_scale_pow2 == 0 && want.dy_e4m3 == 0 && want.block_dw_x_blocks == 0,
+           "the default scaling's header: block %d, pow2 %d, dY E4M3 %d, dW's X^T blocks %d", want.block_scaling, want.block_scale_pow2,
+           want.dy_e4m3, want.block_dw_x_blocks);
     if constexpr (BUILD_FP8) {   // the block-scaling flags reach the header, each its own field
-        struct BlockCase { const char* flag; int block, pow2, e4m3; };
-        for (const BlockCase& k : {BlockCase{nullptr, 1, 0, 0}, BlockCase{"--block-scale-pow2", 1, 1, 0}, BlockCase{"--dy-format", 1, 0, 1}}) {
+        struct BlockCase { const char* flag; const char* value; int block, pow2, e4m3, dw_x_blocks; };
+        for (const BlockCase& k : {BlockCase{nullptr, nullptr, 1, 0, 0, 0}, BlockCase{"--block-scale-pow2", nullptr, 1, 1, 0, 0},
+                                   BlockCase{"--dy-format", "e4m3", 1, 0, 1, 0}, BlockCase{"--block-dw-x", "blocks", 1, 0, 0, 1}}) {
             TrainOptions bo;
             std::vector<std::string> args = {"--model", "tiny", "--batch", "4", "--seq", "32", "--scaling", "block"};
             if (k.flag) args.push_back(k.flag);
-            if (k.e4m3) args.push_back("e4m3");
+            if (k.value) args.push_back(k.value);
             expect(parse_list(args, &bo).empty(), "--scaling block %s", k.flag ? k.flag : "");
             u = checkpoint_header_for(c, bo);
-            expect(u.block_scaling == k.block && u.block_scale_pow2 == k.pow2 && u.dy_e4m3 == k.e4m3,
-                   "--scaling block %s: header block %d, pow2 %d, dY E4M3 %d", k.flag ? k.flag : "", u.block_scaling, u.block_scale_pow2, u.dy_e4m3);
+            expect(u.block_scaling == k.block && u.block_scale_pow2 == k.pow2 && u.dy_e4m3 == k.e4m3 && u.block_dw_x_blocks == k.dw_x_blocks,
+                   "--scaling block %s: header block %d, pow2 %d, dY E4M3 %d, dW's X^T blocks %d", k.flag ? k.flag : "", u.block_scaling,
+                   u.block_scale_pow2, u.dy_e4m3, u.block_dw_x_blocks);
         }
         TrainOptions lo;
         expect(parse_list({"--model", "tiny", "--batch", "4", "--seq", "32", "--bf16-linears"}, &lo).empty(), "--bf16-linears");
@@ -6915,6 +6990,7 @@ HOST_TEST(train_checkpoint_header) {
         {"block scaling", [](CheckpointHeader* x) { x->block_scaling = 1; }, {"--scaling block", "= 1"}},
         {"pow2 blocks", [](CheckpointHeader* x) { x->block_scale_pow2 = 1; }, {"--block-scale-pow2", "= 1"}},
         {"dY format", [](CheckpointHeader* x) { x->dy_e4m3 = 1; }, {"--dy-format e4m3", "= 1"}},
+        {"dW's X^T blocks", [](CheckpointHeader* x) { x->block_dw_x_blocks = 1; }, {"--block-dw-x blocks", "= 1"}},
         {"BF16 linears", [](CheckpointHeader* x) { x->bf16_linears = 1; }, {"--bf16-linears", "= 1"}},
     };
     for (const Case& k : cases) {
@@ -11435,8 +11511,8 @@ static void bench_attention() {
 
 // ./test_fp8 --bench [gemm] [cast] [model] [tp] [optimizer] [attention] [block]: all the tables, or the ones named.
 // ---- Block scaling against per-tensor scaling (--bench block), in one run: the GEMMs of the 1B shapes at 16384 tokens with
-// each scaling's operands (block: X and dY in 1x128 tiles, W in 128x128 blocks, dW's operands tiled along the tokens; no
-// fast accumulation), and the casts they need: per-tensor current scaling's (amax pass + cast+transpose, or the producer
+// each scaling's operands (block: X and dY in 1x128 tiles, W in 128x128 blocks, dW's operands tiled along the tokens, and
+// dW again with X^T in 128x128 blocks as --block-dw-x blocks has it; no fast accumulation), and the casts they need: per-tensor current scaling's (amax pass + cast+transpose, or the producer
 // gathering the amax) against block scaling's one pass, plain and fused into their producers. The recipe's per-tensor
 // GEMMs use fast accumulation forward and split backward: "block / recipe" compares with those.
 static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
@@ -11451,6 +11527,9 @@ static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
         {"1b gate_up fwd", tokens, 2 * F, D, false, TL, BL}, {"1b gate_up dX", tokens, D, 2 * F, true, TL, BL},
         {"1b gate_up dW", 2 * F, D, tokens, true, TL, TL},   {"1b down fwd", tokens, D, F, false, TL, BL},
         {"1b down dX", tokens, F, D, true, TL, BL},          {"1b down dW", D, F, tokens, true, TL, TL},
+        // --block-dw-x blocks: dW with X^T in 128x128 blocks, the pair of the forward and dX
+        {"1b qkv dW, X^T blk", QKV, D, tokens, true, TL, BL},      {"1b wo dW, X^T blk", D, D, tokens, true, TL, BL},
+        {"1b gate_up dW, X^T blk", 2 * F, D, tokens, true, TL, BL}, {"1b down dW, X^T blk", D, F, tokens, true, TL, BL},
     };
     size_t max_a = 0, max_b = 0, max_d = 0, max_sa = 0, max_sb = 0;
     for (const Shape& s : shapes) {
@@ -11470,7 +11549,7 @@ static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
         sb(std::vector<float>(max_sb, 1.0f / 64));
     printf("\nBlock-scaled GEMMs against per-tensor ones, TFLOP/s (BF16 output; E4M3 x E4M3 forward, E5M2 x E4M3 backward; block: A %s or "
            "%s as each GEMM of the recipe reads it)\n", fp8_granularity_name(TL), fp8_granularity_name(BL));
-    printf("%-16s %6s %6s %6s | %8s %8s %8s | %11s %11s\n", "shape", "M", "N", "K", "tensor", "t. fast", "block", "block/split",
+    printf("%-22s %6s %6s %6s | %8s %8s %8s | %11s %11s\n", "shape", "M", "N", "K", "tensor", "t. fast", "block", "block/split",
            "block/recipe");
     for (const Shape& s : shapes) {
         const double flops = 2.0 * s.M * s.N * s.K;
@@ -11484,7 +11563,7 @@ static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
             matmul(ctx, d, DT_BF16, {a8, ta, false, sa.ptr, s.a}, {b8, DT_E4M3, false, sb.ptr, s.b}, s.M, s.N, s.K, false, false, 0);
         });
         const float t_recipe = s.backward ? t_split : t_fast;
-        printf("%-16s %6d %6d %6d | %8.1f %8.1f %8.1f | %10.2fx %10.2fx\n", s.name, s.M, s.N, s.K, flops / t_split / 1e9, flops / t_fast / 1e9,
+        printf("%-22s %6d %6d %6d | %8.1f %8.1f %8.1f | %10.2fx %10.2fx\n", s.name, s.M, s.N, s.K, flops / t_split / 1e9, flops / t_fast / 1e9,
                flops / t_block / 1e9, t_split / t_block, t_recipe / t_block);
     }
     cudaCheck(cudaFree(a8));
@@ -11499,8 +11578,9 @@ static void bench_block_scaling(MatmulContext* ctx, double copy_gbs) {
     const float *d_cos = in.d_cos, *d_sin = in.d_sin;
     Fp8Meta* meta = in.meta;
     const Fp8CastOut x_tensor{q, qt, E4M3, meta, Fp8Recipe()}, dy_tensor{q, qt, E5M2, meta, Fp8Recipe()};
-    const Fp8BlockCastOut x_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E4M3, 0, false}}, dy_block{q, s_q, qt, s_qt, FP8_TILES_1x128, {E5M2, 0, false}};
-    const Fp8BlockCastOut w_block{q, s_q, qt, s_qt, FP8_BLOCKS_128x128, {E4M3, 0, false}};
+    const Fp8BlockCastOut x_block{q, s_q, qt, s_qt, FP8_TILES_1x128, FP8_TILES_1x128, {E4M3, 0, false}},
+        dy_block{q, s_q, qt, s_qt, FP8_TILES_1x128, FP8_TILES_1x128, {E5M2, 0, false}};
+    const Fp8BlockCastOut w_block{q, s_q, qt, s_qt, FP8_BLOCKS_128x128, FP8_BLOCKS_128x128, {E4M3, 0, false}};
     printf("\nCasts, per-tensor current scaling against block scaling (1B shapes, %d tokens), median ms. floor: the bytes each must move\n"
            "at the copy's %.0f GB/s (per-tensor reads its inputs twice, block once); 'at floors': the speed-up if both ran at their floors\n",
            tokens, copy_gbs);

@@ -102,6 +102,7 @@ struct TrainOptions {
                                              // of X and dY, 128x128 blocks of W: fp8_kernels.cuh 3b)
     bool block_scale_pow2 = false;           // --scaling block: the tiles' scales rounded down to powers of two
     std::string dy_format = "e5m2";          // dY's FP8 format: e5m2, or e4m3 (--scaling block only)
+    std::string block_dw_x = "tiles";        // --scaling block: dW's X^T operand in 1x128 tiles along the tokens, or 128x128 blocks
     int fp8_stats = BUILD_FP8 ? 50 : 0;      // every this many steps: the FP8 tensors' health, to DIR/fp8_stats.csv and the
                                              // warnings below; 0 = off
     double fp8_warn_saturated = FP8_WARN_SATURATED;   // warn when a tensor's saturated fraction is above this ...
@@ -205,6 +206,7 @@ inline std::vector<TrainFlag> train_flags(TrainOptions* o) {
         flag_string("--scaling", "tensor|block", "FP8 scale granularity: tensor (one scale per tensor, current or delayed) or block (DeepSeek-V3's: a scale per 1x128 tile of X and dY along each GEMM's K, per 128x128 block of W, each from its own amax; current scaling, no fast accumulation; linear widths and B*T multiples of 128; FP8 build)", &o->scaling),
         flag_switch("--block-scale-pow2", "--scaling block: each tile's and block's scale rounded down to a power of two (default: 448 or 57344 / amax in FP32; FP8 build)", &o->block_scale_pow2),
         flag_string("--dy-format", "e5m2|e4m3", "FP8 format of the output gradients dY: e5m2, or e4m3 (one more mantissa bit, the range of a tile being narrow; --scaling block only; FP8 build)", &o->dy_format),
+        flag_string("--block-dw-x", "tiles|blocks", "--scaling block: the X^T that the dW GEMM reads in 1x128 tiles along the tokens (default), or in 128x128 blocks, so that dW pairs tiles with blocks as Y and dX do (FP8 build)", &o->block_dw_x),
         flag_int("--fp8-stats", "K", "every K steps: amax, scale, saturated and flushed fractions per FP8 tensor to DIR/fp8_stats.csv, a summary line, and the warnings below (--scaling block: no scale, the tiles have theirs; both layouts' codes counted; 0 = off; FP8 build)", &o->fp8_stats, 0, BIG),
         flag_double("--fp8-warn-saturated", "F", "warn when an FP8 tensor's saturated fraction is above F at --fp8-warn-after --fp8-stats steps in a row (FP8 build)", &o->fp8_warn_saturated, 0, 1),
         flag_double("--fp8-warn-flushed", "F", "warn when an FP8 tensor's fraction of non-zero values flushed to zero is above F, likewise (FP8 build)", &o->fp8_warn_flushed, 0, 1),
@@ -425,12 +427,13 @@ inline std::string probe_args_problem(const TrainOptions& o, const std::vector<s
 // --scaling block against the other FP8 flags, and its shapes: "" or what is wrong. A tile's scale comes from the tile's own
 // amax at every cast: no amax history (--amax-history, --quant-interval, --amax-warmup), no tensor amax to share over a TP
 // group, no SmoothQuant (its channel scales are per-tensor casts'), no fast accumulation (cuBLASLt's block-scaled GEMMs have
-// none). --block-scale-pow2 and --dy-format e4m3 need it.
+// none). --block-scale-pow2, --dy-format e4m3 and --block-dw-x blocks need it.
 inline std::string train_block_scaling_problem(TrainOptions* o, const std::vector<std::string>& given) {
     if (o->scaling != "block") {
         if (o->block_scale_pow2) return "--block-scale-pow2 rounds the scales of --scaling block's tiles: add --scaling block";
         if (o->dy_format != "e5m2")
             return strprintf("--dy-format %s needs --scaling block (one scale for a whole dY needs E5M2's range)", o->dy_format.c_str());
+        if (o->block_dw_x != "tiles") return "--block-dw-x blocks chooses the scales of --scaling block's dW operand: add --scaling block";
         return "";
     }
     auto was_given = [&](const char* name) { return std::find(given.begin(), given.end(), name) != given.end(); };
@@ -555,8 +558,11 @@ inline std::string parse_args(int argc, char** argv, TrainOptions* o) {
                "--amax-warmup and --smooth-quant are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
     if (o->scaling != "tensor" && o->scaling != "block") return strprintf("--scaling %s: tensor or block", o->scaling.c_str());
     if (o->dy_format != "e5m2" && o->dy_format != "e4m3") return strprintf("--dy-format %s: e5m2 or e4m3", o->dy_format.c_str());
-    if (!BUILD_FP8 && (o->scaling != defaults.scaling || o->block_scale_pow2 || o->dy_format != defaults.dy_format))
-        return "--scaling, --block-scale-pow2 and --dy-format are FP8 options; this is the PRECISION=BF16 build (build with make PRECISION=FP8)";
+    if (o->block_dw_x != "tiles" && o->block_dw_x != "blocks") return strprintf("--block-dw-x %s: tiles or blocks", o->block_dw_x.c_str());
+    if (!BUILD_FP8 && (o->scaling != defaults.scaling || o->block_scale_pow2 || o->dy_format != defaults.dy_format ||
+                       o->block_dw_x != defaults.block_dw_x))
+        return "--scaling, --block-scale-pow2, --dy-format and --block-dw-x are FP8 options; this is the PRECISION=BF16 build (build with "
+               "make PRECISION=FP8)";
     if (init_kind_from_name(o->init) < 0)
         return strprintf("--init %s: normal, trunc-normal or torch-default", o->init.c_str());
     if (o->init == "torch-default" && std::find(given.begin(), given.end(), "--init-std") != given.end())
@@ -766,6 +772,7 @@ inline Fp8Options fp8_options_from_options(const TrainOptions& o, int first_step
     fp8.block_scaling = o.scaling == "block";
     fp8.block_scale_pow2 = o.block_scale_pow2;
     fp8.dy_format = o.dy_format == "e4m3" ? E4M3 : E5M2;
+    fp8.block_dw_x = o.block_dw_x == "blocks" ? FP8_BLOCKS_128x128 : FP8_TILES_1x128;
     return fp8;
 }
 
@@ -2084,12 +2091,12 @@ inline ProbeRow probe_linear(MatmulContext* mm, ProbeBuffers* b, const bf16* x, 
     if (block) {   // block scaling, the same operands
         Fp8Linear blin{b->w8, b->w8_t, nullptr, nullptr, b->w8_s, b->w8_t_s};
         fp8_block_weight_update(&blin, w, out, in, Fp8BlockRule{E4M3}, s);
-        const Fp8BlockCastOut xo{b->x8, b->x8_s, b->x8_t, b->x8_t_s, FP8_TILES_1x128, {E4M3}};
+        const Fp8BlockCastOut xo{b->x8, b->x8_s, b->x8_t, b->x8_t_s, FP8_TILES_1x128, FP8_TILES_1x128, {E4M3}};
         fp8_block_cast_produced(xo, CastPlain<bf16>{x, in}, N, in, s);
         fp8_block_linear_forward(mm, b->y8, xo, &blin, N, in, out, s);
         row.y_db_block = sqnr_db_on_device(b->y8, b->y16, (size_t)N * out, b->sums, s);
         for (int f = 0; f < 2; f++) {
-            const Fp8BlockCastOut dyo{b->dy8, b->dy8_s, b->dy8_t, b->dy8_t_s, FP8_TILES_1x128, {f == 0 ? E5M2 : E4M3}};
+            const Fp8BlockCastOut dyo{b->dy8, b->dy8_s, b->dy8_t, b->dy8_t_s, FP8_TILES_1x128, FP8_TILES_1x128, {f == 0 ? E5M2 : E4M3}};
             fp8_block_cast_produced(dyo, CastPlain<bf16>{dy, out}, N, out, s);
             fp8_block_linear_backward(mm, b->dx8, b->dw8, dyo, xo, &blin, N, in, out, s, false);
             row.dx_db_block[f] = sqnr_db_on_device(b->dx8, b->dx16, (size_t)N * in, b->sums, s);

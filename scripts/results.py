@@ -300,7 +300,8 @@ TOK_STEP_MS = re.compile(r"^step\s+\d+/\d+ \| loss .*? \| ([\d.]+) ms \|", re.M)
 
 
 BLOCK_ROWS = [("block-tensor", "per-tensor scaling (the recipe)"), ("block-block", "block scaling (--scaling block)"),
-              ("block-block-e4m3", "block scaling, E4M3 gradients (--dy-format e4m3)")]
+              ("block-block-e4m3", "block scaling, E4M3 gradients (--dy-format e4m3)"),
+              ("block-block-dwx", "block scaling, dW's X^T in 128x128 blocks (--block-dw-x blocks)")]
 
 
 def block_section(runs, raw, skipped):
@@ -309,7 +310,7 @@ def block_section(runs, raw, skipped):
         return lines
     lines += ["The 1.1B step as above (B 8, T 2048, the FP8 build, the recipe's first and last layers BF16) under "
               "per-tensor current scaling and under block scaling (a scale per 1x128 tile of X and dY, per 128x128 block "
-              "of W), interleaved; the ratio is to per-tensor scaling, round by round.", ""]
+              "of W; the last row: of dW's X^T too), interleaved; the ratio is to per-tensor scaling, round by round.", ""]
     rows = run_rows(runs, BLOCK_ROWS, "block-tensor", lambda p: "no summary line (the raw output says why)")
     lines.append(table(["run", "rounds", "ms / step", "tokens/s", "model TFLOP/s", "GPU memory (GiB)", "vs per-tensor"], rows))
     prof = {}

@@ -23,7 +23,7 @@ and, named with --only (each takes minutes and measures quality, not speed):
   tokenizer   the default run (d12, 32 x 512 tokens a step) on the Bible as bytes and with trained 4096- and
               8192-piece tokenizers (data/kjv4096, data/kjv8192: prepared here if missing), 600 steps and 200,
               validated on the whole validation split: bits a byte over the run, and the last sample
-  lab         the recipe lab (scripts/study.sh: 21 configurations x 3 seeds of a 27M model)
+  lab         the recipe lab (scripts/study.sh: 22 configurations x 3 seeds of a 27M model)
   study1b     quality per hour at 1.1B (scripts/study.sh --preset 1b: bf16, fp8 2 seeds; its ablation rows 1 seed)
   doctor      the FP8 doctor (--fp8-stats 5) over a 1.1B run in the 1B study's setup and the probe on its last
               checkpoint, drawn into OUT/NAME-fp8_stats.png and OUT/NAME-probe.png (needs matplotlib)
@@ -240,12 +240,13 @@ if section doctor 150; then
     rm -rf "$RAW/doctor-run" "$RAW/doctor-probe"
 fi
 
-if section block $((REPS * 75 + 60)); then
+if section block $((REPS * 100 + 60)); then
     for r in $(seq "$REPS"); do
         P=(); [[ $r == 1 ]] && P=(--profile 5)
         ours block-tensor "$r" train_fp8 --model 1b --batch 8 --seq 2048 "${P[@]}"
         ours block-block "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block "${P[@]}"
         ours block-block-e4m3 "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block --dy-format e4m3
+        ours block-block-dwx "$r" train_fp8 --model 1b --batch 8 --seq 2048 --scaling block --block-dw-x blocks
     done
     ./test_fp8 --bench block > "$RAW/bench-block.log" 2>&1
 fi

@@ -22,7 +22,7 @@
 # and the validation loss is still falling at the end. Warm-up 10% of the steps, then the default cosine schedule.
 #
 # --preset default: the ablations. The model is smaller than d12 (dim 512, 8 layers, 8 heads, FFN 1536: 27.4M
-# parameters, 190 MFLOP a token against d12's 567), so that 21 configurations x 3 seeds fit in about 11 minutes of one
+# parameters, 190 MFLOP a token against d12's 567), so that 22 configurations x 3 seeds fit in about 11 minutes of one
 # GPU with both binaries built (the estimate below), 8 processes at a time. Validation on the whole validation split
 # (26 batches) every steps/6 steps. Processes on one GPU without MPS take turns on it (time slices; their kernels do
 # not overlap), so running several at once does not add up their speeds: it keeps the GPU busy while each process
@@ -54,7 +54,7 @@ usage: scripts/study.sh [flags]          run the study (binaries from make train
        scripts/study.sh table DIR        the table of study folder DIR
        scripts/study.sh test             test the table maker on fixed log.csv files (host only)
 flags (default in brackets; [X | Y]: X for --preset default, Y for --preset 1b):
-  --preset NAME        default: 21 configurations of a 27M model, 8 runs at a time; 1b: bf16 and fp8 at 1.1B's shape
+  --preset NAME        default: 22 configurations of a 27M model, 8 runs at a time; 1b: bf16 and fp8 at 1.1B's shape
                        and three ablation rows, one run at a time, for their time to quality [default]
   --seeds N            seeds 1..N of every configuration [3]
   --parallel P         runs at a time on the GPU; more than 1 inflates the table's times and lowers its tokens/s [8 | 1]
@@ -116,6 +116,7 @@ update-clip fp8 --update-clip
 recipe-1 fp8 --v-dtype e4m3 --update-clip
 block fp8 --scaling block
 block-e4m3 fp8 --scaling block --dy-format e4m3
+block-dwx fp8 --scaling block --block-dw-x blocks
 EOF
 }
 
