@@ -808,17 +808,17 @@ struct Fp8BlockCastOut {
 // blocks, or X's tiles with blocks^T, E4M3) and the shape.
 inline std::string fp8_block_cast_problem(const Fp8BlockCastOut& o, int rows, int cols) {
     const Fp8Granularity g = o.granularity, gt = o.granularity_t;
-    char what[160];
-    snprintf(what, sizeof(what), "FP8 block cast of [%d, %d] (%s, %s^T, %s)", rows, cols, fp8_granularity_name(g), fp8_granularity_name(gt),
-             fp8_name(o.rule.format));
-    const std::string w = what;
     const bool same = g == gt && (g == FP8_TILES_1x128 || g == FP8_BLOCKS_128x128), tiles_blocks_t = g == FP8_TILES_1x128 && gt == FP8_BLOCKS_128x128;
-    if (!same && !tiles_blocks_t) return w + ": the layouts must be both 1x128 tiles, both 128x128 blocks, or tiles and blocks^T";
-    if (tiles_blocks_t && o.rule.format != E4M3) return w + ": tiles with blocks^T are X's layouts (--block-dw-x blocks), E4M3 only";
-    if (rows <= 0 || cols <= 0 || rows % SCALE_BLOCK || cols % SCALE_BLOCK)
-        return w + ": both dimensions must be positive multiples of 128 (the tiles of both layouts are whole)";
-    if (rows / SCALE_BLOCK > 65535) return w + ": more than the grid's 65535 tiles of 128 rows";
-    return "";
+    const char* rule = !same && !tiles_blocks_t ? "the layouts must be both 1x128 tiles, both 128x128 blocks, or tiles and blocks^T"
+                     : tiles_blocks_t && o.rule.format != E4M3 ? "tiles with blocks^T are X's layouts (--block-dw-x blocks), E4M3 only"
+                     : rows <= 0 || cols <= 0 || rows % SCALE_BLOCK || cols % SCALE_BLOCK
+                         ? "both dimensions must be positive multiples of 128 (the tiles of both layouts are whole)"
+                     : rows / SCALE_BLOCK > 65535 ? "more than the grid's 65535 tiles of 128 rows" : nullptr;
+    if (!rule) return "";   // the common case formats nothing: a cast runs this at every launch
+    char what[256];
+    snprintf(what, sizeof(what), "FP8 block cast of [%d, %d] (%s, %s^T, %s): %s", rows, cols, fp8_granularity_name(g), fp8_granularity_name(gt),
+             fp8_name(o.rule.format), rule);
+    return what;
 }
 
 // Producer p's values [rows, outs * cols] -> o's codes and scales in one launch (one read of the values).
@@ -842,8 +842,11 @@ void fp8_block_cast_produced(const Fp8BlockCastOut& o, const P& p, int rows, int
         block_cast_transpose_kernel<E4M3, TL, BL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
     else if (tiles)
         block_cast_transpose_kernel<E5M2, TL, TL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
-    else
+    else if (blocks)
         block_cast_transpose_kernel<E5M2, BL, BL><<<grid, CAST_THREADS, 0, stream>>>(p, o.q, o.q_inv_scale, o.q_t, o.q_t_inv_scale, rows, cols, m, pw, o.health);
+    else
+        fail("FP8 block cast: no kernel for %s, %s^T in %s", fp8_granularity_name(o.granularity), fp8_granularity_name(o.granularity_t),
+             fp8_name(o.rule.format));   // fp8_block_cast_problem refused it above
     cudaCheckLaunch();
 }
 
